@@ -1,0 +1,440 @@
+"""Runs a training function on N Spark barrier tasks and brings back rank 0's result.
+
+Driver side: check slots, open the progress channel, run one barrier stage, watch the channel.
+The first failure that reaches the driver (an error a rank reported, or a rank whose process
+vanished) cancels the Spark job at once — Spark would otherwise wait for the remaining tasks or
+retry — and is raised as one :class:`~sparkdl.errors.TrainingError`.
+
+Task side (:func:`_task_main`): connect to the channel, prefix the task's output with its rank,
+set threads to the task's cores, rendezvous, run the function, report, clean up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import logging
+import os
+import re
+import sys
+import threading
+import time
+import uuid
+from typing import Any, Callable, Dict, List, Optional
+
+from sparkdl._channel import ChannelClient, ChannelError, ChannelServer, new_secret
+from sparkdl._progress import ProgressDisplay
+from sparkdl.data.dataset import DatasetInfo
+from sparkdl.data.reader import DataReader, DataSpec
+from sparkdl.errors import ConfigError, InsufficientSlotsError, RankFailure, TrainingError
+from sparkdl.strategies.base import Strategy
+
+logger = logging.getLogger("sparkdl")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """How the barrier stage runs.
+
+    Args:
+        num_workers: number of barrier tasks (ranks); each needs one task slot.
+        timeout_s: bound on rendezvous and on every collective; a rank stuck longer fails the run.
+        slot_wait_s: how long to wait for executors to register before giving up on slots.
+        use_gpu: True to require GPUs, False for CPU, None to use GPUs when Spark gives tasks some.
+        progress: print (or display in a notebook) per-epoch progress on the driver.
+    """
+
+    num_workers: int
+    timeout_s: float = 600.0
+    slot_wait_s: float = 30.0
+    use_gpu: Optional[bool] = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_workers, int) or isinstance(self.num_workers, bool) or self.num_workers < 1:
+            raise ConfigError(f"num_workers={self.num_workers!r} must be a positive integer")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"timeout_s={self.timeout_s!r} must be > 0 seconds")
+        if self.slot_wait_s < 0:
+            raise ConfigError(f"slot_wait_s={self.slot_wait_s!r} must be >= 0 seconds")
+
+
+@dataclasses.dataclass(frozen=True)
+class _TaskPayload:
+    """Everything a task needs; pickled once into the stage's closure."""
+
+    train_fn: Callable[[Any], Any]
+    strategy: Strategy
+    config: LaunchConfig
+    channel_address: tuple
+    secret: bytes
+    dataset: Optional[DatasetInfo]
+    data_spec: Optional[DataSpec]
+    reader: Optional[DataReader]
+    steps_per_epoch: Optional[int]
+
+
+class _JobMonitor:
+    """Driver-side state of one run, updated from the channel's threads."""
+
+    def __init__(self, num_workers: int, cancel: Callable[[], None], display: ProgressDisplay) -> None:
+        self.num_workers = num_workers
+        self._cancel = cancel
+        self.display = display
+        self.failures: List[RankFailure] = []
+        self.phases: Dict[int, str] = {}
+        self.connected: set = set()
+        self.finished: set = set()
+        self._cond = threading.Condition()
+        self._cancelled = False
+
+    def on_message(self, rank: int, message: Dict[str, Any]) -> None:
+        kind = message.get("kind")
+        if kind == "epoch":
+            self.display.epoch(message.get("record", {}))
+        elif kind == "metrics":
+            self.display.metrics(rank, message.get("metrics", {}))
+        elif kind == "phase":
+            with self._cond:
+                self.phases[rank] = str(message.get("phase", ""))
+        elif kind == "log":
+            level = int(message.get("level", logging.INFO))
+            logging.getLogger(f"sparkdl.rank{rank}").log(level, "[rank %d] %s", rank, message.get("message", ""))
+        elif kind == "error":
+            self._fail(RankFailure.from_json({**message.get("failure", {}), "rank": rank}))
+        elif kind == "done":
+            with self._cond:
+                self.finished.add(rank)
+                self._cond.notify_all()
+
+    def on_connect(self, rank: int) -> None:
+        with self._cond:
+            self.connected.add(rank)
+
+    def on_disconnect(self, rank: int, clean: bool) -> None:
+        with self._cond:
+            self.connected.discard(rank)
+            self._cond.notify_all()
+            lost = not clean and rank not in self.finished and not self.failures
+            phase = self.phases.get(rank, "")
+        if lost:
+            # Only a root cause is worth reporting: once a rank has failed, Spark kills the
+            # others, and their dropped connections are consequences.
+            self._fail(
+                RankFailure(
+                    rank=rank,
+                    exc_type="WorkerLost",
+                    message=(
+                        "the task's Python process exited without reporting an error (killed by the OS "
+                        "or the cluster manager, e.g. out of memory, or it called os._exit); see the "
+                        "executor's logs for this rank"
+                    ),
+                    traceback="",
+                    phase=phase,
+                )
+            )
+
+    def _fail(self, failure: RankFailure) -> None:
+        with self._cond:
+            self.failures.append(failure)
+            first = not self._cancelled
+            self._cancelled = True
+            self._cond.notify_all()
+        if first:
+            logger.error("rank %d failed (%s: %s); cancelling the Spark job", failure.rank, failure.exc_type, failure.message)
+            self._cancel()
+
+    def wait_disconnected(self, timeout: float) -> None:
+        """Waits (bounded) until every task has hung up, so late error reports are not lost."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.connected:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self._cond.wait(remaining)
+
+
+def launch(
+    train_fn: Callable[[Any], Any],
+    config: LaunchConfig,
+    strategy: Strategy,
+    spark: Any = None,
+    dataset: Optional[DatasetInfo] = None,
+    data_spec: Optional[DataSpec] = None,
+    reader: Optional[DataReader] = None,
+    steps_per_epoch: Optional[int] = None,
+    display: Optional[ProgressDisplay] = None,
+) -> Any:
+    """Runs ``train_fn(ctx)`` on ``config.num_workers`` barrier tasks; returns rank 0's value."""
+    from pyspark.sql import SparkSession
+
+    spark = spark or SparkSession.getActiveSession()
+    if spark is None:
+        raise ConfigError("no active SparkSession: create one (SparkSession.builder...getOrCreate()) or pass spark=")
+    sc = spark.sparkContext
+    check_slots(sc, config.num_workers, config.slot_wait_s)
+
+    display = display or ProgressDisplay(enabled=config.progress)
+    tag = f"sparkdl-{uuid.uuid4().hex[:12]}"
+    monitor = _JobMonitor(config.num_workers, lambda: sc.cancelJobsWithTag(tag), display)
+    host = sc.getConf().get("spark.driver.host")
+    secret = new_secret()
+    server = ChannelServer(host, secret, _with_connect(monitor), monitor.on_disconnect)
+    payload = _TaskPayload(
+        train_fn=train_fn,
+        strategy=strategy,
+        config=config,
+        channel_address=server.address,
+        secret=secret,
+        dataset=dataset,
+        data_spec=data_spec,
+        reader=reader,
+        steps_per_epoch=steps_per_epoch,
+    )
+
+    def run_partition(_rows):
+        return _task_main(payload)
+
+    sc.addJobTag(tag)
+    sc.setInterruptOnCancel(True)
+    try:
+        sc.setJobDescription(f"sparkdl: train on {config.num_workers} barrier tasks ({strategy.name})")
+        results = sc.parallelize(range(config.num_workers), config.num_workers).barrier().mapPartitions(run_partition).collect()
+    except Exception as exc:
+        # The job failed or was cancelled; give the ranks' own reports a moment to arrive.
+        monitor.wait_disconnected(timeout=15.0)
+        if monitor.failures:
+            raise TrainingError(monitor.failures) from None
+        raise TrainingError([_failure_from_spark(exc)]) from exc
+    finally:
+        sc.removeJobTag(tag)
+        sc.setJobDescription(None)
+        server.close()
+    if monitor.failures:  # a rank failed but the stage still returned (should not happen)
+        raise TrainingError(monitor.failures)
+    by_rank = dict(results)
+    return by_rank.get(0)
+
+
+def _with_connect(monitor: _JobMonitor) -> Callable[[int, Dict[str, Any]], None]:
+    def on_message(rank: int, message: Dict[str, Any]) -> None:
+        if message.get("kind") == "started":
+            monitor.on_connect(rank)
+        monitor.on_message(rank, message)
+
+    return on_message
+
+
+def _failure_from_spark(exc: BaseException) -> RankFailure:
+    """A failure record for a Spark job that died before any rank reported (e.g. the task could
+    not even unpickle its function because a module is missing on the executors)."""
+    text = str(exc)
+    match = re.search(r"(Traceback \(most recent call last\):.*?)(?:\n\s+at |\n\nDriver stacktrace|\Z)", text, re.S)
+    remote = match.group(1) if match else ""
+    last = [line for line in remote.strip().splitlines() if line.strip()][-1:] if remote else []
+    message = last[0].strip() if last else text.strip().splitlines()[0][:500] if text.strip() else type(exc).__name__
+    hint = ""
+    if "ModuleNotFoundError" in message or "No module named" in message:
+        hint = (
+            " — the executors' Python cannot import it: install sparkdl and your model code there, ship "
+            "them with --py-files / --archives (a packed virtualenv), or point PYSPARK_PYTHON at an "
+            "interpreter that has them"
+        )
+    return RankFailure(rank=-1, exc_type="SparkJobFailed", message=message + hint, traceback=remote, phase="launching")
+
+
+def check_slots(sc: Any, num_workers: int, wait_s: float) -> None:
+    """Fails fast when the cluster cannot run ``num_workers`` tasks at once.
+
+    Spark itself would retry the barrier stage for minutes before giving up
+    (``spark.scheduler.barrier.maxConcurrentTasksCheck.*``). Executors register asynchronously
+    after start-up, so this waits up to ``wait_s`` for enough slots before deciding.
+    """
+    deadline = time.monotonic() + wait_s
+    jsc = sc._jsc.sc()
+    while True:
+        profile = jsc.resourceProfileManager().defaultResourceProfile()
+        slots = int(jsc.maxNumConcurrentTasks(profile))
+        if slots >= num_workers or time.monotonic() >= deadline:
+            break
+        time.sleep(0.25)  # polling the scheduler; nothing to wait on from Python
+    if slots < num_workers:
+        task_cpus = sc.getConf().get("spark.task.cpus", "1")
+        raise InsufficientSlotsError(
+            f"num_workers={num_workers} needs {num_workers} concurrent task slots, but the cluster has "
+            f"{slots} (executor cores / spark.task.cpus={task_cpus}, after waiting {wait_s:.0f}s for executors). "
+            f"Lower num_workers to at most {slots}, or add executors or cores."
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Task side
+# --------------------------------------------------------------------------------------------
+
+
+def _task_main(payload: _TaskPayload) -> List[tuple]:
+    from pyspark import BarrierTaskContext
+
+    barrier = BarrierTaskContext.get()
+    rank = barrier.partitionId()
+    client = ChannelClient(tuple(payload.channel_address), payload.secret, rank, timeout=30.0)
+    phase = {"name": "starting"}
+
+    def set_phase(name: str) -> None:
+        phase["name"] = name
+        with contextlib.suppress(ChannelError):
+            client.send({"kind": "phase", "phase": name})
+
+    with _rank_prefixed_output(rank), _forward_logs(client, rank), _task_threads(barrier.cpus()):
+        context = None
+        runtime = None
+        try:
+            from sparkdl._rendezvous import rendezvous, teardown
+            from sparkdl.context import TrainContext
+
+            client.send({"kind": "started"})
+            device = _task_device(barrier, payload.config.use_gpu)
+            set_phase("rendezvous")
+            addresses = [info.address for info in barrier.getTaskInfos()]
+            env = rendezvous(rank, payload.config.num_workers, addresses, barrier.allGather, device, payload.config.timeout_s)
+            runtime = payload.strategy.create_runtime(env)
+            context = TrainContext(
+                env,
+                runtime,
+                client.send,
+                dataset=payload.dataset,
+                data_spec=payload.data_spec,
+                reader=payload.reader,
+                steps_per_epoch=payload.steps_per_epoch,
+            )
+            context.set_phase("training")
+            value = payload.train_fn(context)
+            client.send({"kind": "done"})
+            return [(rank, value if rank == 0 else None)]
+        except BaseException as exc:
+            current = getattr(context, "phase", None) or phase["name"]
+            failure = RankFailure.from_exception(rank, exc, phase=current)
+            with contextlib.suppress(Exception):
+                client.send({"kind": "error", "failure": failure.to_json()})
+            raise
+        finally:
+            if context is not None:
+                context.close()
+            if runtime is not None:
+                with contextlib.suppress(Exception):
+                    runtime.close()
+            from sparkdl._rendezvous import teardown
+
+            teardown()
+            client.close()
+
+
+def _task_device(barrier: Any, use_gpu: Optional[bool]):
+    import torch
+
+    gpus = barrier.resources().get("gpu")
+    addresses = list(gpus.addresses) if gpus is not None else []
+    if use_gpu is False or (use_gpu is None and not addresses):
+        return torch.device("cpu")
+    if not addresses:
+        raise ConfigError(
+            "use_gpu=True but Spark gave this task no GPU: set spark.executor.resource.gpu.amount, "
+            "spark.task.resource.gpu.amount and a discovery script (spark.executor.resource.gpu.discoveryScript)"
+        )
+    if not torch.cuda.is_available():
+        raise ConfigError(f"Spark assigned GPU {addresses[0]} to this task, but torch sees no CUDA device")
+    device = torch.device("cuda", int(addresses[0]))
+    torch.cuda.set_device(device)
+    return device
+
+
+@contextlib.contextmanager
+def _task_threads(cores: int):
+    """Torch and OpenMP threads = the task's cores: two ranks on a 2-core box each get one."""
+    import torch
+
+    cores = max(1, int(cores or 1))
+    saved_env = os.environ.get("OMP_NUM_THREADS")
+    saved_threads = torch.get_num_threads()
+    os.environ["OMP_NUM_THREADS"] = str(cores)
+    torch.set_num_threads(cores)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved_threads)
+        if saved_env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved_env
+
+
+class _PrefixedWriter(io.TextIOBase):
+    """Prefixes every line with the rank, so interleaved executor logs stay readable."""
+
+    def __init__(self, target: Any, prefix: str) -> None:
+        self._target = target
+        self._prefix = prefix
+        self._at_line_start = True
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            out = []
+            for piece in text.splitlines(keepends=True):
+                if self._at_line_start:
+                    out.append(self._prefix)
+                out.append(piece)
+                self._at_line_start = piece.endswith("\n")
+            self._target.write("".join(out))
+        return len(text)
+
+    def flush(self) -> None:
+        self._target.flush()
+
+
+@contextlib.contextmanager
+def _rank_prefixed_output(rank: int):
+    saved = sys.stdout, sys.stderr
+    sys.stdout = _PrefixedWriter(saved[0], f"[sparkdl rank {rank}] ")
+    sys.stderr = _PrefixedWriter(saved[1], f"[sparkdl rank {rank}] ")
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.stdout, sys.stderr = saved
+
+
+class _ChannelLogHandler(logging.Handler):
+    def __init__(self, client: ChannelClient) -> None:
+        super().__init__(level=logging.INFO)
+        self._client = client
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._client.send({"kind": "log", "level": record.levelno, "message": self.format(record)[:8000]})
+        except Exception:  # noqa: BLE001 - logging must never fail the task
+            pass
+
+
+@contextlib.contextmanager
+def _forward_logs(client: ChannelClient, rank: int):
+    """Records of the ``sparkdl`` loggers go to the task's stderr and to the driver."""
+    root = logging.getLogger("sparkdl")
+    to_driver = _ChannelLogHandler(client)
+    to_stderr = logging.StreamHandler(sys.stderr)
+    to_stderr.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    saved_level, saved_propagate = root.level, root.propagate
+    root.addHandler(to_driver)
+    root.addHandler(to_stderr)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+    try:
+        yield
+    finally:
+        root.removeHandler(to_driver)
+        root.removeHandler(to_stderr)
+        root.setLevel(saved_level)
+        root.propagate = saved_propagate

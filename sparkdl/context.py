@@ -1,0 +1,210 @@
+"""What a training function sees inside a Spark task: :class:`TrainContext`."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+import numpy as np
+import torch
+
+from sparkdl._rendezvous import DistEnv
+from sparkdl.data.dataset import DatasetInfo
+from sparkdl.data.reader import DataReader, DataSpec, batches
+from sparkdl.strategies.base import StrategyRuntime
+
+Batch = Tuple[torch.Tensor, Optional[torch.Tensor]]
+
+
+class TrainContext:
+    """Handed to ``train_fn(ctx)`` on every rank.
+
+    Attributes:
+        rank: this task's rank, 0..world_size-1 (its barrier partition id).
+        world_size: number of ranks.
+        device: where this rank's model and batches live (``cpu`` or the task's GPU).
+        steps_per_epoch: steps every rank runs per epoch (None when the run has no dataset).
+        logger: a logger whose records reach the driver prefixed with the rank.
+    """
+
+    def __init__(
+        self,
+        env: DistEnv,
+        runtime: StrategyRuntime,
+        send: "callable",
+        dataset: Optional[DatasetInfo] = None,
+        data_spec: Optional[DataSpec] = None,
+        reader: Optional[DataReader] = None,
+        steps_per_epoch: Optional[int] = None,
+    ) -> None:
+        self._env = env
+        self._runtime = runtime
+        self._send = send
+        self._dataset = dataset
+        self._data_spec = data_spec
+        self._reader = reader
+        self._stream: Optional[_Prefetcher] = None
+        self.steps_per_epoch = steps_per_epoch
+        self.logger = logging.getLogger(f"sparkdl.rank{env.rank}")
+        #: Phase shown in error reports ("training epoch 3", ...); set by loops that know better.
+        self.phase = "starting"
+        #: Wall-clock time of the first batch handed out: start-up cost is measured up to here.
+        self.first_batch_time: Optional[float] = None
+
+    @property
+    def rank(self) -> int:
+        return self._env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._env.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self._env.device
+
+    @property
+    def comm_bytes(self) -> int:
+        """Bytes this rank has sent in collectives to keep replicas consistent."""
+        return self._runtime.comm_bytes
+
+    def prepare_model(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Moves the module to the task's device and applies the strategy (e.g. wraps it in DDP)."""
+        return self._runtime.prepare_model(module.to(self.device))
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Applies the strategy to an optimizer built over the prepared model's parameters."""
+        return self._runtime.prepare_optimizer(optimizer)
+
+    def final_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The plain trained module (unwrapped; the final average for averaging strategies).
+        Call it on every rank after the last step: some strategies synchronize here."""
+        return self._runtime.final_module(model)
+
+    def epoch_batches(self) -> Iterator[Batch]:
+        """This epoch's ``steps_per_epoch`` batches of the rank's shard, on ``device``.
+
+        Call once per epoch; the underlying stream continues across epochs (see
+        :mod:`sparkdl.data.reader` for what that means for the remainder rows).
+        """
+        if self._dataset is None:
+            raise RuntimeError("this run has no dataset: pass data=... to sparkdl.run")
+        if self._stream is None:
+            source = batches(self._reader, self._dataset, self._data_spec, self.rank, self.world_size)
+            self._stream = _Prefetcher(source, pin=self.device.type == "cuda")
+        non_blocking = self.device.type == "cuda"
+        for _ in range(self.steps_per_epoch):
+            features, labels = self._stream.next()
+            if self.first_batch_time is None:
+                self.first_batch_time = time.time()
+            yield (
+                features.to(self.device, non_blocking=non_blocking),
+                labels.to(self.device, non_blocking=non_blocking) if labels is not None else None,
+            )
+
+    def set_phase(self, phase: str) -> None:
+        """Names what this rank is doing now; error reports and the driver show it."""
+        self.phase = phase
+        self._send({"kind": "phase", "phase": phase})
+
+    def report_epoch(self, record: Dict[str, Any]) -> None:
+        """Sends one epoch's summary (``epoch``, ``loss``, ...) to the driver's progress display.
+        Call it on rank 0 with values already aggregated over ranks."""
+        self._send({"kind": "epoch", "record": _jsonable(record)})
+
+    def report(self, **metrics: Any) -> None:
+        """Sends metrics to the driver's progress display (numbers and strings only)."""
+        self._send({"kind": "metrics", "metrics": _jsonable(metrics)})
+
+    def all_reduce_mean(self, values: Dict[str, float]) -> Dict[str, float]:
+        """Mean of each value over all ranks (a convenience for custom loops' metrics)."""
+        names = sorted(values)
+        tensor = torch.tensor([float(values[n]) for n in names], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(tensor)
+        return {n: v / self.world_size for n, v in zip(names, tensor.tolist())}
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+
+def _jsonable(metrics: Dict[str, Any]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for key, value in metrics.items():
+        if isinstance(value, torch.Tensor):
+            value = value.item()
+        elif isinstance(value, np.generic):
+            value = value.item()
+        if not isinstance(value, (int, float, str, bool)) and value is not None:
+            raise TypeError(f"metric {key!r} has type {type(value).__name__}; report numbers or strings")
+        out[str(key)] = value
+    return out
+
+
+class _Prefetcher:
+    """Converts batches to tensors on a background thread so reading overlaps compute.
+
+    The queue is bounded (a few batches), so memory stays bounded; an error in the reader
+    re-raises in the training thread at the next ``next()``.
+    """
+
+    _DONE = object()
+
+    def __init__(self, source: Iterator, pin: bool, depth: int = 4) -> None:
+        self._source = source
+        self._pin = pin
+        self._queue: "queue.Queue[Any]" = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, name="sparkdl-prefetch", daemon=True)
+        self._thread.start()
+
+    def _fill(self) -> None:
+        try:
+            for features, labels in self._source:
+                item = (_tensor(features, self._pin), _tensor(labels, self._pin) if labels is not None else None)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._put_final(StopIteration("the data stream ended"))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer thread
+            self._put_final(exc)
+        finally:
+            self._source.close()
+
+    def _put_final(self, item: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def next(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        while True:
+            try:
+                item = self._queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("the data reader thread stopped without an error") from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+def _tensor(array: np.ndarray, pin: bool) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    return tensor.pin_memory() if pin else tensor

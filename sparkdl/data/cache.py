@@ -1,0 +1,125 @@
+"""Materializes a Spark DataFrame to Parquet once, so every task can stream its own shard.
+
+Same idea as Petastorm's ``make_spark_converter`` cache: an entry is reused when the DataFrame's
+analyzed plan gives the same result as a cached one (Spark's ``sameResult``), so fitting the same
+DataFrame again (another epoch count, another strategy) writes nothing. Entries are deleted by
+:func:`clear_cache` and when the driver process exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+from typing import TYPE_CHECKING, List, Sequence, Tuple
+
+import pyarrow.fs as pafs
+
+from sparkdl.data.dataset import normalize_url
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pyspark.sql import DataFrame
+
+logger = logging.getLogger("sparkdl.data")
+
+#: Spark conf key naming the directory (URL) that holds materialized DataFrames. On a real cluster
+#: it must be storage every executor can read (HDFS, S3, a shared mount), not the driver's disk.
+CACHE_DIR_CONF = "spark.sparkdl.cacheDir"
+#: Parquet row-group size for materialized data: the unit of sharding and of Petastorm's reads.
+ROW_GROUP_BYTES = 32 * 1024 * 1024
+
+_lock = threading.Lock()
+_entries: List[Tuple[object, str]] = []  # (analyzed JVM plan, dataset URL)
+
+
+def materialize(df: "DataFrame", columns: Sequence[str], num_workers: int, cache_dir: str | None = None) -> str:
+    """Returns the URL of a Parquet copy of ``df[columns]``, writing it only if not cached.
+
+    Double feature values are written as float32 (what the trainers use), halving the bytes read.
+    The copy has a multiple of ``num_workers`` files of near-equal size (a round-robin
+    repartition), so the row-group shards of the tasks are balanced.
+    """
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    selected = df.select(*columns)
+    casts = []
+    for field in selected.schema.fields:
+        if isinstance(field.dataType, T.DoubleType):
+            casts.append(F.col(field.name).cast("float").alias(field.name))
+        elif isinstance(field.dataType, T.ArrayType) and isinstance(field.dataType.elementType, T.DoubleType):
+            casts.append(F.col(field.name).cast("array<float>").alias(field.name))
+        else:
+            casts.append(F.col(field.name))
+    prepared = selected.select(*casts)
+
+    plan = prepared._jdf.queryExecution().analyzed()
+    with _lock:
+        for cached_plan, url in _entries:
+            if cached_plan.sameResult(plan):
+                logger.info("reusing materialized DataFrame at %s", url)
+                return url
+
+    root = normalize_url(cache_dir or _default_cache_dir(df))
+    url = f"{root.rstrip('/')}/df-{uuid.uuid4().hex[:12]}"
+    partitions = max(1, df.rdd.getNumPartitions())
+    num_files = num_workers * max(1, math.ceil(min(partitions, 256) / num_workers))
+    (
+        prepared.repartition(num_files)
+        .write.option("parquet.block.size", ROW_GROUP_BYTES)
+        .option("compression", "snappy")
+        .parquet(url)
+    )
+    with _lock:
+        _entries.append((plan, url))
+    logger.info("materialized DataFrame to %s (%d files)", url, num_files)
+    return url
+
+
+def cached_urls() -> List[str]:
+    """URLs of the DataFrames materialized by this driver process."""
+    with _lock:
+        return [url for _, url in _entries]
+
+
+def clear_cache() -> None:
+    """Deletes every materialized DataFrame of this driver process."""
+    with _lock:
+        urls = [url for _, url in _entries]
+        _entries.clear()
+    for url in urls:
+        _delete(url)
+
+
+def _delete(url: str) -> None:
+    try:
+        fs, path = pafs.FileSystem.from_uri(url)
+        if isinstance(fs, pafs.LocalFileSystem):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            fs.delete_dir(path)
+    except Exception as exc:  # noqa: BLE001 - cleanup at exit must not raise
+        logger.warning("could not delete materialized data at %s: %s", url, exc)
+
+
+def _default_cache_dir(df: "DataFrame") -> str:
+    spark = df.sparkSession
+    configured = spark.conf.get(CACHE_DIR_CONF, None)
+    if configured:
+        return configured
+    master = spark.sparkContext.master
+    if not master.startswith(("local", "spark://127.", "spark://localhost")):
+        logger.warning(
+            "materializing the DataFrame on the driver's local disk; executors on other hosts cannot "
+            "read it. Set %s to storage every executor reads (hdfs://..., s3a://...)",
+            CACHE_DIR_CONF,
+        )
+    return os.path.join(tempfile.gettempdir(), f"sparkdl-cache-{os.getpid()}")
+
+
+atexit.register(clear_cache)

@@ -1,0 +1,117 @@
+"""Exceptions that sparkdl raises on the driver.
+
+Every failure inside a Spark task is turned into a :class:`RankFailure` record on the task side,
+sent to the driver over the progress channel and raised there as one :class:`TrainingError` that
+names the failing rank and carries the rank's original traceback. The records are plain data (no
+exception objects) because they cross a process boundary as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+from typing import Sequence
+
+
+class SparkdlError(Exception):
+    """Base class of every error sparkdl raises."""
+
+
+class ConfigError(SparkdlError, ValueError):
+    """An argument or setting is invalid; the message names it and what would be valid."""
+
+
+class DataError(SparkdlError, ValueError):
+    """The training data cannot be used as given (missing path or column, bad type, empty...)."""
+
+
+class InsufficientSlotsError(SparkdlError):
+    """The cluster has fewer free task slots than ``num_workers``."""
+
+
+class NonFiniteLossError(SparkdlError, FloatingPointError):
+    """The loss became NaN or infinite on some rank."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFailure:
+    """What one rank reported about its failure (or what the driver observed about it)."""
+
+    rank: int
+    exc_type: str
+    message: str
+    traceback: str
+    phase: str = ""
+
+    @classmethod
+    def from_exception(cls, rank: int, exc: BaseException, phase: str = "") -> "RankFailure":
+        return cls(
+            rank=rank,
+            exc_type=type(exc).__name__,
+            message=str(exc),
+            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+            phase=phase,
+        )
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "RankFailure":
+        return cls(
+            rank=int(data["rank"]),
+            exc_type=str(data.get("exc_type", "Exception")),
+            message=str(data.get("message", "")),
+            traceback=str(data.get("traceback", "")),
+            phase=str(data.get("phase", "")),
+        )
+
+
+class TrainingError(SparkdlError):
+    """Training failed on at least one rank.
+
+    Attributes:
+        rank: the first rank that failed (by arrival at the driver).
+        failures: every failure record that reached the driver, first one first.
+        remote_traceback: the first failing rank's original traceback.
+    """
+
+    def __init__(self, failures: Sequence[RankFailure], hint: str = "") -> None:
+        self.failures = tuple(failures)
+        self.hint = hint
+        super().__init__(format_failures(self.failures, hint))
+
+    @property
+    def rank(self) -> int:
+        return self.failures[0].rank
+
+    @property
+    def exc_type(self) -> str:
+        return self.failures[0].exc_type
+
+    @property
+    def remote_traceback(self) -> str:
+        return self.failures[0].traceback
+
+    def __reduce__(self):
+        # Keeps the exception picklable (Spark, multiprocessing and notebooks copy exceptions).
+        return (type(self), (self.failures, self.hint))
+
+
+def format_failures(failures: Sequence[RankFailure], hint: str = "") -> str:
+    """One readable message: the first failure in full, identical ones from other ranks grouped."""
+    if not failures:
+        return "training failed, but no rank reported an error" + (f"\n{hint}" if hint else "")
+    first = failures[0]
+    same = sorted({f.rank for f in failures if (f.exc_type, f.message) == (first.exc_type, first.message)})
+    others = [f for f in failures if (f.exc_type, f.message) != (first.exc_type, first.message)]
+    where = f"rank {first.rank}" if len(same) == 1 else f"ranks {', '.join(map(str, same))}"
+    phase = f" while {first.phase}" if first.phase else ""
+    lines = [f"training failed on {where}{phase}: {first.exc_type}: {first.message}"]
+    if hint:
+        lines.append(hint)
+    for other in others:
+        lines.append(f"  also rank {other.rank}: {other.exc_type}: {other.message}")
+    if first.traceback:
+        lines.append(f"\nTraceback from rank {first.rank}:\n{first.traceback.rstrip()}")
+    return "\n".join(lines)

@@ -1,0 +1,318 @@
+"""Spark ML ``TorchEstimator`` / ``TorchModel``: fit a PyTorch model across the cluster."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import cloudpickle
+import numpy as np
+import pandas as pd
+import pyarrow.fs as pafs
+import torch
+from pyspark.ml import Estimator, Model
+from pyspark.ml.param import Param, Params, TypeConverters
+
+from sparkdl import __version__
+from sparkdl._launcher import LaunchConfig, launch
+from sparkdl._progress import ProgressCallback, ProgressDisplay
+from sparkdl._training import FitLoop, LossFn, ModelFactory, OptimizerFactory, default_optimizer
+from sparkdl.api import DataSource, prepare_dataset
+from sparkdl.data.dataset import ColumnInfo, normalize_url
+from sparkdl.data.reader import DataSpec, reader_from_name, steps_per_epoch, to_arrays
+from sparkdl.errors import ConfigError
+from sparkdl.strategies.allreduce import AllReduce
+from sparkdl.strategies.base import Strategy
+
+
+class _TorchParams(Params):
+    featureCols = Param(Params._dummy(), "featureCols", "numeric or array<numeric> columns, concatenated in order", TypeConverters.toListString)
+    predictionCol = Param(Params._dummy(), "predictionCol", "output column of transform", TypeConverters.toString)
+
+    def getFeatureCols(self) -> List[str]:
+        return self.getOrDefault(self.featureCols)
+
+    def getPredictionCol(self) -> str:
+        return self.getOrDefault(self.predictionCol)
+
+
+class TorchEstimator(Estimator, _TorchParams):
+    """Trains a PyTorch model on ``num_workers`` Spark barrier tasks.
+
+    Args:
+        model: zero-argument callable returning the ``torch.nn.Module`` to train.
+        optimizer: ``params -> torch.optim.Optimizer``; default Adam(lr=1e-3).
+        loss: ``(output, label) -> scalar tensor``; default cross entropy (classification).
+        feature_cols: numeric and/or array<numeric> columns, concatenated in order.
+        label_col: the label column (integer labels become int64, others float32).
+        strategy: :class:`~sparkdl.AllReduce` (default) or another strategy object.
+        num_workers: number of ranks; the cluster needs that many free task slots.
+        batch_size: rows per batch on each rank (global batch = num_workers * batch_size).
+        epochs: passes over the data; each is the same number of steps on every rank.
+        seed: seeds model initialization and data shuffling.
+        shuffle: shuffle row groups and rows each pass.
+        prediction_col: column ``TorchModel.transform`` adds.
+        use_gpu: None uses GPUs when Spark assigns them; True requires them; False never.
+        timeout_s: bound on rendezvous and each collective.
+        progress: per-epoch progress on the driver; a callable also receives every record.
+        cache_dir: where DataFrames are materialized (default: ``spark.sparkdl.cacheDir``).
+        reader: the data reader plug-in.
+    """
+
+    numWorkers = Param(Params._dummy(), "numWorkers", "number of barrier tasks (ranks)", TypeConverters.toInt)
+    batchSize = Param(Params._dummy(), "batchSize", "rows per batch on each rank", TypeConverters.toInt)
+    epochs = Param(Params._dummy(), "epochs", "passes over the data", TypeConverters.toInt)
+    labelCol = Param(Params._dummy(), "labelCol", "label column", TypeConverters.toString)
+    seed = Param(Params._dummy(), "seed", "seed of initialization and shuffling", TypeConverters.toInt)
+    shuffle = Param(Params._dummy(), "shuffle", "shuffle row groups and rows", TypeConverters.toBoolean)
+
+    def __init__(
+        self,
+        model: ModelFactory,
+        optimizer: Optional[OptimizerFactory] = None,
+        loss: Optional[LossFn] = None,
+        feature_cols: Sequence[str] = ("features",),
+        label_col: str = "label",
+        strategy: Optional[Strategy] = None,
+        num_workers: int = 2,
+        batch_size: int = 32,
+        epochs: int = 10,
+        seed: int = 0,
+        shuffle: bool = True,
+        prediction_col: str = "prediction",
+        use_gpu: Optional[bool] = None,
+        timeout_s: float = 600.0,
+        progress: "bool | ProgressCallback" = True,
+        cache_dir: Optional[str] = None,
+        reader: str = "petastorm",
+    ) -> None:
+        super().__init__()
+        if not callable(model) or isinstance(model, torch.nn.Module):
+            raise ConfigError(
+                "model must be a zero-argument callable that builds the module (e.g. a class or a function), "
+                "so every task builds its own copy"
+            )
+        if isinstance(feature_cols, str):
+            raise ConfigError(f"feature_cols={feature_cols!r} must be a list of column names, e.g. [{feature_cols!r}]")
+        if not isinstance(epochs, int) or epochs < 1:
+            raise ConfigError(f"epochs={epochs!r} must be a positive integer")
+        self.model_fn = model
+        self.optimizer_fn = optimizer or default_optimizer
+        self.loss_fn = loss or torch.nn.functional.cross_entropy
+        self.strategy = strategy if strategy is not None else AllReduce()
+        if not isinstance(self.strategy, Strategy):
+            raise ConfigError(f"strategy={strategy!r} is not a sparkdl strategy (e.g. sparkdl.AllReduce())")
+        self.launch_config = LaunchConfig(num_workers=num_workers, use_gpu=use_gpu, timeout_s=timeout_s, progress=bool(progress))
+        DataSpec(batch_size=batch_size)  # validates batch_size now, not at fit
+        self.progress = progress
+        self.cache_dir = cache_dir
+        self.reader = reader_from_name(reader)
+        self._set(
+            featureCols=list(feature_cols),
+            labelCol=label_col,
+            predictionCol=prediction_col,
+            numWorkers=num_workers,
+            batchSize=batch_size,
+            epochs=epochs,
+            seed=seed,
+            shuffle=shuffle,
+        )
+
+    def _fit(self, dataset: DataSource) -> "TorchModel":
+        started = time.time()
+        num_workers = self.getOrDefault(self.numWorkers)
+        config = LaunchConfig(**{**self.launch_config.__dict__, "num_workers": num_workers})
+        spec = DataSpec(batch_size=self.getOrDefault(self.batchSize), shuffle=self.getOrDefault(self.shuffle), seed=self.getOrDefault(self.seed))
+        feature_cols = self.getFeatureCols()
+        label_col = self.getOrDefault(self.labelCol)
+        spark = None if isinstance(dataset, str) else dataset.sparkSession
+        info = prepare_dataset(dataset, feature_cols, label_col, num_workers, spark, self.cache_dir)
+        steps = steps_per_epoch(info.num_rows, spec.batch_size, num_workers)
+        epochs = self.getOrDefault(self.epochs)
+        loop = FitLoop(model=self.model_fn, optimizer=self.optimizer_fn, loss=self.loss_fn, epochs=epochs, seed=self.getOrDefault(self.seed))
+        display = ProgressDisplay(
+            enabled=bool(self.progress), callback=self.progress if callable(self.progress) else None, total_epochs=epochs
+        )
+        launched = time.time()
+        result = launch(loop, config, self.strategy, spark=spark, dataset=info, data_spec=spec, reader=self.reader, steps_per_epoch=steps, display=display)
+        module = self.model_fn()
+        module.load_state_dict(torch.load(io.BytesIO(result["state_dict"]), weights_only=True))
+        timing = result["timing"]
+        run_info = {
+            "strategy": self.strategy.describe(),
+            "num_workers": num_workers,
+            "batch_size": spec.batch_size,
+            "epochs": epochs,
+            "steps_per_epoch": steps,
+            "dataset": {"url": info.url, "rows": info.num_rows, "row_groups": info.num_row_groups},
+            "startup_seconds": (timing["first_batch"] - launched) if timing.get("first_batch") else None,
+            "prepare_seconds": launched - started,
+            "train_seconds": timing["end"] - timing["start"],
+        }
+        model = TorchModel(
+            module=module,
+            history=result["history"],
+            feature_cols=feature_cols,
+            features_info=info.features,
+            output_shape=result["output_shape"],
+            prediction_col=self.getPredictionCol(),
+            model_fn=self.model_fn,
+            run_info=run_info,
+        )
+        return model
+
+
+class TorchModel(Model, _TorchParams):
+    """A trained module plus what it needs to predict on Spark DataFrames.
+
+    Attributes:
+        module: the trained ``torch.nn.Module`` (on CPU, on the driver).
+        history: one dict per epoch: epoch, loss (mean over all ranks' samples), samples (global),
+            seconds, samples_per_sec, comm_bytes (model-sync bytes each rank sent).
+        run_info: strategy, sizes and timings of the run that produced it.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        history: List[Dict[str, Any]],
+        feature_cols: Sequence[str],
+        features_info: Sequence[ColumnInfo],
+        output_shape: Sequence[int],
+        prediction_col: str = "prediction",
+        model_fn: Optional[ModelFactory] = None,
+        run_info: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.history = list(history)
+        self.features_info = tuple(features_info)
+        self.output_shape = list(output_shape)
+        self.model_fn = model_fn
+        self.run_info = dict(run_info or {})
+        self._set(featureCols=list(feature_cols), predictionCol=prediction_col)
+
+    @property
+    def output_size(self) -> int:
+        return int(np.prod(self.output_shape)) if self.output_shape else 1
+
+    def _transform(self, dataset: Any) -> Any:
+        from pyspark.sql.functions import pandas_udf
+        from pyspark.sql.types import ArrayType, DoubleType
+
+        missing = [c for c in self.getFeatureCols() if c not in dataset.columns]
+        if missing:
+            raise ConfigError(f"column(s) {missing} not in the DataFrame to transform; its columns are: {dataset.columns}")
+        scalar = self.output_size == 1
+        return_type = DoubleType() if scalar else ArrayType(DoubleType())
+        buffer = io.BytesIO()
+        torch.save(self.module.state_dict(), buffer)
+        model_blob = dataset.sparkSession.sparkContext.broadcast(
+            (cloudpickle.dumps(self.model_fn or _FixedModule(self.module)), buffer.getvalue())
+        )
+        features_info = self.features_info
+
+        def predict_batches(batches: Iterator[Tuple[pd.Series, ...]]) -> Iterator[pd.Series]:
+            module = _load_for_inference(*model_blob.value)
+            for columns in batches:
+                features, _ = to_arrays([c.to_numpy() for c in columns], None, features_info, None, "the DataFrame to transform")
+                outputs = []
+                with torch.inference_mode():
+                    for start in range(0, len(features), 1024):
+                        out = module(torch.from_numpy(features[start:start + 1024]))
+                        outputs.append(out.reshape(len(out), -1).double().numpy())
+                values = np.concatenate(outputs) if outputs else np.zeros((0, 1))
+                yield pd.Series(values[:, 0]) if scalar else pd.Series(list(values))
+
+        if len(self.getFeatureCols()) == 1:
+
+            def predict(batches: Iterator[pd.Series]) -> Iterator[pd.Series]:
+                return predict_batches((column,) for column in batches)
+
+        else:
+            predict = predict_batches  # type: ignore[assignment]
+
+        return dataset.withColumn(self.getPredictionCol(), pandas_udf(predict, return_type)(*self.getFeatureCols()))
+
+    def save(self, path: str) -> None:
+        """Writes the weights (``state_dict.pt``), the model factory (``model_fn.pkl``) and
+        metadata (``metadata.json``) into directory ``path`` (a local path or a URL)."""
+        fs, root = pafs.FileSystem.from_uri(normalize_url(path))
+        fs.create_dir(root, recursive=True)
+        buffer = io.BytesIO()
+        torch.save(self.module.state_dict(), buffer)
+        metadata = {
+            "format": 1,
+            "sparkdl_version": __version__,
+            "torch_version": torch.__version__,
+            "feature_cols": self.getFeatureCols(),
+            "prediction_col": self.getPredictionCol(),
+            "features_info": [[c.name, c.kind, list(c.shape)] for c in self.features_info],
+            "output_shape": self.output_shape,
+            "history": self.history,
+            "run_info": self.run_info,
+        }
+        files = {
+            "state_dict.pt": buffer.getvalue(),
+            "model_fn.pkl": cloudpickle.dumps(self.model_fn or _FixedModule(self.module)),
+            "metadata.json": json.dumps(metadata, indent=2, default=str).encode(),
+        }
+        for name, data in files.items():
+            with fs.open_output_stream(f"{root}/{name}") as out:
+                out.write(data)
+
+    @classmethod
+    def load(cls, path: str, model: Optional[ModelFactory] = None) -> "TorchModel":
+        """Reads a model saved by :meth:`save`.
+
+        ``model_fn.pkl`` is a pickle: load only models you trust, or pass ``model`` (the same
+        factory used to train) so that only the weights and JSON metadata are read.
+        """
+        fs, root = pafs.FileSystem.from_uri(normalize_url(path))
+        if fs.get_file_info(f"{root}/metadata.json").type == pafs.FileType.NotFound:
+            raise FileNotFoundError(f"no sparkdl model at {path!r} (metadata.json is missing)")
+
+        def read(name: str) -> bytes:
+            with fs.open_input_stream(f"{root}/{name}") as stream:
+                return stream.read()
+
+        metadata = json.loads(read("metadata.json"))
+        model_fn = model or cloudpickle.loads(read("model_fn.pkl"))
+        module = model_fn()
+        module.load_state_dict(torch.load(io.BytesIO(read("state_dict.pt")), weights_only=True))
+        return cls(
+            module=module,
+            history=metadata["history"],
+            feature_cols=metadata["feature_cols"],
+            features_info=[ColumnInfo(n, k, tuple(s)) for n, k, s in metadata["features_info"]],
+            output_shape=metadata["output_shape"],
+            prediction_col=metadata["prediction_col"],
+            model_fn=model_fn,
+            run_info=metadata.get("run_info"),
+        )
+
+
+class _FixedModule:
+    """A factory returning a copy of one module, for models built without a factory."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __call__(self) -> torch.nn.Module:
+        import copy
+
+        return copy.deepcopy(self.module)
+
+
+def _load_for_inference(model_fn_bytes: bytes, state_bytes: bytes) -> torch.nn.Module:
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    if context is not None:
+        torch.set_num_threads(max(1, context.cpus()))
+    module = cloudpickle.loads(model_fn_bytes)()
+    module.load_state_dict(torch.load(io.BytesIO(state_bytes), weights_only=True))
+    return module.eval()

@@ -1,0 +1,6 @@
+"""Distributed training strategies (see :mod:`sparkdl.strategies.base` for the plug-in point)."""
+
+from sparkdl.strategies.allreduce import AllReduce
+from sparkdl.strategies.base import Strategy, StrategyRuntime, registered_strategies, strategy_from_name
+
+__all__ = ["AllReduce", "Strategy", "StrategyRuntime", "registered_strategies", "strategy_from_name"]

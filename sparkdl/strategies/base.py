@@ -1,0 +1,86 @@
+"""The strategy plug-in point: how model replicas on different ranks stay consistent.
+
+A :class:`Strategy` is a small frozen dataclass that the user builds on the driver and that travels
+to every task. On the task it creates a :class:`StrategyRuntime` bound to the live process group;
+the runtime is the only thing the training loop talks to. A new strategy is one module that
+subclasses both and sets ``name``; nothing in the loop or the launcher branches on strategy type.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Type
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sparkdl._rendezvous import DistEnv
+
+_REGISTRY: Dict[str, Type["Strategy"]] = {}
+
+
+class Strategy(abc.ABC):
+    """User-facing configuration of a distributed training strategy."""
+
+    #: Name used on command lines (``--strategy allreduce``) and in run metadata.
+    name: ClassVar[str] = ""
+    #: Whether every rank ends training holding bit-identical parameters.
+    identical_final_weights: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.name:
+            _REGISTRY[cls.name] = cls
+
+    @abc.abstractmethod
+    def create_runtime(self, env: "DistEnv") -> "StrategyRuntime":
+        """Builds the task-side runtime once the process group exists."""
+
+    def describe(self) -> Dict[str, Any]:
+        """Settings for run metadata and logs."""
+        fields = dataclasses.asdict(self) if dataclasses.is_dataclass(self) else {}
+        return {"name": self.name, **fields}
+
+
+class StrategyRuntime(abc.ABC):
+    """Task-side half of a strategy, bound to one rank of a live process group."""
+
+    def __init__(self, env: "DistEnv") -> None:
+        self.env = env
+        #: Bytes this rank sent in collectives to keep the replicas consistent (not metrics).
+        self.comm_bytes = 0
+
+    @abc.abstractmethod
+    def prepare_model(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Wraps or hooks a module that already sits on the task's device."""
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Wraps the optimizer when the strategy acts at optimizer steps. Default: unchanged."""
+        return optimizer
+
+    @abc.abstractmethod
+    def final_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The plain module holding the strategy's result (e.g. the final average), same on all
+        ranks when ``identical_final_weights``. Called once, after the last step, on every rank."""
+
+    def close(self) -> None:
+        """Releases hooks, threads or servers. Must be safe to call after a failure."""
+
+
+def registered_strategies() -> Dict[str, Type[Strategy]]:
+    """Name → class of every strategy defined so far."""
+    return dict(_REGISTRY)
+
+
+def strategy_from_name(name: str, **kwargs: Any) -> Strategy:
+    """Builds a registered strategy by name (used by ``jobs/train.py`` and the CLI)."""
+    try:
+        cls = _REGISTRY[name]
+    except KeyError:
+        from sparkdl.errors import ConfigError
+
+        raise ConfigError(
+            f"strategy={name!r} is unknown; valid: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+    return cls(**kwargs)

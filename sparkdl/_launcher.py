@@ -250,23 +250,36 @@ def check_slots(sc: Any, num_workers: int, wait_s: float) -> None:
 
     Spark itself would retry the barrier stage for minutes before giving up
     (``spark.scheduler.barrier.maxConcurrentTasksCheck.*``). Executors register asynchronously
-    after start-up, so this waits up to ``wait_s`` for enough slots before deciding.
+    after start-up, so while fewer have registered than were asked for
+    (``spark.executor.instances``, or none at all yet) this waits up to ``wait_s``; once they are
+    all there, too few slots is an error at once.
     """
     deadline = time.monotonic() + wait_s
     jsc = sc._jsc.sc()
+    expected = _expected_executors(sc)
     while True:
         profile = jsc.resourceProfileManager().defaultResourceProfile()
         slots = int(jsc.maxNumConcurrentTasks(profile))
-        if slots >= num_workers or time.monotonic() >= deadline:
+        if slots >= num_workers:
+            return
+        executors = int(jsc.getExecutorIds().size())
+        if executors >= expected or time.monotonic() >= deadline:
             break
-        time.sleep(0.25)  # polling the scheduler; nothing to wait on from Python
-    if slots < num_workers:
-        task_cpus = sc.getConf().get("spark.task.cpus", "1")
-        raise InsufficientSlotsError(
-            f"num_workers={num_workers} needs {num_workers} concurrent task slots, but the cluster has "
-            f"{slots} (executor cores / spark.task.cpus={task_cpus}, after waiting {wait_s:.0f}s for executors). "
-            f"Lower num_workers to at most {slots}, or add executors or cores."
-        )
+        time.sleep(0.25)  # polling the scheduler: executor registration has no Python-side event
+    task_cpus = sc.getConf().get("spark.task.cpus", "1")
+    raise InsufficientSlotsError(
+        f"num_workers={num_workers} needs {num_workers} concurrent task slots, but the cluster has {slots} "
+        f"({executors} executor(s); slots = executor cores / spark.task.cpus={task_cpus}). "
+        f"Lower num_workers to at most {slots}, or add executors or cores."
+    )
+
+
+def _expected_executors(sc: Any) -> int:
+    configured = sc.getConf().get("spark.executor.instances", None)
+    if configured:
+        return int(configured)
+    match = re.match(r"local-cluster\[\s*(\d+)", sc.master)
+    return int(match.group(1)) if match else 1
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,15 @@
+"""spark-submit entry point: train a PyTorch model with sparkdl.
+
+    spark-submit --py-files models.py jobs/train.py --data URL --model models:make_model \
+        --features features --label label --strategy allreduce --num-workers 2 --epochs 3 \
+        --batch-size 32 --output DIR
+
+Run ``jobs/train.py --help`` for every option. Same code as the ``sparkdl-train`` command.
+"""
+
+import sys
+
+from sparkdl.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,13 +23,15 @@ from sparkdl.errors import (
     TrainingError,
 )
 from sparkdl.estimator import TorchEstimator, TorchModel
-from sparkdl.strategies import AllReduce, Strategy
+from sparkdl.strategies import AllReduce, ElasticAveraging, ModelAveraging, Strategy
 
 __all__ = [
     "AllReduce",
     "ConfigError",
     "DataError",
+    "ElasticAveraging",
     "InsufficientSlotsError",
+    "ModelAveraging",
     "NonFiniteLossError",
     "SparkdlError",
     "Strategy",

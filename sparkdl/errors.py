@@ -105,7 +105,10 @@ def format_failures(failures: Sequence[RankFailure], hint: str = "") -> str:
     first = failures[0]
     same = sorted({f.rank for f in failures if (f.exc_type, f.message) == (first.exc_type, first.message)})
     others = [f for f in failures if (f.exc_type, f.message) != (first.exc_type, first.message)]
-    where = f"rank {first.rank}" if len(same) == 1 else f"ranks {', '.join(map(str, same))}"
+    if first.rank < 0:
+        where = "the Spark job, before any rank started"
+    else:
+        where = f"rank {first.rank}" if len(same) == 1 else f"ranks {', '.join(map(str, same))}"
     phase = f" while {first.phase}" if first.phase else ""
     lines = [f"training failed on {where}{phase}: {first.exc_type}: {first.message}"]
     if hint:
@@ -113,5 +116,6 @@ def format_failures(failures: Sequence[RankFailure], hint: str = "") -> str:
     for other in others:
         lines.append(f"  also rank {other.rank}: {other.exc_type}: {other.message}")
     if first.traceback:
-        lines.append(f"\nTraceback from rank {first.rank}:\n{first.traceback.rstrip()}")
+        source = f"rank {first.rank}" if first.rank >= 0 else "the executor"
+        lines.append(f"\nTraceback from {source}:\n{first.traceback.rstrip()}")
     return "\n".join(lines)

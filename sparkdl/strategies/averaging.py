@@ -1,0 +1,420 @@
+"""Model averaging: each rank trains its replica alone for a while, then the replicas are merged.
+
+Two strategies share one mechanism:
+
+* :class:`ModelAveraging` — local SGD / SparkNet-style consolidation (Moritz et al., ICLR 2016;
+  post-local SGD warm-up from Lin et al., ICLR 2020): every ``sync_every`` local optimizer steps
+  the ranks replace their parameters by the mean over ranks and carry on from there.
+* :class:`ElasticAveraging` — synchronous EASGD (Zhang et al., NeurIPS 2015): every rank keeps an
+  identical copy of a *center* variable; every ``sync_every`` steps each replica is pulled toward
+  the center and the center toward the replicas, both from one allreduce.
+
+Both act when the optimizer steps: ``prepare_optimizer`` returns a thin wrapper whose ``step()``
+runs the real step and then, every so often, synchronizes. The model itself is not wrapped, so a
+custom loop in ``sparkdl.run`` works unchanged. Tensors travel as one flat buffer per
+(device, dtype) so a synchronization is one collective per dtype (usually exactly one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from sparkdl.errors import ConfigError
+from sparkdl.strategies.base import Strategy, StrategyRuntime
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sparkdl._rendezvous import DistEnv
+
+#: EASGD's recommended moving rate of the center, β = p·α (Zhang et al. 2015, section 5).
+DEFAULT_EASGD_BETA = 0.9
+
+
+def _check_int(owner: str, field: str, value: Any, minimum: int, meaning: str) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ConfigError(f"{owner}.{field}={value!r} must be {kind} ({meaning})")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelAveraging(Strategy):
+    """Local SGD: ranks train independently and average their parameters every ``sync_every`` steps.
+
+    Nothing is exchanged while a rank computes gradients; after every ``sync_every``-th call of
+    the prepared optimizer's ``step()``, all ranks average their parameters and floating-point
+    buffers (e.g. BatchNorm running statistics) with one allreduce and continue from the average.
+    At ``prepare_model`` rank 0's parameters and buffers are broadcast, so every replica starts
+    identical even when a custom loop does not seed. ``final_module`` averages once more if steps
+    were taken since the last average, so the returned model is the average on every rank.
+
+    Optimizer state (momentum, Adam's moment estimates) stays local and is *not* averaged or
+    reset, like ``torch.distributed.optim.PostLocalSGDOptimizer``. Right after an average the
+    replicas are equal and close to where each rank's state was accumulated, so the local
+    statistics remain a good description of the local gradient stream; averaging them would
+    multiply the traffic (Adam keeps two extra tensors per parameter), and resetting them would
+    restart Adam's bias correction and discard momentum every ``sync_every`` steps. Consequently
+    ``optimizer.state_dict()`` differs between ranks; only the parameters are kept in sync.
+
+    ``sync_every`` counts ``step()`` calls on every optimizer prepared on the rank; every rank
+    must make the same number of calls (a ``GradScaler`` that skips ``step()`` on one rank only
+    would desynchronize the ranks' collectives).
+
+    Args:
+        sync_every: local optimizer steps between averages (τ). 1 averages after every step (for
+            SGD without momentum that is synchronous data parallelism); larger values cut
+            communication by that factor at some cost in statistical efficiency.
+        warmup_steps: the first ``warmup_steps`` steps average after every step (post-local SGD:
+            synchronous training while the loss drops fast, local steps afterwards); averaging
+            then happens after steps ``warmup_steps + k * sync_every``.
+
+    Example::
+
+        model = sparkdl.TorchEstimator(model=make_net, strategy=sparkdl.ModelAveraging(sync_every=8)).fit(df)
+    """
+
+    name = "model_averaging"
+    identical_final_weights = True
+
+    sync_every: int = 8
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("ModelAveraging", "sync_every", self.sync_every, 1, "local optimizer steps between averages, e.g. 8")
+        _check_int("ModelAveraging", "warmup_steps", self.warmup_steps, 0, "steps that average after every step first; 0 for none")
+
+    def create_runtime(self, env: "DistEnv") -> StrategyRuntime:
+        return _ModelAveragingRuntime(env, int(self.sync_every), int(self.warmup_steps))
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticAveraging(Strategy):
+    """Elastic averaging SGD (EASGD), synchronous and decentralized.
+
+    Every rank holds an identical copy of a center variable ``c``, initialized to the (broadcast)
+    starting weights. After every ``sync_every``-th optimizer step, with ``d_i = x_i - c``::
+
+        x_i <- x_i - alpha * d_i              (each replica is pulled toward the center)
+        c   <- c + alpha * sum_i d_i          (the center moves toward the replicas)
+
+    ``sum_i d_i`` comes from one allreduce, and every rank applies the same update to identical
+    inputs, so the center copies stay bit-identical without a parameter server. The replicas
+    stay apart (that is the point: exploration around the center), and the trained model
+    ``final_module`` returns is the center, identical on every rank; one last elastic round runs
+    first if steps were taken since the previous one. ``final_module`` writes the center into the
+    module it is given.
+
+    Floating-point buffers follow the same rule as parameters. Optimizer state stays local, as in
+    the paper's momentum variant (EAMSGD) and for the reasons given in :class:`ModelAveraging`.
+
+    Args:
+        sync_every: local optimizer steps between elastic updates (τ, the paper's communication
+            period).
+        alpha: the elastic pull strength (moving rate). None picks ``0.9 / num_workers`` at run
+            time, the paper's guidance of β = num_workers·alpha ≈ 0.9. The center update is only
+            stable for ``alpha * num_workers < 1``, which is checked when training starts.
+    """
+
+    name = "elastic_averaging"
+    identical_final_weights = True
+
+    sync_every: int = 4
+    alpha: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        _check_int("ElasticAveraging", "sync_every", self.sync_every, 1, "local optimizer steps between elastic updates, e.g. 4")
+        if self.alpha is not None:
+            ok = isinstance(self.alpha, numbers.Real) and not isinstance(self.alpha, bool) and math.isfinite(self.alpha)
+            if not (ok and 0 < self.alpha < 1):
+                raise ConfigError(
+                    f"ElasticAveraging.alpha={self.alpha!r} must be None (which means "
+                    f"{DEFAULT_EASGD_BETA} / num_workers) or a number with 0 < alpha < 1; "
+                    f"alpha * num_workers must also stay below 1"
+                )
+
+    def create_runtime(self, env: "DistEnv") -> StrategyRuntime:
+        return _ElasticAveragingRuntime(env, int(self.sync_every), self.resolved_alpha(env.world_size))
+
+    def resolved_alpha(self, world_size: int) -> float:
+        """The alpha used with ``world_size`` ranks.
+
+        Raises:
+            ConfigError: ``alpha * world_size >= 1``, for which the center update diverges.
+        """
+        alpha = DEFAULT_EASGD_BETA / world_size if self.alpha is None else float(self.alpha)
+        if not alpha * world_size < 1:
+            raise ConfigError(
+                f"ElasticAveraging.alpha={self.alpha!r} is too large for {world_size} workers: the "
+                f"center update c += alpha * sum_i(x_i - c) is only stable for alpha * num_workers < 1 "
+                f"(here {alpha * world_size:.3g}); use alpha < {1 / world_size:.4g}, or alpha=None for "
+                f"{DEFAULT_EASGD_BETA} / num_workers"
+            )
+        return alpha
+
+
+# --------------------------------------------------------------------------------------------
+# Task side
+# --------------------------------------------------------------------------------------------
+
+
+def _model_tensors(module: torch.nn.Module, floating_only: bool) -> List[torch.Tensor]:
+    """Parameters then buffers, in registration order, which is the same on every rank."""
+    tensors = [p for p in module.parameters()]
+    # Integer buffers (BatchNorm's num_batches_tracked) count steps, which every rank takes
+    # equally; averaging them would be meaningless, so only the initial broadcast sends them.
+    tensors += [b for b in module.buffers() if not floating_only or b.is_floating_point() or b.is_complex()]
+    return tensors
+
+
+def _by_device_and_dtype(tensors: List[torch.Tensor]) -> List[List[torch.Tensor]]:
+    """Groups in first-seen order: one flat buffer, so one collective, per group."""
+    groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return list(groups.values())
+
+
+def _flatten(tensors: List[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def _unflatten_into(flat: torch.Tensor, tensors: List[torch.Tensor]) -> None:
+    offset = 0
+    for tensor in tensors:
+        count = tensor.numel()
+        tensor.detach().copy_(flat[offset:offset + count].view(tensor.shape))
+        offset += count
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _SyncingOptimizer(torch.optim.Optimizer):
+    """Runs the wrapped optimizer's ``step()``, then the strategy's ``after_step`` callback.
+
+    Everything else is the wrapped optimizer's: ``param_groups`` is the same list (LR schedulers
+    change the real learning rate), ``state``, ``defaults``, ``state_dict`` and hooks registered
+    through the wrapper (they run inside the wrapped step, so post-step hooks see the parameters
+    before a synchronization). It subclasses ``Optimizer`` because LR schedulers and
+    ``GradScaler`` check ``isinstance(optimizer, torch.optim.Optimizer)``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, after_step: Callable[[], None]) -> None:
+        # Optimizer.__init__ is deliberately not called: the wrapper owns no parameters and no
+        # state of its own; every missing attribute is looked up on the wrapped optimizer.
+        self.__dict__["optimizer"] = optimizer
+        self.__dict__["_after_step"] = after_step
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: List[Dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> Dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        loss = self.optimizer.step(*args, **kwargs)
+        self._after_step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes the wrapper lacks (hook registries, optimizer-specific
+        # fields, flags such as _step_supports_amp_scaling).
+        optimizer = self.__dict__.get("optimizer")
+        if optimizer is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(optimizer, name)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.optimizer!r})"
+
+
+class _PeriodicSyncRuntime(StrategyRuntime):
+    """Shared task side: initial broadcast, step counting, the wrapper, the final sync.
+
+    Subclasses implement ``_sync`` (one synchronization of every prepared module) and may
+    override ``_result`` (what ``final_module`` leaves in the module).
+    """
+
+    strategy_name = ""
+
+    def __init__(self, env: "DistEnv", sync_every: int, warmup_steps: int) -> None:
+        super().__init__(env)
+        self.sync_every = sync_every
+        self.warmup_steps = warmup_steps
+        #: Modules returned by prepare_model, in preparation order (the same on every rank).
+        self.modules: List[torch.nn.Module] = []
+        #: Optimizer steps taken on this rank, over all prepared optimizers.
+        self.steps = 0
+        #: Synchronizations done, the final one included.
+        self.syncs = 0
+        self._steps_since_sync = 0
+        self._optimizer_prepared = False
+
+    def prepare_model(self, module: torch.nn.Module) -> torch.nn.Module:
+        if any(m is module for m in self.modules):
+            return module
+        # Custom loops need not seed: start every replica from rank 0's weights, like DDP does.
+        with torch.no_grad():
+            for group in _by_device_and_dtype(_model_tensors(module, floating_only=False)):
+                flat = _flatten(group)
+                dist.broadcast(flat, src=0)
+                if self.env.rank == 0:  # only the root puts bytes into a broadcast
+                    self.comm_bytes += _nbytes(flat)
+                _unflatten_into(flat, group)
+        self.modules.append(module)
+        self._module_prepared(module)
+        return module
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if not self.modules:
+            raise RuntimeError(
+                f"{self.strategy_name}: call ctx.prepare_model(module) before ctx.prepare_optimizer(...), "
+                f"and build the optimizer over the prepared module's parameters"
+            )
+        if isinstance(optimizer, _SyncingOptimizer) and optimizer._after_step == self._after_step:
+            return optimizer
+        synced = {id(p) for m in self.modules for p in m.parameters()}
+        stray = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in synced)
+        if stray:
+            # Those parameters would be stepped but never synchronized: the ranks would drift
+            # apart silently and the "final average" would not be one.
+            raise RuntimeError(
+                f"{self.strategy_name}: the optimizer updates {stray} parameter(s) that belong to no module "
+                f"passed to ctx.prepare_model; build the optimizer over the prepared model's parameters"
+            )
+        self._optimizer_prepared = True
+        return _SyncingOptimizer(optimizer, self._after_step)
+
+    def final_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        if not any(m is model for m in self.modules):
+            raise RuntimeError(f"{self.strategy_name}: final_module got a module that ctx.prepare_model did not return")
+        if not self._optimizer_prepared:
+            # Without the wrapped optimizer nothing was ever synchronized; returning one rank's
+            # replica (or an untouched center) as "the result" would be silently wrong.
+            raise RuntimeError(
+                f"{self.strategy_name} synchronizes at optimizer steps, but no optimizer was prepared: "
+                f"use optimizer = ctx.prepare_optimizer(optimizer) and call its step()"
+            )
+        if self._steps_since_sync:
+            self._sync_now()
+        return self._result(model)
+
+    def close(self) -> None:
+        self.modules = []
+
+    def _after_step(self) -> None:
+        self.steps += 1
+        self._steps_since_sync += 1
+        if self.steps <= self.warmup_steps or (self.steps - self.warmup_steps) % self.sync_every == 0:
+            self._sync_now()
+
+    def _sync_now(self) -> None:
+        with torch.no_grad():
+            self._sync()
+        self.syncs += 1
+        self._steps_since_sync = 0
+
+    def _module_prepared(self, module: torch.nn.Module) -> None:
+        """Called once per module, right after the initial broadcast."""
+
+    def _sync(self) -> None:
+        raise NotImplementedError
+
+    def _result(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+
+class _ModelAveragingRuntime(_PeriodicSyncRuntime):
+    strategy_name = "ModelAveraging"
+
+    def _sync(self) -> None:
+        world_size = self.env.world_size
+        for module in self.modules:
+            for group in _by_device_and_dtype(_model_tensors(module, floating_only=True)):
+                flat = _flatten(group)
+                # Divide before summing, as DDP's default hook does: no overflow in half
+                # precision. Every rank receives the same reduced bits, so replicas are equal.
+                flat.div_(world_size)
+                dist.all_reduce(flat)
+                self.comm_bytes += _nbytes(flat)
+                _unflatten_into(flat, group)
+
+
+class _ElasticAveragingRuntime(_PeriodicSyncRuntime):
+    strategy_name = "ElasticAveraging"
+
+    def __init__(self, env: "DistEnv", sync_every: int, alpha: float) -> None:
+        super().__init__(env, sync_every, warmup_steps=0)
+        self.alpha = alpha
+        #: One flat center buffer per (device, dtype) group of each prepared module.
+        self.centers: List[List[torch.Tensor]] = []
+
+    def _module_prepared(self, module: torch.nn.Module) -> None:
+        groups = _by_device_and_dtype(_model_tensors(module, floating_only=True))
+        self.centers.append([_flatten(group) for group in groups])
+
+    def _groups(self, index: int) -> List[Tuple[List[torch.Tensor], torch.Tensor]]:
+        groups = _by_device_and_dtype(_model_tensors(self.modules[index], floating_only=True))
+        centers = self.centers[index]
+        if [sum(t.numel() for t in g) for g in groups] != [c.numel() for c in centers]:
+            raise RuntimeError(
+                "ElasticAveraging keeps a center copy of the model's parameters and floating-point buffers, "
+                "but they changed (added, removed or resized) after ctx.prepare_model"
+            )
+        return list(zip(groups, centers))
+
+    def _sync(self) -> None:
+        for index in range(len(self.modules)):
+            for group, center in self._groups(index):
+                local = _flatten(group)
+                diff = local - center
+                local.sub_(diff, alpha=self.alpha)
+                _unflatten_into(local, group)
+                dist.all_reduce(diff)  # sum over ranks of (x_i - c)
+                self.comm_bytes += _nbytes(diff)
+                # Same center and same sum on every rank: the center copies stay identical.
+                center.add_(diff, alpha=self.alpha)
+
+    def _result(self, model: torch.nn.Module) -> torch.nn.Module:
+        index = next(i for i, m in enumerate(self.modules) if m is model)
+        with torch.no_grad():
+            for group, center in self._groups(index):
+                _unflatten_into(center, group)
+        return model
+
+    def close(self) -> None:
+        super().close()
+        self.centers = []

@@ -1,0 +1,162 @@
+"""Failures on a real cluster reach the driver as one clear error, fast, and leave Spark usable."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import sparkdl
+from tests.models import digits_mlp
+
+pytestmark = pytest.mark.spark
+
+# Generous bound for "never a hang" on a loaded 2-core machine; a hang would be minutes.
+FAILURE_BOUND_S = 90
+
+
+def _cluster_still_trains(spark):
+    assert sparkdl.run(lambda ctx: ctx.world_size, num_workers=2, spark=spark, progress=False) == 2
+
+
+def test_exception_in_one_rank_names_the_rank_and_keeps_its_traceback(spark):
+    def train_fn(ctx):
+        if ctx.rank == 1:
+            raise ValueError("bad thing on purpose")
+        torch.distributed.barrier()  # rank 0 would wait forever for rank 1 without cancellation
+        return "unreachable"
+
+    started = time.monotonic()
+    with pytest.raises(sparkdl.TrainingError) as info:
+        sparkdl.run(train_fn, num_workers=2, spark=spark, progress=False)
+    assert time.monotonic() - started < FAILURE_BOUND_S
+    error = info.value
+    assert error.rank == 1
+    assert error.exc_type == "ValueError"
+    assert "rank 1" in str(error) and "bad thing on purpose" in str(error)
+    assert "train_fn" in error.remote_traceback and 'raise ValueError("bad thing on purpose")' in error.remote_traceback
+    _cluster_still_trains(spark)
+
+
+def test_nan_loss_fails_with_the_rank_epoch_and_setting(spark, digits_df):
+    def exploding_loss(output, label):
+        return torch.nn.functional.cross_entropy(output, label) * float("nan")
+
+    estimator = sparkdl.TorchEstimator(model=digits_mlp, loss=exploding_loss, num_workers=2, epochs=2, progress=False)
+    with pytest.raises(sparkdl.TrainingError) as info:
+        estimator.fit(digits_df)
+    assert info.value.exc_type == "NonFiniteLossError"
+    assert "loss is nan at epoch 1, step 1" in str(info.value)
+    assert "learning rate" in str(info.value)
+
+
+def test_a_rank_whose_process_dies_fails_the_fit_and_names_it(spark):
+    def train_fn(ctx):
+        torch.distributed.barrier()
+        if ctx.rank == 1:
+            os._exit(3)  # what the OOM killer looks like from the inside: no exception, no report
+        torch.distributed.barrier()
+        return "unreachable"
+
+    started = time.monotonic()
+    with pytest.raises(sparkdl.TrainingError) as info:
+        sparkdl.run(train_fn, num_workers=2, spark=spark, progress=False)
+    assert time.monotonic() - started < FAILURE_BOUND_S
+    assert info.value.rank == 1
+    assert info.value.exc_type == "WorkerLost"
+    assert "exited without reporting" in str(info.value)
+    _cluster_still_trains(spark)
+
+
+def test_too_few_slots_fails_within_seconds_naming_both_numbers(spark):
+    started = time.monotonic()
+    with pytest.raises(sparkdl.InsufficientSlotsError) as info:
+        sparkdl.run(lambda ctx: None, num_workers=3, spark=spark, progress=False)
+    assert time.monotonic() - started < 5
+    assert "num_workers=3" in str(info.value) and "has 2" in str(info.value)
+
+
+def test_rank_logs_reach_the_driver_prefixed_with_the_rank(spark, caplog):
+    def train_fn(ctx):
+        ctx.logger.warning("hello from rank %d", ctx.rank)
+        return None
+
+    with caplog.at_level("WARNING", logger="sparkdl"):
+        sparkdl.run(train_fn, num_workers=2, spark=spark, progress=False)
+    messages = sorted(r.getMessage() for r in caplog.records if r.name.startswith("sparkdl.rank"))
+    assert messages == ["[rank 0] hello from rank 0", "[rank 1] hello from rank 1"]
+
+
+# ---- bad arguments fail before launch, with a message naming the problem ---------------------
+
+
+def test_missing_column(digits_df):
+    estimator = sparkdl.TorchEstimator(model=digits_mlp, feature_cols=["pixels"], num_workers=2)
+    with pytest.raises(sparkdl.DataError, match="'pixels' not in the DataFrame; its columns are: features, label"):
+        estimator.fit(digits_df)
+
+
+def test_missing_path(tmp_path):
+    estimator = sparkdl.TorchEstimator(model=digits_mlp, num_workers=2)
+    with pytest.raises(sparkdl.DataError, match="no dataset at .*does-not-exist.*does not exist"):
+        estimator.fit(str(tmp_path / "does-not-exist"))
+
+
+def test_bad_batch_size_fails_at_construction():
+    with pytest.raises(sparkdl.ConfigError, match="batch_size=0 must be a positive integer"):
+        sparkdl.TorchEstimator(model=digits_mlp, batch_size=0)
+
+
+def test_batch_larger_than_the_data(tmp_path, spark):
+    path = _write(tmp_path / "tiny", n=20)
+    estimator = sparkdl.TorchEstimator(model=digits_mlp, num_workers=2, batch_size=16, progress=False)
+    with pytest.raises(sparkdl.ConfigError, match="20 rows, fewer than num_workers \\* batch_size = 2 \\* 16"):
+        estimator.fit(path)
+
+
+def test_empty_dataset(tmp_path):
+    path = _write(tmp_path / "empty", n=0)
+    with pytest.raises(sparkdl.DataError, match="is empty"):
+        sparkdl.TorchEstimator(model=digits_mlp, num_workers=2).fit(path)
+
+
+def test_unreadable_file_is_named(tmp_path):
+    path = _write(tmp_path / "corrupt", n=64)
+    with open(os.path.join(path, "part-1.parquet"), "wb") as handle:
+        handle.write(b"this is not parquet at all")
+    with pytest.raises(sparkdl.DataError, match="part-1.parquet"):
+        sparkdl.TorchEstimator(model=digits_mlp, num_workers=2).fit(path)
+
+
+def test_non_numeric_feature_column(spark):
+    df = spark.createDataFrame([("a", 1), ("b", 0)], "features string, label long")
+    with pytest.raises(sparkdl.DataError, match="feature column 'features' has type string, which is not numeric"):
+        sparkdl.TorchEstimator(model=digits_mlp, num_workers=2).fit(df)
+
+
+def test_null_features_are_reported_with_the_column(spark, tmp_path):
+    path = str(tmp_path / "nulls")
+    os.makedirs(path)
+    x = np.ones((64, 4), dtype=np.float32)
+    x[5, 2] = np.nan
+    pq.write_table(pa.table({"f": pa.array(list(x), type=pa.list_(pa.float32())), "label": np.zeros(64, dtype=np.int64)}), path + "/p.parquet")
+    estimator = sparkdl.TorchEstimator(model=lambda: torch.nn.Linear(4, 2), feature_cols=["f"], num_workers=2, batch_size=8, progress=False)
+    with pytest.raises(sparkdl.TrainingError, match="feature column\\(s\\) f contain NaN or null values"):
+        estimator.fit(path)
+
+
+def _write(path, n):
+    os.makedirs(path, exist_ok=True)
+    table = pa.table(
+        {
+            "features": pa.array([np.zeros(64, dtype=np.float32)] * n, type=pa.list_(pa.float32())),
+            "label": pa.array(np.zeros(n, dtype=np.int64)),
+        }
+    )
+    pq.write_table(table, os.path.join(path, "part-0.parquet"))
+    return str(path)

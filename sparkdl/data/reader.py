@@ -5,7 +5,8 @@ Sharding and balance rules (the same for every reader):
 * The shard unit is the Parquet row group: rank ``r`` of ``n`` reads row groups ``r, r+n, ...``
   (Petastorm's ``cur_shard``/``shard_count``). A dataset with fewer row groups than ranks falls
   back to row striding: every rank reads every row group and keeps rows ``r, r+n, ...``.
-* Each rank's reader cycles over its shard forever; an epoch is a fixed number of steps computed
+* Each rank's reader cycles over its shard forever (a fresh Petastorm reader per pass, seeded
+  ``seed + pass``); an epoch is a fixed number of steps computed
   on the driver (:func:`steps_per_epoch`), identical on every rank, so no rank runs out first and
   blocks the others in a collective. Rows past the last full step of an epoch are not dropped:
   the stream simply goes on, and they open the next epoch. A rank with a smaller shard wraps
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import itertools
 import warnings
 from typing import ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple, Type
 
@@ -134,11 +136,12 @@ def to_arrays(
 ) -> Chunk:
     """Feature columns concatenated in order into float32; labels as int64 or float32.
 
-    One feature column keeps its value shape (e.g. an image tensor); several are flattened per row
-    and concatenated. ``source`` names the data in error messages.
+    One array feature column keeps its value shape (e.g. an image tensor); otherwise columns are
+    flattened per row and concatenated into a [rows, features] matrix (a scalar column is one
+    feature). ``source`` names the data in error messages.
     """
     arrays = [_dense(col, info) for col, info in zip(columns, features_info)]
-    if len(arrays) == 1:
+    if len(arrays) == 1 and arrays[0].ndim > 1:
         features = arrays[0]
     else:
         features = np.concatenate([a.reshape(len(a), -1) for a in arrays], axis=1)
@@ -177,6 +180,36 @@ class PetastormReader(DataReader):
 
     def chunks(self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int) -> Iterator[Chunk]:
         striding = dataset.num_row_groups < world_size
+        feature_names = [c.name for c in dataset.features]
+        label_name = dataset.label.name if dataset.label else None
+        source = f"dataset {dataset.url!r}"
+        # One reader per pass with a pass-specific seed, rather than Petastorm's num_epochs=None:
+        # its endless mode reorders row groups depending on timing, which made runs irreproducible.
+        for pass_index in itertools.count():
+            reader = self._open(dataset, spec, rank, world_size, striding, spec.seed + pass_index)
+            position = 0
+            rows = 0
+            try:
+                for item in _row_batches(reader, spec.batch_size) if dataset.is_petastorm else reader:
+                    columns = [np.asarray(getattr(item, name)) for name in feature_names]
+                    label = np.asarray(getattr(item, label_name)) if label_name else None
+                    if striding:
+                        keep = (np.arange(position, position + len(columns[0])) % world_size) == rank
+                        position += len(columns[0])
+                        columns = [c[keep] for c in columns]
+                        label = label[keep] if label is not None else None
+                        if not len(columns[0]):
+                            continue
+                    rows += len(columns[0])
+                    yield to_arrays(columns, label, dataset.features, dataset.label, source)
+            finally:
+                reader.stop()
+                reader.join()
+            if rows == 0:
+                raise DataError(f"rank {rank} read no rows from its shard of {source}")
+
+    @staticmethod
+    def _open(dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, striding: bool, seed: int):
         with warnings.catch_warnings():
             # Petastorm 0.12 calls pyarrow's legacy API, which warns on every call.
             warnings.simplefilter("ignore", FutureWarning)
@@ -184,36 +217,18 @@ class PetastormReader(DataReader):
             from petastorm import make_batch_reader, make_reader
 
             factory = make_reader if dataset.is_petastorm else make_batch_reader
-            reader = factory(
+            return factory(
                 dataset.url,
                 schema_fields=dataset.columns,
                 reader_pool_type="thread",
                 # Row striding needs every rank to see rows in the same order: one thread.
                 workers_count=1 if striding else spec.reader_threads,
-                seed=spec.seed,
+                seed=seed,
                 shuffle_row_groups=spec.shuffle,
-                num_epochs=None,
+                num_epochs=1,
                 cur_shard=None if striding else rank,
                 shard_count=None if striding else world_size,
             )
-        feature_names = [c.name for c in dataset.features]
-        label_name = dataset.label.name if dataset.label else None
-        position = 0
-        try:
-            for item in _row_batches(reader, spec.batch_size) if dataset.is_petastorm else reader:
-                columns = [np.asarray(getattr(item, name)) for name in feature_names]
-                label = np.asarray(getattr(item, label_name)) if label_name else None
-                if striding:
-                    keep = (np.arange(position, position + len(columns[0])) % world_size) == rank
-                    position += len(columns[0])
-                    columns = [c[keep] for c in columns]
-                    label = label[keep] if label is not None else None
-                    if not len(columns[0]):
-                        continue
-                yield to_arrays(columns, label, dataset.features, dataset.label, f"dataset {dataset.url!r}")
-        finally:
-            reader.stop()
-            reader.join()
 
 
 def _row_batches(reader, size: int):
@@ -224,6 +239,8 @@ def _row_batches(reader, size: int):
         if len(rows) == size:
             yield _stack_rows(rows)
             rows = []
+    if rows:
+        yield _stack_rows(rows)
 
 
 class _Columns:

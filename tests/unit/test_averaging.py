@@ -1,9 +1,10 @@
 """The averaging strategies' maths on a real gloo process group, without Spark.
 
-One ``torch.multiprocessing.spawn`` of three ranks (module-scoped: starting interpreters is the
-expensive part) runs every scenario and saves what each rank saw; the tests then compare those
-recordings with numpy references of the update rules. Three ranks, so that a mean is not a
-power-of-two division and alpha's default (0.9 / 3) is not a round number.
+One ``torch.multiprocessing.spawn`` of two ranks (module-scoped: starting interpreters that
+import torch is the expensive part, about 5 s on a 2-core machine) runs every scenario and saves
+what each rank saw; the tests then compare those recordings with numpy references of the update
+rules. Ranks start from different random weights and see different data, so a missed
+synchronization shows up as unequal replicas.
 """
 
 from __future__ import annotations

@@ -1,0 +1,155 @@
+"""Compares sparkdl's strategies on digits: throughput, model-sync traffic, accuracy.
+
+Starts its own ``local-cluster[2,1,1024]`` Spark application (two executors, one core each),
+trains the same MLP with every strategy (same epochs, batch size, seed and optimizer) and prints
+a markdown table. Run from the repository root::
+
+    .venv/bin/python benchmarks/strategies.py            # defaults: --epochs 8 --repeats 2
+
+Columns: samples/s is the steady state (the mean of the per-epoch throughput over epochs 2..N,
+averaged over repeats); comm bytes/epoch is what one rank put into model-sync collectives per
+epoch (the history's ``comm_bytes``, mean over epochs); test accuracy is after the fixed number
+of epochs on a held-out 20% of digits. Timing is wall clock on whatever else the machine runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List, Sequence
+
+import numpy as np
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+# Executors must run this interpreter and everything stays on loopback; set before the JVM starts.
+os.environ["PYSPARK_PYTHON"] = sys.executable
+os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+
+import torch  # noqa: E402
+
+import sparkdl  # noqa: E402
+
+
+def digits_mlp() -> torch.nn.Module:
+    """The model of the test suite (tests/models.py); defined here so Spark ships it by value."""
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+
+def strategies() -> List[sparkdl.Strategy]:
+    return [
+        sparkdl.AllReduce(),
+        sparkdl.ModelAveraging(sync_every=1),
+        sparkdl.ModelAveraging(sync_every=4),
+        sparkdl.ModelAveraging(sync_every=16),
+        sparkdl.ElasticAveraging(sync_every=4),
+    ]
+
+
+def label(strategy: sparkdl.Strategy) -> str:
+    settings = {k: v for k, v in strategy.describe().items() if k != "name"}
+    shown = ", ".join(f"{k}={v}" for k, v in settings.items() if not (k == "alpha" and v is None))
+    return f"{type(strategy).__name__}({shown})" if isinstance(strategy, (sparkdl.ModelAveraging, sparkdl.ElasticAveraging)) else f"{type(strategy).__name__}()"
+
+
+def split_digits():
+    """The test suite's split: features scaled to [0, 1], a fixed 80/20 permutation."""
+    from sklearn.datasets import load_digits
+
+    features, labels = load_digits(return_X_y=True)
+    features = (features / 16.0).astype(np.float32)
+    order = np.random.default_rng(0).permutation(len(labels))
+    cut = int(0.8 * len(labels))
+    train, test = order[:cut], order[cut:]
+    return (features[train], labels[train].astype(np.int64)), (features[test], labels[test].astype(np.int64))
+
+
+def main(argv: Sequence[str] = ()) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    parser.add_argument("--repeats", type=int, default=2, help="fits per strategy; throughput is averaged")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(list(argv))
+
+    from pyspark.sql import SparkSession
+
+    spark = (
+        SparkSession.builder.master("local-cluster[2,1,1024]")
+        .appName("sparkdl-benchmark-strategies")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.executorEnv.PYTHONPATH", REPO_ROOT)
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    try:
+        (train_x, train_y), (test_x, test_y) = split_digits()
+        df = spark.createDataFrame(
+            [(f.astype(float).tolist(), int(y)) for f, y in zip(train_x, train_y)], "features array<double>, label long"
+        )
+
+        def fit(strategy: sparkdl.Strategy, epochs: int) -> sparkdl.TorchModel:
+            return sparkdl.TorchEstimator(
+                model=digits_mlp,
+                optimizer=functools.partial(torch.optim.Adam, lr=args.lr),
+                strategy=strategy,
+                num_workers=2,
+                batch_size=args.batch_size,
+                epochs=epochs,
+                seed=args.seed,
+                progress=False,
+            ).fit(df)
+
+        # Untimed: materializes the DataFrame and starts the executors' Python workers, so the
+        # first strategy measured does not pay for them.
+        fit(sparkdl.AllReduce(), 1)
+
+        rows = []
+        for strategy in strategies():
+            throughput: List[float] = []
+            scores: List[float] = []
+            comm: List[float] = []
+            for _ in range(args.repeats):
+                started = time.time()
+                model = fit(strategy, args.epochs)
+                steady = [h["samples_per_sec"] for h in model.history[1:]] or [model.history[0]["samples_per_sec"]]
+                throughput.append(statistics.mean(steady))
+                comm.append(statistics.mean(h["comm_bytes"] for h in model.history))
+                with torch.no_grad():
+                    predicted = model.module(torch.from_numpy(test_x)).argmax(1).numpy()
+                scores.append(float((predicted == test_y).mean()))
+                print(f"  {label(strategy)}: {time.time() - started:.1f}s, accuracy {scores[-1]:.4f}", file=sys.stderr)
+            if len(set(scores)) > 1:  # same seed, so a difference would be a reproducibility bug
+                print(f"  warning: {label(strategy)} accuracy differs between repeats: {scores}", file=sys.stderr)
+            rows.append((label(strategy), statistics.mean(throughput), statistics.mean(comm), scores[0]))
+        print(table(rows, args))
+    finally:
+        spark.stop()
+
+
+def table(rows: Sequence[tuple], args: argparse.Namespace) -> str:
+    base: Dict[str, float] = {"comm": rows[0][2]}
+    lines = [
+        f"digits, 2 workers (local-cluster[2,1,1024]), batch {args.batch_size}/worker, {args.epochs} epochs, "
+        f"Adam lr={args.lr}, seed {args.seed}, {args.repeats} repeat(s), torch {torch.__version__}",
+        "",
+        "| strategy | samples/s (steady) | comm bytes/epoch/rank | vs AllReduce | test accuracy |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, speed, comm, score in rows:
+        ratio = f"{base['comm'] / comm:.1f}x less" if comm and comm != base["comm"] else "1x"
+        lines.append(f"| {name} | {speed:,.0f} | {comm:,.0f} | {ratio} | {score:.4f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -280,7 +280,15 @@ class TorchModel(Model, _TorchParams):
                 return stream.read()
 
         metadata = json.loads(read("metadata.json"))
-        model_fn = model or cloudpickle.loads(read("model_fn.pkl"))
+        if model is None:
+            try:
+                model = cloudpickle.loads(read("model_fn.pkl"))
+            except ImportError as exc:
+                raise ImportError(
+                    f"the model factory saved in {path!r} refers to code that is not importable here ({exc}); "
+                    f"make it importable or pass the factory: TorchModel.load(path, model=make_model)"
+                ) from exc
+        model_fn = model
         module = model_fn()
         module.load_state_dict(torch.load(io.BytesIO(read("state_dict.pt")), weights_only=True))
         return cls(

@@ -166,7 +166,10 @@ def _dense(column: np.ndarray, info: ColumnInfo) -> np.ndarray:
                 f"must have the same number of elements ({exc})"
             ) from exc
         if column.dtype == object:
-            raise DataError(f"column {info.name!r} holds null values")
+            try:
+                column = column.astype(np.float64)
+            except (ValueError, TypeError) as exc:
+                raise DataError(f"column {info.name!r} holds null or non-numeric values") from exc
     if column.dtype.kind not in "fiub":
         raise DataError(f"column {info.name!r} has non-numeric values (dtype {column.dtype})")
     return column

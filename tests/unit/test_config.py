@@ -1,0 +1,66 @@
+"""Validated configs: each bad value is named with what would be valid."""
+
+import pytest
+import torch
+
+import sparkdl
+from sparkdl._launcher import LaunchConfig, _failure_from_spark
+from sparkdl.data.reader import DataSpec, steps_per_epoch
+from sparkdl.errors import ConfigError
+from sparkdl.strategies import registered_strategies, strategy_from_name
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
+def test_num_workers_must_be_a_positive_int(value):
+    with pytest.raises(ConfigError, match=f"num_workers={value!r} must be a positive integer"):
+        LaunchConfig(num_workers=value)
+
+
+def test_timeouts_are_checked():
+    with pytest.raises(ConfigError, match="timeout_s=0 must be > 0"):
+        LaunchConfig(num_workers=1, timeout_s=0)
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.0, None])
+def test_batch_size_must_be_a_positive_int(value):
+    with pytest.raises(ConfigError, match="batch_size="):
+        DataSpec(batch_size=value)
+
+
+def test_steps_per_epoch_uses_full_global_batches():
+    assert steps_per_epoch(1437, 32, 2) == 22
+    assert steps_per_epoch(64, 32, 2) == 1
+    with pytest.raises(ConfigError, match="63 rows, fewer than num_workers \\* batch_size = 2 \\* 32 = 64"):
+        steps_per_epoch(63, 32, 2)
+
+
+def test_estimator_rejects_a_module_instance_and_a_string_of_columns():
+    with pytest.raises(ConfigError, match="zero-argument callable"):
+        sparkdl.TorchEstimator(model=torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match="must be a list of column names"):
+        sparkdl.TorchEstimator(model=lambda: torch.nn.Linear(2, 2), feature_cols="features")
+    with pytest.raises(ConfigError, match="is not a sparkdl strategy"):
+        sparkdl.TorchEstimator(model=lambda: torch.nn.Linear(2, 2), strategy="allreduce")
+
+
+def test_strategies_are_found_by_name():
+    assert "allreduce" in registered_strategies()
+    assert strategy_from_name("allreduce", bucket_cap_mb=5).bucket_cap_mb == 5
+    with pytest.raises(ConfigError, match="strategy='ring' is unknown; valid: .*allreduce"):
+        strategy_from_name("ring")
+    with pytest.raises(ConfigError, match="bucket_cap_mb=0 must be > 0"):
+        sparkdl.AllReduce(bucket_cap_mb=0)
+
+
+def test_spark_failure_without_a_rank_report_keeps_the_python_traceback():
+    text = (
+        "An error occurred while calling collectAndServe.\n: org.apache.spark.SparkException: Job aborted\n"
+        "org.apache.spark.api.python.PythonException: Traceback (most recent call last):\n"
+        '  File "worker.py", line 1, in main\n'
+        "ModuleNotFoundError: No module named 'models'\n\n\tat org.apache.spark.Something\n"
+    )
+    failure = _failure_from_spark(RuntimeError(text))
+    assert failure.rank == -1
+    assert failure.message.startswith("ModuleNotFoundError: No module named 'models'")
+    assert "--py-files" in failure.message
+    assert failure.traceback.startswith("Traceback (most recent call last):")

@@ -1,0 +1,45 @@
+"""Error records and the driver's message: pure, no Spark."""
+
+import pickle
+
+from sparkdl.errors import RankFailure, TrainingError, format_failures
+
+
+def _failure(rank, message="boom", exc_type="ValueError"):
+    return RankFailure(rank=rank, exc_type=exc_type, message=message, traceback=f"Traceback...\n{exc_type}: {message}\n", phase="training epoch 2")
+
+
+def test_first_failure_is_the_headline_with_its_traceback():
+    text = format_failures([_failure(1), _failure(0, "connection reset", "RuntimeError")])
+    assert text.splitlines()[0] == "training failed on rank 1 while training epoch 2: ValueError: boom"
+    assert "also rank 0: RuntimeError: connection reset" in text
+    assert "Traceback from rank 1:" in text
+
+
+def test_identical_failures_are_grouped():
+    text = format_failures([_failure(2), _failure(0), _failure(1)])
+    assert text.startswith("training failed on ranks 0, 1, 2 while")
+    assert "also rank" not in text
+
+
+def test_job_level_failure_has_no_rank():
+    text = format_failures([RankFailure(-1, "SparkJobFailed", "No module named 'models'", "tb", "launching")])
+    assert text.startswith("training failed on the Spark job, before any rank started while launching")
+    assert "Traceback from the executor" in text
+
+
+def test_training_error_pickles_with_its_records():
+    error = TrainingError([_failure(1)], hint="raise timeout_s")
+    copy = pickle.loads(pickle.dumps(error))
+    assert copy.rank == 1 and copy.exc_type == "ValueError"
+    assert str(copy) == str(error) and "raise timeout_s" in str(copy)
+
+
+def test_record_round_trips_through_json_shape():
+    try:
+        raise KeyError("missing")
+    except KeyError as exc:
+        record = RankFailure.from_exception(3, exc, phase="rendezvous")
+    again = RankFailure.from_json(record.to_json())
+    assert again == record
+    assert "raise KeyError" in again.traceback

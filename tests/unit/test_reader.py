@@ -1,0 +1,99 @@
+"""Batching, shuffling and column conversion, with an in-memory reader (no Spark)."""
+
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from sparkdl.data.dataset import ColumnInfo, DatasetInfo, inspect_dataset
+from sparkdl.data.reader import Chunk, DataReader, DataSpec, batches, to_arrays
+from sparkdl.errors import DataError
+
+FEATURES = (ColumnInfo("x", "float", ()),)
+LABEL = ColumnInfo("y", "int", ())
+DATASET = DatasetInfo("memory://", 100, 4, False, FEATURES, LABEL)
+
+
+class _Chunks(DataReader):
+    """Endless chunks of ids of uneven sizes, as row groups arrive."""
+
+    def __init__(self):
+        self.closed = False
+
+    def chunks(self, dataset, spec, rank, world_size) -> Iterator[Chunk]:
+        try:
+            while True:
+                for start, size in ((0, 37), (37, 5), (42, 58)):
+                    ids = np.arange(start, start + size, dtype=np.float32)
+                    yield ids[:, None], ids.astype(np.int64)
+        finally:
+            self.closed = True
+
+
+def _take(spec, n):
+    reader = _Chunks()
+    stream = batches(reader, DATASET, spec, rank=0, world_size=1)
+    out = [next(stream) for _ in range(n)]
+    stream.close()
+    assert reader.closed, "closing the batch stream must close the reader"
+    return out
+
+
+def test_batches_have_exactly_batch_size_rows_and_keep_features_with_labels():
+    for features, labels in _take(DataSpec(batch_size=16, shuffle=True, seed=1), 20):
+        assert features.shape == (16, 1) and labels.shape == (16,)
+        np.testing.assert_array_equal(features[:, 0].astype(np.int64), labels)
+
+
+def test_without_shuffle_rows_stream_in_order_across_passes():
+    ids = np.concatenate([f[:, 0] for f, _ in _take(DataSpec(batch_size=30, shuffle=False), 10)])
+    np.testing.assert_array_equal(ids, np.arange(300) % 100)
+
+
+def test_shuffle_is_seeded_bounded_and_loses_no_rows():
+    spec = DataSpec(batch_size=10, shuffle=True, seed=5, shuffle_buffer_batches=2)
+    first = np.concatenate([f[:, 0] for f, _ in _take(spec, 30)])
+    again = np.concatenate([f[:, 0] for f, _ in _take(spec, 30)])
+    np.testing.assert_array_equal(first, again)
+    assert not np.array_equal(first, np.arange(300) % 100)
+    # 300 rows from 3 passes over 100 ids: shuffling across a bounded buffer keeps counts near 3.
+    counts = np.bincount(first.astype(int), minlength=100)
+    assert counts.min() >= 2 and counts.max() <= 4
+
+
+def test_to_arrays_concatenates_columns_in_order():
+    a = np.array([1.0, 2.0])
+    vec = np.array([np.array([10.0, 11.0]), np.array([20.0, 21.0])], dtype=object)
+    info = (ColumnInfo("a", "float", ()), ColumnInfo("vec", "float", (None,)))
+    features, labels = to_arrays([a, vec], np.array([1, 0]), info, LABEL, "test")
+    np.testing.assert_array_equal(features, [[1, 10, 11], [2, 20, 21]])
+    assert features.dtype == np.float32 and labels.dtype == np.int64
+
+
+def test_one_tensor_column_keeps_its_shape():
+    images = np.zeros((3, 2, 4, 4), dtype=np.float64)
+    features, _ = to_arrays([images], None, (ColumnInfo("img", "float", (2, 4, 4)),), None, "test")
+    assert features.shape == (3, 2, 4, 4) and features.dtype == np.float32
+
+
+def test_ragged_arrays_and_nan_are_named():
+    ragged = np.array([np.zeros(2), np.zeros(3)], dtype=object)
+    with pytest.raises(DataError, match="column 'vec' holds arrays of different lengths"):
+        to_arrays([ragged], None, (ColumnInfo("vec", "float", (None,)),), None, "test")
+    with pytest.raises(DataError, match="feature column\\(s\\) a contain NaN or null values in test"):
+        to_arrays([np.array([1.0, np.nan])], None, (ColumnInfo("a", "float", ()),), None, "test")
+
+
+def test_inspect_dataset_reads_only_metadata_and_checks_columns(tmp_path):
+    table = pa.table({"x": pa.array([[1.0, 2.0]] * 10, type=pa.list_(pa.float32())), "name": ["a"] * 10, "y": list(range(10))})
+    pq.write_table(table, tmp_path / "p.parquet", row_group_size=3)
+    info = inspect_dataset(str(tmp_path), ["x"], "y")
+    assert (info.num_rows, info.num_row_groups, info.is_petastorm) == (10, 4, False)
+    assert info.url == f"file://{tmp_path}"
+    assert info.features[0].shape == (None,) and info.label.kind == "int"
+    with pytest.raises(DataError, match="feature column 'name' has type string, which is not numeric"):
+        inspect_dataset(str(tmp_path), ["name"], "y")
+    with pytest.raises(DataError, match="label column 'z' is not in dataset .*its columns are: x, name, y"):
+        inspect_dataset(str(tmp_path), ["x"], "z")

@@ -119,6 +119,12 @@ def _arrow_column(schema: pa.Schema, name: str, role: str, url: str) -> ColumnIn
             f"{role} column {name!r} is not in dataset {url!r}; its columns are: {', '.join(schema.names)}"
         )
     arrow_type = schema.field(index).type
+    if pa.types.is_fixed_size_list(arrow_type):
+        # Petastorm 0.12's schema inference silently drops fixed-size list columns.
+        raise DataError(
+            f"{role} column {name!r} has type {arrow_type}; the Petastorm reader cannot read fixed-size lists: "
+            f"write it as list<{arrow_type.value_type}> (e.g. pyarrow.list_(pyarrow.float32()))"
+        )
     if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type) or pa.types.is_fixed_size_list(arrow_type):
         kind = _numeric_kind(arrow_type.value_type)
         size = arrow_type.list_size if pa.types.is_fixed_size_list(arrow_type) else None

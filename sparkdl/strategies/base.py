@@ -64,6 +64,17 @@ class StrategyRuntime(abc.ABC):
         """The plain module holding the strategy's result (e.g. the final average), same on all
         ranks when ``identical_final_weights``. Called once, after the last step, on every rank."""
 
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's strategy state that a checkpoint must hold to resume exactly (averaging
+        center, step counters, parameter-server shards with their optimizer state), beyond the
+        model's and optimizer's own ``state_dict``. Tensors should be on the CPU. Called on every
+        rank at the same step; the checkpoint keeps every rank's dict."""
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restores what :meth:`state_dict` returned on this rank, after ``prepare_model`` and
+        ``prepare_optimizer`` and before the first step of the resumed run."""
+
     def close(self) -> None:
         """Releases hooks, threads or servers. Must be safe to call after a failure."""
 

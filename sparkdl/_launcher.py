@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import io
+import itertools
 import logging
 import os
 import re
@@ -21,10 +23,11 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sparkdl._channel import ChannelClient, ChannelError, ChannelServer, new_secret
 from sparkdl._progress import ProgressDisplay
+from sparkdl.checkpoint import CheckpointConfig, CheckpointStore
 from sparkdl.data.dataset import DatasetInfo
 from sparkdl.data.reader import DataReader, DataSpec
 from sparkdl.errors import ConfigError, InsufficientSlotsError, RankFailure, TrainingError
@@ -43,6 +46,10 @@ class LaunchConfig:
         slot_wait_s: how long to wait for executors to register before giving up on slots.
         use_gpu: True to require GPUs, False for CPU, None to use GPUs when Spark gives tasks some.
         progress: print (or display in a notebook) per-epoch progress on the driver.
+        max_failures: relaunch the stage up to this many times after a failure, resuming from
+            the newest checkpoint when there is a checkpoint directory.
+        watchdog_timeout_s: fail the run when a rank makes no progress (no batch, no phase
+            change) for this long; None disables the watchdog.
     """
 
     num_workers: int
@@ -50,6 +57,8 @@ class LaunchConfig:
     slot_wait_s: float = 30.0
     use_gpu: Optional[bool] = None
     progress: bool = True
+    max_failures: int = 0
+    watchdog_timeout_s: Optional[float] = 600.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_workers, int) or isinstance(self.num_workers, bool) or self.num_workers < 1:
@@ -58,6 +67,50 @@ class LaunchConfig:
             raise ConfigError(f"timeout_s={self.timeout_s!r} must be > 0 seconds")
         if self.slot_wait_s < 0:
             raise ConfigError(f"slot_wait_s={self.slot_wait_s!r} must be >= 0 seconds")
+        if not isinstance(self.max_failures, int) or isinstance(self.max_failures, bool) or self.max_failures < 0:
+            raise ConfigError(f"max_failures={self.max_failures!r} must be an integer >= 0")
+        if self.watchdog_timeout_s is not None and not self.watchdog_timeout_s > 0:
+            raise ConfigError(f"watchdog_timeout_s={self.watchdog_timeout_s!r} must be > 0 seconds, or None to disable it")
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """Often enough that the watchdog sees a stall within a fifth of its timeout."""
+        return min(2.0, self.watchdog_timeout_s / 5) if self.watchdog_timeout_s else 2.0
+
+
+class Decision(enum.Enum):
+    RETRY = "retry"
+    RAISE = "raise"
+
+
+@dataclasses.dataclass(frozen=True)
+class FailurePolicy:
+    """Whether a failed attempt is relaunched.
+
+    Failures that would only repeat — bad settings or data, a NaN loss, code the executors
+    cannot import — are raised at once; anything else (a lost executor, a killed process, a
+    hang, a network error, an exception in user code) is retried up to ``max_failures`` times.
+    """
+
+    max_failures: int = 0
+    deterministic: Tuple[str, ...] = ("ConfigError", "DataError", "NonFiniteLossError", "InsufficientSlotsError")
+
+    def decide(self, error: TrainingError, failures_so_far: int) -> Decision:
+        if failures_so_far > self.max_failures:
+            return Decision.RAISE
+        first = error.failures[0] if error.failures else None
+        if first is not None and (first.exc_type in self.deterministic or "No module named" in first.message):
+            return Decision.RAISE
+        return Decision.RETRY
+
+
+@dataclasses.dataclass
+class LaunchOutcome:
+    """Rank 0's return value plus how the run got there."""
+
+    value: Any
+    attempts: List[Dict[str, Any]]
+    from_finished_checkpoint: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +126,8 @@ class _TaskPayload:
     data_spec: Optional[DataSpec]
     reader: Optional[DataReader]
     steps_per_epoch: Optional[int]
+    checkpoint: Optional[CheckpointConfig] = None
+    attempt: int = 1
 
 
 class _JobMonitor:
@@ -86,6 +141,8 @@ class _JobMonitor:
         self.phases: Dict[int, str] = {}
         self.connected: set = set()
         self.finished: set = set()
+        self._progress: Dict[int, Tuple[int, float]] = {}  # rank -> (progress counter, when it last moved)
+        self.max_global_step = 0
         self._cond = threading.Condition()
         self._cancelled = False
 
@@ -95,9 +152,12 @@ class _JobMonitor:
             self.display.epoch(message.get("record", {}))
         elif kind == "metrics":
             self.display.metrics(rank, message.get("metrics", {}))
-        elif kind == "phase":
+        elif kind == "heartbeat":
+            progress = int(message.get("progress", 0))
             with self._cond:
                 self.phases[rank] = str(message.get("phase", ""))
+                if self._progress.get(rank, (None, 0.0))[0] != progress:
+                    self._progress[rank] = (progress, time.monotonic())
         elif kind == "log":
             level = int(message.get("level", logging.INFO))
             logging.getLogger(f"sparkdl.rank{rank}").log(level, "[rank %d] %s", rank, message.get("message", ""))
@@ -111,6 +171,35 @@ class _JobMonitor:
     def on_connect(self, rank: int) -> None:
         with self._cond:
             self.connected.add(rank)
+            self._progress[rank] = (-1, time.monotonic())
+
+    def watch(self, timeout_s: float, stop: threading.Event) -> None:
+        """Fails the run when a rank's progress stands still for ``timeout_s`` (a hang)."""
+        while not stop.wait(min(1.0, timeout_s / 10)):
+            now = time.monotonic()
+            with self._cond:
+                stalled = [
+                    (since, rank) for rank, (_, since) in self._progress.items()
+                    if now - since > timeout_s and rank not in self.finished and rank in self.connected
+                ]
+                if not stalled or self._cancelled:
+                    continue
+                since, rank = min(stalled)
+                phase = self.phases.get(rank, "")
+            self._fail(
+                RankFailure(
+                    rank=rank,
+                    exc_type="WatchdogTimeout",
+                    message=(
+                        f"rank {rank} made no progress for {now - since:.0f}s (watchdog_timeout_s={timeout_s:g}); "
+                        f"it is stuck or much slower than expected. If this phase legitimately takes longer, "
+                        f"raise watchdog_timeout_s"
+                    ),
+                    traceback="",
+                    phase=phase,
+                )
+            )
+            return
 
     def on_disconnect(self, rank: int, clean: bool) -> None:
         with self._cond:
@@ -166,17 +255,78 @@ def launch(
     reader: Optional[DataReader] = None,
     steps_per_epoch: Optional[int] = None,
     display: Optional[ProgressDisplay] = None,
-) -> Any:
-    """Runs ``train_fn(ctx)`` on ``config.num_workers`` barrier tasks; returns rank 0's value."""
+    checkpoint: Optional[CheckpointConfig] = None,
+) -> LaunchOutcome:
+    """Runs ``train_fn(ctx)`` on ``config.num_workers`` barrier tasks; returns rank 0's value.
+
+    A failed attempt is relaunched (up to ``config.max_failures`` times, see
+    :class:`FailurePolicy`); with a checkpoint directory each attempt resumes from the newest
+    checkpoint, and a directory that holds a finished run returns its stored result at once.
+    """
     from pyspark.sql import SparkSession
 
     spark = spark or SparkSession.getActiveSession()
     if spark is None:
         raise ConfigError("no active SparkSession: create one (SparkSession.builder...getOrCreate()) or pass spark=")
     sc = spark.sparkContext
-    check_slots(sc, config.num_workers, config.slot_wait_s)
-
     display = display or ProgressDisplay(enabled=config.progress)
+    store = CheckpointStore(checkpoint.url, checkpoint.keep) if checkpoint else None
+    if store is not None:
+        if not checkpoint.resume:
+            store.clear()
+        else:
+            finished, result = store.load_finished()
+            if finished:
+                logger.warning("%s holds a finished run: returning its result without training (resume=False trains again)", store.url)
+                return LaunchOutcome(result, [], from_finished_checkpoint=True)
+    policy = FailurePolicy(config.max_failures)
+    attempts: List[Dict[str, Any]] = []
+    for attempt in itertools.count(1):
+        check_slots(sc, config.num_workers, config.slot_wait_s)
+        started = time.time()
+        monitor = None
+        try:
+            value, monitor = _launch_once(
+                sc, train_fn, config, strategy, display,
+                dataset=dataset, data_spec=data_spec, reader=reader, steps_per_epoch=steps_per_epoch,
+                checkpoint=checkpoint, attempt=attempt,
+            )
+        except _AttemptFailed as failed:
+            error = failed.error
+            attempts.append({"attempt": attempt, "seconds": time.time() - started, "error": str(error).splitlines()[0]})
+            decision = policy.decide(error, attempt)
+            if decision is Decision.RAISE:
+                if attempt > 1:
+                    raise TrainingError(error.failures, hint=f"(attempt {attempt}; max_failures={config.max_failures})") from None
+                raise error from None
+            where = "the newest checkpoint" if store is not None else "scratch (no checkpoint_dir)"
+            message = f"[sparkdl] attempt {attempt} failed: {str(error).splitlines()[0]}; relaunching from {where} ({attempt}/{config.max_failures} retries)"
+            logger.warning(message)
+            if config.progress:
+                print(message, flush=True)
+            continue
+        attempts.append({"attempt": attempt, "seconds": time.time() - started, "error": None})
+        break
+    if store is not None:
+        store.save_finished(value)
+    return LaunchOutcome(value, attempts)
+
+
+class _AttemptFailed(Exception):
+    def __init__(self, error: TrainingError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _launch_once(
+    sc: Any,
+    train_fn: Callable[[Any], Any],
+    config: LaunchConfig,
+    strategy: Strategy,
+    display: ProgressDisplay,
+    **payload_fields: Any,
+) -> Tuple[Any, "_JobMonitor"]:
+    """One barrier stage; raises :class:`_AttemptFailed` carrying the run's ``TrainingError``."""
     tag = f"sparkdl-{uuid.uuid4().hex[:12]}"
     monitor = _JobMonitor(config.num_workers, lambda: sc.cancelJobsWithTag(tag), display)
     host = sc.getConf().get("spark.driver.host")
@@ -188,15 +338,17 @@ def launch(
         config=config,
         channel_address=server.address,
         secret=secret,
-        dataset=dataset,
-        data_spec=data_spec,
-        reader=reader,
-        steps_per_epoch=steps_per_epoch,
+        **payload_fields,
     )
 
     def run_partition(_rows):
         return _task_main(payload)
 
+    stop_watchdog = threading.Event()
+    if config.watchdog_timeout_s:
+        threading.Thread(
+            target=monitor.watch, args=(config.watchdog_timeout_s, stop_watchdog), name="sparkdl-watchdog", daemon=True
+        ).start()
     sc.addJobTag(tag)
     sc.setInterruptOnCancel(True)
     try:
@@ -206,16 +358,16 @@ def launch(
         # The job failed or was cancelled; give the ranks' own reports a moment to arrive.
         monitor.wait_disconnected(timeout=15.0)
         if monitor.failures:
-            raise TrainingError(monitor.failures) from None
-        raise TrainingError([_failure_from_spark(exc)]) from exc
+            raise _AttemptFailed(TrainingError(monitor.failures)) from None
+        raise _AttemptFailed(TrainingError([_failure_from_spark(exc)])) from exc
     finally:
+        stop_watchdog.set()
         sc.removeJobTag(tag)
         sc.setJobDescription(None)
         server.close()
     if monitor.failures:  # a rank failed but the stage still returned (should not happen)
-        raise TrainingError(monitor.failures)
-    by_rank = dict(results)
-    return by_rank.get(0)
+        raise _AttemptFailed(TrainingError(monitor.failures))
+    return dict(results).get(0), monitor
 
 
 def _with_connect(monitor: _JobMonitor) -> Callable[[int, Dict[str, Any]], None]:
@@ -293,23 +445,21 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
     barrier = BarrierTaskContext.get()
     rank = barrier.partitionId()
     client = ChannelClient(tuple(payload.channel_address), payload.secret, rank, timeout=30.0)
-    phase = {"name": "starting"}
+    from sparkdl.context import Liveness
 
-    def set_phase(name: str) -> None:
-        phase["name"] = name
-        with contextlib.suppress(ChannelError):
-            client.send({"kind": "phase", "phase": name})
-
+    liveness = Liveness()
+    heartbeat = _Heartbeat(client, liveness, payload.config.heartbeat_interval_s)
     with _rank_prefixed_output(rank), _forward_logs(client, rank), _task_threads(barrier.cpus()):
         context = None
         runtime = None
         try:
-            from sparkdl._rendezvous import rendezvous, teardown
+            from sparkdl._rendezvous import rendezvous
             from sparkdl.context import TrainContext
 
-            client.send({"kind": "started"})
+            client.send({"kind": "started", "attempt": payload.attempt})
+            heartbeat.start()
             device = _task_device(barrier, payload.config.use_gpu)
-            set_phase("rendezvous")
+            liveness.advance("rendezvous")
             addresses = [info.address for info in barrier.getTaskInfos()]
             env = rendezvous(rank, payload.config.num_workers, addresses, barrier.allGather, device, payload.config.timeout_s)
             runtime = payload.strategy.create_runtime(env)
@@ -321,18 +471,20 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
                 data_spec=payload.data_spec,
                 reader=payload.reader,
                 steps_per_epoch=payload.steps_per_epoch,
+                store=CheckpointStore(payload.checkpoint.url, payload.checkpoint.keep) if payload.checkpoint else None,
+                liveness=liveness,
             )
             context.set_phase("training")
             value = payload.train_fn(context)
             client.send({"kind": "done"})
             return [(rank, value if rank == 0 else None)]
         except BaseException as exc:
-            current = getattr(context, "phase", None) or phase["name"]
-            failure = RankFailure.from_exception(rank, exc, phase=current)
+            failure = RankFailure.from_exception(rank, exc, phase=liveness.phase)
             with contextlib.suppress(Exception):
                 client.send({"kind": "error", "failure": failure.to_json()})
             raise
         finally:
+            heartbeat.stop()
             if context is not None:
                 context.close()
             if runtime is not None:
@@ -342,6 +494,34 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
 
             teardown()
             client.close()
+
+
+class _Heartbeat:
+    """Sends the rank's progress counter and phase to the driver's watchdog at a fixed rate."""
+
+    def __init__(self, client: ChannelClient, liveness: Any, interval_s: float) -> None:
+        self._client = client
+        self._liveness = liveness
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sparkdl-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._client.send({"kind": "heartbeat", "progress": self._liveness.progress, "phase": self._liveness.phase})
+            except ChannelError:
+                return  # the driver is gone; the task will learn it from Spark
+            if self._stop.wait(self._interval_s):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
 
 
 def _task_device(barrier: Any, use_gpu: Optional[bool]):

@@ -24,59 +24,91 @@ def default_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-3)
 
 
+@dataclasses.dataclass
+class _LoopState:
+    """Where the loop is; saved in checkpoints so a resumed run continues mid-epoch exactly."""
+
+    epoch: int = 1
+    step: int = 0  # steps done in ``epoch``
+    global_step: int = 0
+    loss_sum: float = 0.0
+    samples: int = 0
+    comm_bytes: int = 0  # model-sync bytes of ``epoch`` before the last resume
+    seconds: float = 0.0  # time spent in ``epoch`` before the last resume
+    history: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
+    output_shape: Optional[List[int]] = None
+
+
 @dataclasses.dataclass(frozen=True)
 class FitLoop:
-    """Epochs of forward/backward/step over the rank's batches; picklable so it travels by value."""
+    """Epochs of forward/backward/step over the rank's batches; picklable so it travels by value.
+
+    With a checkpoint directory, state is saved at the end of every epoch and, with
+    ``checkpoint_every``, every that many steps; a relaunched run resumes from the newest
+    checkpoint with the same batches, RNG and strategy state, so the steps after it are redone
+    exactly and none before it are repeated.
+    """
 
     model: ModelFactory
     optimizer: OptimizerFactory
     loss: LossFn
     epochs: int
     seed: int
+    checkpoint_every: Optional[int] = None
 
     def __call__(self, ctx: TrainContext) -> Optional[Dict[str, Any]]:
-        # Same seed everywhere: every rank builds the same initial weights (DDP would broadcast
-        # rank 0's anyway; the averaging strategies rely on it).
+        # Same seed everywhere: every rank builds the same initial weights (DDP and the averaging
+        # strategies also broadcast rank 0's).
         torch.manual_seed(self.seed)
         module = self.model()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"model() must return a torch.nn.Module, got {type(module).__name__}")
         model = ctx.prepare_model(module)
         optimizer = ctx.prepare_optimizer(self.optimizer(model.parameters()))
-        history: List[Dict[str, Any]] = []
-        output_shape: Optional[List[int]] = None
-        comm_before = ctx.comm_bytes
+        state = _LoopState()
+        restored = ctx.load_checkpoint()
+        if restored is not None:
+            model.load_state_dict(restored["model"])
+            optimizer.load_state_dict(restored["optimizer"])
+            state = _LoopState(**restored["loop"])
+        resumed_at = state.global_step
         start = time.time()
-        for epoch in range(1, self.epochs + 1):
+        while state.epoch <= self.epochs:
+            epoch = state.epoch
             ctx.set_phase(f"training epoch {epoch}")
             model.train()
             epoch_start = time.time()
-            loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
-            samples = 0
-            for step, (features, labels) in enumerate(ctx.epoch_batches()):
+            comm_start = ctx.comm_bytes
+            loss_sum = torch.full((), state.loss_sum, dtype=torch.float64, device=ctx.device)
+            for features, labels in ctx.epoch_batches(skip=state.step):
                 optimizer.zero_grad(set_to_none=True)
                 output = model(features)
                 loss = self.loss(output, labels)
                 if not torch.isfinite(loss):
                     raise NonFiniteLossError(
-                        f"loss is {loss.item()} at epoch {epoch}, step {step + 1} on rank {ctx.rank}: "
+                        f"loss is {loss.item()} at epoch {epoch}, step {state.step + 1} on rank {ctx.rank}: "
                         f"lower the learning rate, clip gradients, or check the data for extreme values"
                     )
                 loss.backward()
                 optimizer.step()
                 loss_sum += loss.detach().double() * len(features)
-                samples += len(features)
-                if output_shape is None:
-                    output_shape = list(output.shape[1:])
-            seconds = time.time() - epoch_start
+                state.samples += len(features)
+                state.step += 1
+                state.global_step += 1
+                if state.output_shape is None:
+                    state.output_shape = list(output.shape[1:])
+                if self.checkpoint_every and state.global_step % self.checkpoint_every == 0 and state.step < ctx.steps_per_epoch:
+                    state.loss_sum = loss_sum.item()
+                    self._save(ctx, model, optimizer, state, ctx.comm_bytes - comm_start, time.time() - epoch_start)
+            seconds = state.seconds + time.time() - epoch_start
             # One small allreduce per epoch for metrics; not counted in comm_bytes (that is the
             # strategy's model-sync traffic).
-            totals = torch.stack(
-                [loss_sum, torch.tensor(float(samples), dtype=torch.float64, device=ctx.device),
-                 torch.tensor(float(ctx.comm_bytes - comm_before), dtype=torch.float64, device=ctx.device)]
+            totals = torch.tensor(
+                [loss_sum.item(), float(state.samples), float(state.comm_bytes + ctx.comm_bytes - comm_start)],
+                dtype=torch.float64,
+                device=ctx.device,
             )
             dist.all_reduce(totals)
-            comm_before = ctx.comm_bytes
             total_samples = int(totals[1].item())
             record = {
                 "epoch": epoch,
@@ -86,9 +118,11 @@ class FitLoop:
                 "samples_per_sec": total_samples / seconds if seconds > 0 else math.inf,
                 "comm_bytes": int(totals[2].item() / ctx.world_size),
             }
-            history.append(record)
+            state.history.append(record)
             if ctx.rank == 0:
                 ctx.report_epoch(record)
+            state = _LoopState(epoch=epoch + 1, global_step=state.global_step, history=state.history, output_shape=state.output_shape)
+            self._save(ctx, model, optimizer, state, 0, 0.0)
         ctx.set_phase("finishing")
         final = ctx.final_module(model)
         if ctx.rank != 0:
@@ -97,7 +131,16 @@ class FitLoop:
         torch.save({k: v.detach().cpu() for k, v in final.state_dict().items()}, buffer)
         return {
             "state_dict": buffer.getvalue(),
-            "history": history,
-            "output_shape": output_shape or [],
+            "history": state.history,
+            "output_shape": state.output_shape or [],
             "timing": {"start": start, "first_batch": ctx.first_batch_time, "end": time.time()},
+            "steps": {"resumed_at": resumed_at, "run": state.global_step - resumed_at, "total": state.global_step},
         }
+
+    @staticmethod
+    def _save(ctx: TrainContext, model, optimizer, state: _LoopState, comm_in_epoch: int, seconds_in_epoch: float) -> None:
+        loop = dataclasses.replace(state, comm_bytes=state.comm_bytes + comm_in_epoch, seconds=state.seconds + seconds_in_epoch)
+        ctx.save_checkpoint(
+            {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "loop": dataclasses.asdict(loop)},
+            step=state.global_step,
+        )

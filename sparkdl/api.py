@@ -6,6 +6,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from sparkdl._launcher import LaunchConfig, launch
 from sparkdl._progress import ProgressCallback, ProgressDisplay
+from sparkdl.checkpoint import CheckpointConfig
 from sparkdl.context import TrainContext
 from sparkdl.data.cache import materialize
 from sparkdl.data.dataset import DatasetInfo, inspect_dataset
@@ -34,6 +35,11 @@ def run(
     timeout_s: float = 600.0,
     progress: Union[bool, ProgressCallback] = True,
     cache_dir: Optional[str] = None,
+    checkpoint_dir: Optional[str] = None,
+    keep_checkpoints: int = 3,
+    resume: bool = True,
+    max_failures: int = 0,
+    watchdog_timeout_s: Optional[float] = 600.0,
 ) -> Any:
     """Runs ``train_fn(ctx)`` on ``num_workers`` Spark barrier tasks and returns rank 0's result.
 
@@ -58,13 +64,24 @@ def run(
         timeout_s: bound on rendezvous and every collective.
         progress: show per-epoch progress on the driver; a callable also receives each record.
         cache_dir: where DataFrames are materialized (default: ``spark.sparkdl.cacheDir`` conf).
+        checkpoint_dir: where ``ctx.save_checkpoint`` writes (a path or URL every executor can
+            write); with it, a relaunched or re-run job resumes, and a finished one returns its
+            stored result without running again.
+        keep_checkpoints: how many checkpoints to keep.
+        resume: False ignores (and replaces) what ``checkpoint_dir`` holds.
+        max_failures: relaunch the stage up to this many times after a failure.
+        watchdog_timeout_s: fail when a rank makes no progress for this long (None: never).
 
     Raises:
         TrainingError: a rank failed; names the rank and carries its traceback.
         InsufficientSlotsError: the cluster has fewer task slots than ``num_workers``.
         ConfigError, DataError: bad arguments or data, before anything launches.
     """
-    config = LaunchConfig(num_workers=num_workers, use_gpu=use_gpu, timeout_s=timeout_s, progress=bool(progress))
+    config = LaunchConfig(
+        num_workers=num_workers, use_gpu=use_gpu, timeout_s=timeout_s, progress=bool(progress),
+        max_failures=max_failures, watchdog_timeout_s=watchdog_timeout_s,
+    )
+    checkpoint = CheckpointConfig(checkpoint_dir, keep=keep_checkpoints, resume=resume) if checkpoint_dir else None
     strategy = strategy if strategy is not None else AllReduce()
     if not isinstance(strategy, Strategy):
         raise ConfigError(f"strategy={strategy!r} is not a sparkdl strategy (e.g. sparkdl.AllReduce())")
@@ -77,7 +94,7 @@ def run(
         dataset = prepare_dataset(data, list(feature_cols), label_col, num_workers, spark, cache_dir)
         steps = steps_per_epoch(dataset.num_rows, spec.batch_size, num_workers)
     display = ProgressDisplay(enabled=bool(progress), callback=progress if callable(progress) else None)
-    return launch(
+    outcome = launch(
         train_fn,
         config,
         strategy,
@@ -87,7 +104,9 @@ def run(
         reader=data_reader,
         steps_per_epoch=steps,
         display=display,
+        checkpoint=checkpoint,
     )
+    return outcome.value
 
 
 def prepare_dataset(

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 
 from sparkdl._rendezvous import DistEnv
+from sparkdl.checkpoint import CheckpointStore, to_cpu
+from sparkdl.errors import ConfigError
 from sparkdl.data.dataset import DatasetInfo
 from sparkdl.data.reader import DataReader, DataSpec, batches
 from sparkdl.strategies.base import StrategyRuntime
@@ -39,6 +41,8 @@ class TrainContext:
         data_spec: Optional[DataSpec] = None,
         reader: Optional[DataReader] = None,
         steps_per_epoch: Optional[int] = None,
+        store: Optional[CheckpointStore] = None,
+        liveness: Optional["Liveness"] = None,
     ) -> None:
         self._env = env
         self._runtime = runtime
@@ -47,10 +51,12 @@ class TrainContext:
         self._data_spec = data_spec
         self._reader = reader
         self._stream: Optional[_Prefetcher] = None
+        self._store = store
+        self._liveness = liveness or Liveness()
+        #: Batches taken from the stream so far: the reader position a checkpoint records.
+        self._batches_taken = 0
         self.steps_per_epoch = steps_per_epoch
         self.logger = logging.getLogger(f"sparkdl.rank{env.rank}")
-        #: Phase shown in error reports ("training epoch 3", ...); set by loops that know better.
-        self.phase = "starting"
         #: Wall-clock time of the first batch handed out: start-up cost is measured up to here.
         self.first_batch_time: Optional[float] = None
 
@@ -84,20 +90,34 @@ class TrainContext:
         Call it on every rank after the last step: some strategies synchronize here."""
         return self._runtime.final_module(model)
 
-    def epoch_batches(self) -> Iterator[Batch]:
+    @property
+    def phase(self) -> str:
+        """What this rank is doing now, as error reports and the watchdog name it."""
+        return self._liveness.phase
+
+    def epoch_batches(self, skip: int = 0) -> Iterator[Batch]:
         """This epoch's ``steps_per_epoch`` batches of the rank's shard, on ``device``.
 
         Call once per epoch; the underlying stream continues across epochs (see
-        :mod:`sparkdl.data.reader` for what that means for the remainder rows).
+        :mod:`sparkdl.data.reader` for what that means for the remainder rows). After resuming
+        from a checkpoint taken mid-epoch, pass ``skip`` = the steps of this epoch already done:
+        the stream itself is already positioned after them.
         """
         if self._dataset is None:
             raise RuntimeError("this run has no dataset: pass data=... to sparkdl.run")
         if self._stream is None:
             source = batches(self._reader, self._dataset, self._data_spec, self.rank, self.world_size)
+            # Resuming: replay the seeded stream up to the checkpoint's position. Reading is far
+            # cheaper than training, and replay is what makes the resumed batches exact.
+            for _ in range(self._batches_taken):
+                next(source)
             self._stream = _Prefetcher(source, pin=self.device.type == "cuda")
         non_blocking = self.device.type == "cuda"
-        for _ in range(self.steps_per_epoch):
+        for step in range(skip, self.steps_per_epoch):
+            self._liveness.advance(f"loading data (step {step + 1})")
             features, labels = self._stream.next()
+            self._batches_taken += 1
+            self._liveness.advance(f"training step {step + 1} (forward, backward, sync, optimizer)")
             if self.first_batch_time is None:
                 self.first_batch_time = time.time()
             yield (
@@ -106,9 +126,62 @@ class TrainContext:
             )
 
     def set_phase(self, phase: str) -> None:
-        """Names what this rank is doing now; error reports and the driver show it."""
-        self.phase = phase
-        self._send({"kind": "phase", "phase": phase})
+        """Names what this rank is doing now and counts as progress for the hang watchdog.
+        Custom loops with long steps outside ``epoch_batches`` should call it now and then."""
+        self._liveness.advance(phase)
+
+    def save_checkpoint(self, state: Dict[str, Any], step: int) -> None:
+        """Saves a checkpoint of this run. Collective: call on every rank at the same step.
+
+        ``state`` is this rank's own part (model and optimizer ``state_dict``s, counters...);
+        the strategy's state, this rank's RNG and its data-stream position are added to it.
+        Rank 0 gathers every rank's part and writes one file atomically. No-op without a
+        ``checkpoint_dir``.
+        """
+        if self._store is None:
+            return
+        previous = self.phase
+        self.set_phase(f"checkpointing step {step}")
+        part = to_cpu(
+            {
+                "user": state,
+                "strategy": self._runtime.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+                "batches_taken": self._batches_taken,
+            }
+        )
+        parts = [None] * self.world_size if self.rank == 0 else None
+        torch.distributed.gather_object(part, parts, dst=0)
+        if self.rank == 0:
+            self._store.save(step, {"format": 1, "step": step, "world_size": self.world_size, "ranks": parts})
+        # Nobody runs ahead of a checkpoint that is not on disk yet.
+        torch.distributed.barrier()
+        self.set_phase(previous)
+
+    def load_checkpoint(self) -> Optional[Dict[str, Any]]:
+        """This rank's ``state`` from the newest complete checkpoint, or None to start fresh.
+
+        Call on every rank after ``prepare_model`` and ``prepare_optimizer`` and before the
+        first batch: it also restores the strategy's state, the RNG and the stream position.
+        """
+        if self._store is None:
+            return None
+        self.set_phase("loading checkpoint")
+        found = self._store.load_latest()
+        if found is None:
+            return None
+        step, checkpoint = found
+        if checkpoint["world_size"] != self.world_size:
+            raise ConfigError(
+                f"the checkpoint at step {step} in {self._store.url} was written by {checkpoint['world_size']} "
+                f"workers but this run has num_workers={self.world_size}; use the same num_workers or a new checkpoint_dir"
+            )
+        part = checkpoint["ranks"][self.rank]
+        self._runtime.load_state_dict(part["strategy"])
+        torch.set_rng_state(part["torch_rng"])
+        self._batches_taken = int(part["batches_taken"])
+        self.logger.info("resumed from checkpoint step %d", step)
+        return part["user"]
 
     def report_epoch(self, record: Dict[str, Any]) -> None:
         """Sends one epoch's summary (``epoch``, ``loss``, ...) to the driver's progress display.
@@ -143,6 +216,20 @@ def _jsonable(metrics: Dict[str, Any]) -> Dict[str, Any]:
             raise TypeError(f"metric {key!r} has type {type(value).__name__}; report numbers or strings")
         out[str(key)] = value
     return out
+
+
+class Liveness:
+    """What a rank is doing and how far it got; a heartbeat thread reports both to the driver's
+    watchdog, which only counts ``progress`` that moves (a blocked rank's heartbeats go on)."""
+
+    def __init__(self) -> None:
+        self.progress = 0
+        self.phase = "starting"
+
+    def advance(self, phase: Optional[str] = None) -> None:
+        self.progress += 1
+        if phase is not None:
+            self.phase = phase
 
 
 class _Prefetcher:

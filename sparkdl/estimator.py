@@ -19,6 +19,7 @@ from pyspark.ml.param import Param, Params, TypeConverters
 from sparkdl import __version__
 from sparkdl._launcher import LaunchConfig, launch
 from sparkdl._progress import ProgressCallback, ProgressDisplay
+from sparkdl.checkpoint import CheckpointConfig
 from sparkdl._training import FitLoop, LossFn, ModelFactory, OptimizerFactory, default_optimizer
 from sparkdl.api import DataSource, prepare_dataset
 from sparkdl.data.dataset import ColumnInfo, normalize_url
@@ -57,6 +58,16 @@ class TorchEstimator(Estimator, _TorchParams):
         prediction_col: column ``TorchModel.transform`` adds.
         use_gpu: None uses GPUs when Spark assigns them; True requires them; False never.
         timeout_s: bound on rendezvous and each collective.
+        checkpoint_dir: where checkpoints go (a path or URL every executor can write: HDFS, an
+            object store or a shared mount on a real cluster). With it, a failed attempt resumes
+            from the newest checkpoint, re-running the same job resumes, and a finished run
+            returns its stored model instead of training again (unless ``resume=False``).
+        checkpoint_every: also checkpoint every this many steps (default: at each epoch's end).
+        keep_checkpoints: how many checkpoints to keep.
+        resume: False ignores (and replaces) what ``checkpoint_dir`` holds.
+        max_failures: relaunch the stage up to this many times after a failure (a lost
+            executor, a killed process, a hang...).
+        watchdog_timeout_s: fail when a rank makes no progress for this long (None: never).
         progress: per-epoch progress on the driver; a callable also receives every record.
         cache_dir: where DataFrames are materialized (default: ``spark.sparkdl.cacheDir``).
         reader: the data reader plug-in.
@@ -85,6 +96,12 @@ class TorchEstimator(Estimator, _TorchParams):
         prediction_col: str = "prediction",
         use_gpu: Optional[bool] = None,
         timeout_s: float = 600.0,
+        checkpoint_dir: Optional[str] = None,
+        checkpoint_every: Optional[int] = None,
+        keep_checkpoints: int = 3,
+        resume: bool = True,
+        max_failures: int = 0,
+        watchdog_timeout_s: Optional[float] = 600.0,
         progress: "bool | ProgressCallback" = True,
         cache_dir: Optional[str] = None,
         reader: str = "petastorm",
@@ -105,7 +122,13 @@ class TorchEstimator(Estimator, _TorchParams):
         self.strategy = strategy if strategy is not None else AllReduce()
         if not isinstance(self.strategy, Strategy):
             raise ConfigError(f"strategy={strategy!r} is not a sparkdl strategy (e.g. sparkdl.AllReduce())")
-        self.launch_config = LaunchConfig(num_workers=num_workers, use_gpu=use_gpu, timeout_s=timeout_s, progress=bool(progress))
+        self.launch_config = LaunchConfig(
+            num_workers=num_workers, use_gpu=use_gpu, timeout_s=timeout_s, progress=bool(progress),
+            max_failures=max_failures, watchdog_timeout_s=watchdog_timeout_s,
+        )
+        self.checkpoint = CheckpointConfig(checkpoint_dir, every_steps=checkpoint_every, keep=keep_checkpoints, resume=resume) if checkpoint_dir else None
+        if checkpoint_every is not None and checkpoint_dir is None:
+            raise ConfigError("checkpoint_every is set but checkpoint_dir is not: name a directory for the checkpoints")
         DataSpec(batch_size=batch_size)  # validates batch_size now, not at fit
         self.progress = progress
         self.cache_dir = cache_dir
@@ -132,12 +155,19 @@ class TorchEstimator(Estimator, _TorchParams):
         info = prepare_dataset(dataset, feature_cols, label_col, num_workers, spark, self.cache_dir)
         steps = steps_per_epoch(info.num_rows, spec.batch_size, num_workers)
         epochs = self.getOrDefault(self.epochs)
-        loop = FitLoop(model=self.model_fn, optimizer=self.optimizer_fn, loss=self.loss_fn, epochs=epochs, seed=self.getOrDefault(self.seed))
+        loop = FitLoop(
+            model=self.model_fn, optimizer=self.optimizer_fn, loss=self.loss_fn, epochs=epochs, seed=self.getOrDefault(self.seed),
+            checkpoint_every=self.checkpoint.every_steps if self.checkpoint else None,
+        )
         display = ProgressDisplay(
             enabled=bool(self.progress), callback=self.progress if callable(self.progress) else None, total_epochs=epochs
         )
         launched = time.time()
-        result = launch(loop, config, self.strategy, spark=spark, dataset=info, data_spec=spec, reader=self.reader, steps_per_epoch=steps, display=display)
+        outcome = launch(
+            loop, config, self.strategy, spark=spark, dataset=info, data_spec=spec, reader=self.reader,
+            steps_per_epoch=steps, display=display, checkpoint=self.checkpoint,
+        )
+        result = outcome.value
         module = self.model_fn()
         module.load_state_dict(torch.load(io.BytesIO(result["state_dict"]), weights_only=True))
         timing = result["timing"]
@@ -148,9 +178,12 @@ class TorchEstimator(Estimator, _TorchParams):
             "epochs": epochs,
             "steps_per_epoch": steps,
             "dataset": {"url": info.url, "rows": info.num_rows, "row_groups": info.num_row_groups},
-            "startup_seconds": (timing["first_batch"] - launched) if timing.get("first_batch") else None,
+            "startup_seconds": (timing["first_batch"] - launched) if timing.get("first_batch") and not outcome.from_finished_checkpoint else None,
             "prepare_seconds": launched - started,
             "train_seconds": timing["end"] - timing["start"],
+            "steps": result.get("steps"),
+            "attempts": outcome.attempts,
+            "from_finished_checkpoint": outcome.from_finished_checkpoint,
         }
         model = TorchModel(
             module=module,

@@ -11,7 +11,7 @@ import dataclasses
 import os
 import urllib.parse
 import warnings
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import pyarrow as pa
 import pyarrow.dataset as pads
@@ -28,6 +28,32 @@ class ColumnInfo:
     #: Shape of one value: () for scalars, (n,) for arrays whose length is only known per row
     #: (``None`` inside), or a fixed shape for Petastorm tensor fields.
     shape: Tuple[Optional[int], ...]
+    #: The Petastorm ``UnischemaField`` of a column stored with a codec (e.g. an ndarray as
+    #: bytes), which readers other than Petastorm's decode with it; None for plain columns.
+    codec_field: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class FileInfo:
+    """One Parquet file of a dataset: its URL and the row count of each of its row groups."""
+
+    url: str
+    row_groups: Tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParquetFiles:
+    """Parquet to train on, as a connector resolves it: a directory URL, or explicit files.
+
+    Args:
+        url: the dataset's directory URL (or, with ``files``, a URL naming the source in messages).
+        files: file URLs to read, in this order; empty means every Parquet file under ``url``.
+        description: what this is (``"Delta table s3://... version 3"``), for messages.
+    """
+
+    url: str
+    files: Tuple[str, ...] = ()
+    description: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +67,27 @@ class DatasetInfo:
     is_petastorm: bool
     features: Tuple[ColumnInfo, ...]
     label: Optional[ColumnInfo]
+    #: The Parquet files in reading order (Petastorm's: sorted paths, or a connector's list),
+    #: with their row groups' row counts: the global row-group index that decides a row
+    #: group's rank, and every row's position, come from this list.
+    files: Tuple[FileInfo, ...] = ()
+    #: True when the files were given explicitly (a connector's list) instead of listed from ``url``.
+    explicit_files: bool = False
+    #: Columns the row filter reads besides the feature and label columns.
+    filter_columns: Tuple[str, ...] = ()
 
     @property
     def columns(self) -> List[str]:
         return [c.name for c in self.features] + ([self.label.name] if self.label else [])
+
+    @property
+    def row_group_rows(self) -> List[int]:
+        """Row count of every row group, in global row-group order."""
+        return [rows for f in self.files for rows in f.row_groups]
+
+    def row_group_location(self) -> List[Tuple[int, int]]:
+        """(file index, row group index within the file) of every global row group."""
+        return [(i, g) for i, f in enumerate(self.files) for g in range(len(f.row_groups))]
 
 
 def normalize_url(url_or_path: str) -> str:
@@ -58,50 +101,224 @@ def normalize_url(url_or_path: str) -> str:
 
 def _filesystem(url: str) -> Tuple[pafs.FileSystem, str]:
     try:
-        return pafs.FileSystem.from_uri(url)
-    except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for bad URLs
+        return filesystem_and_path(url)
+    except Exception as exc:  # noqa: BLE001 - pyarrow and fsspec raise several types for bad URLs
         raise DataError(f"cannot open a filesystem for dataset URL {url!r}: {exc}") from exc
 
 
-def inspect_dataset(url: str, feature_cols: Sequence[str], label_col: Optional[str]) -> DatasetInfo:
+def filesystem_and_path(url: str) -> Tuple[pafs.FileSystem, str]:
+    """A pyarrow filesystem and the path in it for ``url``.
+
+    pyarrow's own filesystems (local, HDFS, S3, GCS) come first; any other scheme that an
+    installed fsspec implementation knows (``memory://``, ``abfs://``, ...) is wrapped with
+    ``pyarrow.fs.FSSpecHandler``, so every reader sees one pyarrow filesystem interface.
+    """
+    try:
+        return pafs.FileSystem.from_uri(url)
+    except pa.ArrowInvalid as exc:
+        scheme = urllib.parse.urlparse(url).scheme
+        if not scheme or "Unrecognized filesystem type" not in str(exc):
+            raise
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
+
+
+def file_paths(fs: pafs.FileSystem, urls: Sequence[str]) -> List[str]:
+    """Paths in ``fs`` of file URLs that share one filesystem (one scheme and host)."""
+    if isinstance(fs, pafs.PyFileSystem):
+        handler_fs = fs.handler.fs
+        return [handler_fs._strip_protocol(u) for u in urls]
+    paths = []
+    for url in urls:
+        parsed = urllib.parse.urlparse(url)
+        if parsed.scheme in ("", "file", "hdfs", "viewfs"):
+            paths.append(urllib.parse.unquote(parsed.path))
+        else:  # object stores: the bucket is part of the path
+            paths.append(parsed.netloc + urllib.parse.unquote(parsed.path))
+    return paths
+
+
+Filters = Any  # pyarrow's DNF list of (column, op, value) tuples, or a pyarrow.compute.Expression
+
+
+def inspect_dataset(
+    data: Union[str, ParquetFiles],
+    feature_cols: Sequence[str],
+    label_col: Optional[str],
+    filters: Filters = None,
+) -> DatasetInfo:
     """Validates a dataset against the columns to train on, reading only metadata.
+
+    Args:
+        data: a dataset URL or path (a directory of Parquet files, or one file), or the
+            :class:`ParquetFiles` a connector resolved.
+        feature_cols: feature columns.
+        label_col: label column, or None.
+        filters: the row filter the readers will apply; its columns are checked too.
 
     Raises:
         DataError: the path does not exist, a file is unreadable, a column is missing or not
-            numeric, or the dataset has no rows. The message names the path, file or column.
+            numeric, files disagree on a column's type, a feature or label column holds nulls
+            (from the footers' statistics), the filter names an unknown column, or the dataset
+            has no rows. The message names the path, file or column.
     """
-    url = normalize_url(url)
-    fs, path = _filesystem(url)
-    info = fs.get_file_info(path)
-    if info.type == pafs.FileType.NotFound:
-        raise DataError(f"no dataset at {url!r}: the path does not exist")
-    try:
-        dataset = pads.dataset(path, filesystem=fs, format="parquet")
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise DataError(f"cannot read the Parquet dataset at {url!r}: {exc}") from exc
-
-    num_rows = 0
-    num_row_groups = 0
-    for fragment in dataset.get_fragments():
+    explicit = isinstance(data, ParquetFiles) and bool(data.files)
+    url = normalize_url(data.url if isinstance(data, ParquetFiles) else data)
+    if explicit:
+        file_urls = [normalize_url(f) for f in data.files]
+        fs, _ = _filesystem(file_urls[0])
+        paths = file_paths(fs, file_urls)
         try:
-            metadata = fragment.metadata
+            dataset = pads.dataset(paths, filesystem=fs, format="parquet")
         except (pa.ArrowInvalid, OSError) as exc:
-            raise DataError(f"unreadable Parquet file {fragment.path!r} in dataset {url!r}: {exc}") from exc
-        num_rows += metadata.num_rows
-        num_row_groups += metadata.num_row_groups
-    if num_row_groups == 0:
-        raise DataError(f"dataset {url!r} holds no Parquet files")
-    if num_rows == 0:
-        raise DataError(f"dataset {url!r} is empty: its Parquet files hold 0 rows")
+            raise DataError(f"cannot read the Parquet files of {url!r}: {exc}") from exc
+        fragments = list(dataset.get_fragments())
+    else:
+        fs, path = _filesystem(url)
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.NotFound:
+            raise DataError(f"no dataset at {url!r}: the path does not exist")
+        try:
+            dataset = pads.dataset(path, filesystem=fs, format="parquet")
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise DataError(f"cannot read the Parquet dataset at {url!r}: {exc}") from exc
+        # Petastorm (pyarrow's legacy ParquetDataset) reads files sorted by path, directory by
+        # directory; both readers use this order, so row group i is the same row group for both.
+        fragments = sorted(dataset.get_fragments(), key=lambda f: f.path.split("/"))
+        file_urls = [_child_url(url, path, f.path) for f in fragments]
 
-    unischema = _petastorm_schema(url, fs, path)
+    unischema = _petastorm_schema(url, fs, path) if not explicit else None
     if unischema is not None:
         features = tuple(_unischema_column(unischema, c, "feature") for c in feature_cols)
         label = _unischema_column(unischema, label_col, "label") if label_col else None
     else:
         features = tuple(_arrow_column(dataset.schema, c, "feature", url) for c in feature_cols)
         label = _arrow_column(dataset.schema, label_col, "label", url) if label_col else None
-    return DatasetInfo(url, num_rows, num_row_groups, unischema is not None, features, label)
+    filter_cols = referenced_columns(filters, dataset.schema, url) if filters is not None else ()
+    roles = {c: "feature" for c in feature_cols}
+    if label_col:
+        roles[label_col] = "label"
+    checked = list(roles) + [c for c in filter_cols if c not in roles]
+
+    files: List[FileInfo] = []
+    reference: Optional[Tuple[str, pa.Schema]] = None
+    for fragment, file_url in zip(fragments, file_urls):
+        try:
+            metadata = fragment.metadata
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise DataError(f"unreadable Parquet file {fragment.path!r} in dataset {url!r}: {exc}") from exc
+        schema = metadata.schema.to_arrow_schema()
+        if reference is None:
+            reference = (file_url, schema)
+        else:
+            _check_same_types(checked, reference, (file_url, schema), url)
+        if filters is None:
+            # Nulls in a filtered-out row are harmless, so this check needs no filter.
+            _check_no_nulls(metadata, roles, file_url)
+        files.append(FileInfo(file_url, tuple(metadata.row_group(g).num_rows for g in range(metadata.num_row_groups))))
+    num_rows = sum(sum(f.row_groups) for f in files)
+    num_row_groups = sum(len(f.row_groups) for f in files)
+    if num_row_groups == 0:
+        raise DataError(f"dataset {url!r} holds no Parquet files")
+    if num_rows == 0:
+        raise DataError(f"dataset {url!r} is empty: its Parquet files hold 0 rows")
+    return DatasetInfo(
+        url, num_rows, num_row_groups, unischema is not None, features, label,
+        files=tuple(files), explicit_files=explicit, filter_columns=tuple(c for c in filter_cols if c not in roles),
+    )
+
+
+def _child_url(root_url: str, root_path: str, file_path: str) -> str:
+    """The URL of a file found under the dataset at ``root_url`` (whose path in its filesystem is
+    ``root_path``): same scheme, host and query, so every reader resolves it the same way."""
+    root = root_path.rstrip("/")
+    if file_path == root_path or not file_path.startswith(root + "/"):
+        return root_url if file_path == root_path else file_path
+    parsed = urllib.parse.urlparse(root_url)
+    return parsed._replace(path=parsed.path.rstrip("/") + file_path[len(root):]).geturl()
+
+
+def _type_key(arrow_type: pa.DataType) -> str:
+    """A type's identity for the cross-file check; list element names (Spark's ``element``,
+    pyarrow's ``item``) do not matter."""
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+        return f"list<{_type_key(arrow_type.value_type)}>"
+    return str(arrow_type)
+
+
+def _check_same_types(columns: Sequence[str], reference: Tuple[str, pa.Schema], other: Tuple[str, pa.Schema], url: str) -> None:
+    (ref_file, ref_schema), (file, schema) = reference, other
+    for name in columns:
+        index = schema.get_field_index(name)
+        if index < 0:
+            raise DataError(
+                f"schema mismatch in dataset {url!r}: column {name!r} is missing from file {file!r} "
+                f"but present in {ref_file!r}; every file must have the columns to train on"
+            )
+        expected = ref_schema.field(name).type
+        actual = schema.field(index).type
+        if _type_key(expected) != _type_key(actual):
+            raise DataError(
+                f"schema mismatch in dataset {url!r}: column {name!r} is {actual} in file {file!r} but "
+                f"{expected} in {ref_file!r}; every file must store a column with the same type"
+            )
+
+
+def _check_no_nulls(metadata: Any, roles: Dict[str, str], file_url: str) -> None:
+    """Null counts from the footer's column statistics (no rows are read). For a list column the
+    leaf's count also includes null and empty arrays, which are just as unusable."""
+    for g in range(metadata.num_row_groups):
+        row_group = metadata.row_group(g)
+        for j in range(row_group.num_columns):
+            column = row_group.column(j)
+            parts = column.path_in_schema.split(".")
+            role = roles.get(parts[0])
+            if role is None or column.statistics is None or not column.statistics.has_null_count:
+                continue
+            nulls = column.statistics.null_count
+            if nulls:
+                what = "null values, null arrays or empty arrays" if len(parts) > 1 else "null values"
+                raise DataError(
+                    f"{role} column {parts[0]!r} has {nulls} {what} in file {file_url!r} (row group {g}); "
+                    f"drop or fill them before training (e.g. df.na.drop(subset=[{parts[0]!r}]), or filters=)"
+                )
+
+
+def to_expression(filters: Filters):
+    """A ``pyarrow.compute.Expression`` from pyarrow's DNF filters or an expression."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    if isinstance(filters, pc.Expression):
+        return filters
+    try:
+        return pq.filters_to_expression(filters)
+    except (TypeError, ValueError, pa.ArrowInvalid) as exc:
+        raise DataError(
+            f"filters={filters!r} is neither a pyarrow.compute expression nor pyarrow's DNF form "
+            f"(a list of (column, op, value) tuples, or a list of such lists): {exc}"
+        ) from exc
+
+
+def referenced_columns(filters: Filters, schema: pa.Schema, url: str) -> Tuple[str, ...]:
+    """The dataset columns a filter reads. pyarrow 14 does not list an expression's fields, so
+    each column is left out in turn: the ones the expression cannot bind without are its own."""
+    expression = to_expression(filters)
+
+    def binds(fields: List[pa.Field]) -> Optional[Exception]:
+        try:
+            pads.dataset(pa.schema(fields).empty_table()).to_table(filter=expression)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, TypeError) as exc:
+            return exc
+        return None
+
+    fields = list(schema)
+    error = binds(fields)
+    if error is not None:
+        raise DataError(f"filters {expression} cannot be applied to dataset {url!r} (columns: {', '.join(schema.names)}): {error}")
+    return tuple(f.name for i, f in enumerate(fields) if binds(fields[:i] + fields[i + 1:]) is not None)
 
 
 def _numeric_kind(arrow_type: pa.DataType) -> Optional[str]:
@@ -174,4 +391,8 @@ def _unischema_column(unischema, name: str, role: str) -> ColumnInfo:
     dtype = np.dtype(field.numpy_dtype)
     if dtype.kind not in "fiub":
         raise DataError(f"{role} column {name!r} has dtype {dtype}, which is not numeric")
-    return ColumnInfo(name, "float" if dtype.kind == "f" else "int", tuple(field.shape))
+    from petastorm.codecs import ScalarCodec
+
+    # Scalar fields are stored as plain Parquet values; other codecs store bytes to decode.
+    encoded = field.codec is not None and not isinstance(field.codec, ScalarCodec)
+    return ColumnInfo(name, "float" if dtype.kind == "f" else "int", tuple(field.shape), codec_field=field if encoded else None)

@@ -335,6 +335,15 @@ class _PeriodicSyncRuntime(StrategyRuntime):
     def close(self) -> None:
         self.modules = []
 
+    def state_dict(self) -> Dict[str, Any]:
+        # The sync schedule: a resumed run must average at the same steps as the original.
+        return {"steps": self.steps, "syncs": self.syncs, "steps_since_sync": self._steps_since_sync}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.steps = int(state["steps"])
+        self.syncs = int(state["syncs"])
+        self._steps_since_sync = int(state["steps_since_sync"])
+
     def _after_step(self) -> None:
         self.steps += 1
         self._steps_since_sync += 1
@@ -407,6 +416,19 @@ class _ElasticAveragingRuntime(_PeriodicSyncRuntime):
                 self.comm_bytes += _nbytes(diff)
                 # Same center and same sum on every rank: the center copies stay identical.
                 center.add_(diff, alpha=self.alpha)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {**super().state_dict(), "centers": [[c.detach().cpu() for c in centers] for centers in self.centers]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        saved = state["centers"]
+        if [[c.numel() for c in cs] for cs in saved] != [[c.numel() for c in cs] for cs in self.centers]:
+            raise RuntimeError("ElasticAveraging: the checkpoint's center does not match the prepared model's size")
+        with torch.no_grad():
+            for centers, saved_centers in zip(self.centers, saved):
+                for center, value in zip(centers, saved_centers):
+                    center.copy_(value)
 
     def _result(self, model: torch.nn.Module) -> torch.nn.Module:
         index = next(i for i, m in enumerate(self.modules) if m is model)

@@ -1,0 +1,162 @@
+"""Surviving failures on a real cluster: kill a trainer mid-epoch, resume exactly, re-run, hang."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import sparkdl
+from tests.integration.test_strategy_contract import STRATEGIES
+from tests.models import accuracy, digits_mlp
+
+pytestmark = pytest.mark.spark
+
+EPOCHS = 3
+CHECKPOINT_EVERY = 8
+KILL_AT_STEP = 27  # mid-epoch 2 (22 steps per epoch), 3 steps after the checkpoint at step 24
+
+
+class _KillOnce:
+    """A cross-entropy loss that kills rank 1's process outright at its ``at``-th call — once per
+    ``marker`` file, so the relaunched attempt trains on. ``os._exit`` is what an OOM kill looks
+    like from inside: no exception, no report, no cleanup."""
+
+    def __init__(self, marker: str, at: int) -> None:
+        self.marker = marker
+        self.at = at
+        self.calls = 0
+
+    def __call__(self, output, label):
+        self.calls += 1
+        if self.calls == self.at and _rank() == 1 and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os._exit(9)
+        return torch.nn.functional.cross_entropy(output, label)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else -1
+
+
+def _estimator(strategy, checkpoint_dir, loss=None, **overrides):
+    settings = dict(
+        model=digits_mlp,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+        loss=loss or torch.nn.functional.cross_entropy,
+        strategy=strategy,
+        num_workers=2,
+        batch_size=32,
+        epochs=EPOCHS,
+        seed=0,
+        progress=False,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=CHECKPOINT_EVERY,
+        max_failures=1,
+    )
+    settings.update(overrides)
+    return sparkdl.TorchEstimator(**settings)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_killed_trainer_resumes_from_the_checkpoint_exactly(spark, digits_df, digits_split, tmp_path, strategy):
+    reference = _estimator(strategy, str(tmp_path / "reference")).fit(digits_df)
+    assert reference.run_info["attempts"] == [{"attempt": 1, "seconds": pytest.approx(reference.run_info["attempts"][0]["seconds"]), "error": None}]
+
+    killer = _KillOnce(str(tmp_path / "killed-once"), at=KILL_AT_STEP)
+    resumed = _estimator(strategy, str(tmp_path / "resumed"), loss=killer).fit(digits_df)
+
+    attempts = resumed.run_info["attempts"]
+    assert len(attempts) == 2 and "WorkerLost" in attempts[0]["error"] and "rank 1" in attempts[0]["error"]
+    steps = resumed.run_info["steps"]
+    total = EPOCHS * (1437 // 64)
+    # Resumed, not restarted: the second attempt started at the last checkpoint before the kill.
+    assert steps == {"resumed_at": 24, "run": total - 24, "total": total}
+    assert [r["epoch"] for r in resumed.history] == list(range(1, EPOCHS + 1))
+    assert [r["samples"] for r in resumed.history] == [r["samples"] for r in reference.history]
+    _, (test_x, test_y) = digits_split
+    assert accuracy(resumed.module, test_x, test_y) >= 0.85
+    if getattr(type(strategy), "deterministic", True):
+        # Same batches, RNG, optimizer and strategy state after the resume: bit-identical result.
+        assert [r["loss"] for r in resumed.history] == [r["loss"] for r in reference.history]
+        for key, value in reference.module.state_dict().items():
+            assert torch.equal(value, resumed.module.state_dict()[key]), key
+
+
+def test_rerunning_a_finished_job_returns_its_result_without_training(spark, digits_df, tmp_path):
+    directory = str(tmp_path / "finished")
+    first = _estimator(sparkdl.AllReduce(), directory, epochs=1).fit(digits_df)
+    again = _estimator(sparkdl.AllReduce(), directory, epochs=1).fit(digits_df)
+    assert again.run_info["from_finished_checkpoint"] is True and again.run_info["attempts"] == []
+    assert again.history == first.history
+    for key, value in first.module.state_dict().items():
+        assert torch.equal(value, again.module.state_dict()[key])
+    fresh = _estimator(sparkdl.AllReduce(), directory, epochs=1, resume=False, seed=1).fit(digits_df)
+    assert fresh.run_info["from_finished_checkpoint"] is False and len(fresh.run_info["attempts"]) == 1
+    assert not torch.equal(fresh.module[0].weight, first.module[0].weight)
+
+
+def test_deterministic_failures_are_not_retried(spark, digits_df, tmp_path, caplog):
+    def nan_loss(output, label):
+        return torch.nn.functional.cross_entropy(output, label) * float("nan")
+
+    with caplog.at_level("WARNING", logger="sparkdl"):
+        with pytest.raises(sparkdl.TrainingError, match="NonFiniteLossError"):
+            _estimator(sparkdl.AllReduce(), str(tmp_path / "nan"), loss=nan_loss, max_failures=3).fit(digits_df)
+    assert not [r for r in caplog.records if "relaunching" in r.getMessage()]
+
+
+def test_retries_are_bounded_by_max_failures(spark, tmp_path):
+    def always_dies(ctx):
+        torch.distributed.barrier()
+        if ctx.rank == 1:
+            os._exit(5)
+        torch.distributed.barrier()
+
+    with pytest.raises(sparkdl.TrainingError) as info:
+        sparkdl.run(always_dies, num_workers=2, spark=spark, progress=False, max_failures=1)
+    assert info.value.exc_type == "WorkerLost" and "attempt 2; max_failures=1" in str(info.value)
+
+
+def test_watchdog_fails_a_rank_that_blocks_forever(spark):
+    def train_fn(ctx):
+        if ctx.rank == 1:
+            ctx.set_phase("waiting on purpose")
+            threading.Event().wait()  # blocks forever: no progress, but heartbeats go on
+        for i in range(100_000):  # rank 0 keeps making progress until the run is cancelled
+            ctx.set_phase(f"polling {i}")
+            time.sleep(0.05)
+
+    started = time.monotonic()
+    with pytest.raises(sparkdl.TrainingError) as info:
+        sparkdl.run(train_fn, num_workers=2, spark=spark, progress=False, watchdog_timeout_s=3)
+    assert time.monotonic() - started < 60
+    error = info.value
+    assert error.rank == 1 and error.exc_type == "WatchdogTimeout"
+    assert "while waiting on purpose" in str(error) and "raise watchdog_timeout_s" in str(error)
+    assert sparkdl.run(lambda ctx: ctx.rank, num_workers=2, spark=spark, progress=False) == 0
+
+
+def test_custom_loop_checkpoints_resume_after_a_kill(spark, tmp_path):
+    marker = str(tmp_path / "died")
+
+    def train_fn(ctx):
+        state = ctx.load_checkpoint() or {"step": 0, "value": torch.zeros(())}
+        started_at = state["step"]
+        value = state["value"]
+        for step in range(state["step"] + 1, 11):
+            value = value + step
+            if step == 7 and ctx.rank == 1 and not os.path.exists(marker):
+                open(marker, "w").close()
+                os._exit(1)
+            if step % 3 == 0:
+                ctx.save_checkpoint({"step": step, "value": value}, step=step)
+        return started_at, float(value)
+
+    started_at, value = sparkdl.run(
+        train_fn, num_workers=2, spark=spark, progress=False, checkpoint_dir=str(tmp_path / "ckpt"), max_failures=1
+    )
+    assert started_at == 6 and value == sum(range(1, 11))

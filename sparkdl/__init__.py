@@ -4,7 +4,7 @@ Public surface::
 
     sparkdl.TorchEstimator / sparkdl.TorchModel   Spark ML estimator and model
     sparkdl.run                                    custom training loops on barrier tasks
-    sparkdl.AllReduce                              strategies
+    sparkdl.AllReduce, ParameterServer, ...        strategies
     sparkdl.TrainContext                           what a custom loop receives
     sparkdl.TrainingError, ...                     errors
 """
@@ -23,7 +23,7 @@ from sparkdl.errors import (
     TrainingError,
 )
 from sparkdl.estimator import TorchEstimator, TorchModel
-from sparkdl.strategies import AllReduce, ElasticAveraging, ModelAveraging, Strategy
+from sparkdl.strategies import AllReduce, ElasticAveraging, ModelAveraging, ParameterServer, Strategy
 
 __all__ = [
     "AllReduce",
@@ -33,6 +33,7 @@ __all__ = [
     "InsufficientSlotsError",
     "ModelAveraging",
     "NonFiniteLossError",
+    "ParameterServer",
     "SparkdlError",
     "Strategy",
     "TorchEstimator",

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from sparkdl._validation import validate_epoch
 from sparkdl.context import TrainContext
 from sparkdl.errors import NonFiniteLossError
 
@@ -118,6 +119,11 @@ class FitLoop:
                 "samples_per_sec": total_samples / seconds if seconds > 0 else math.inf,
                 "comm_bytes": int(totals[2].item() / ctx.world_size),
             }
+            # Strategy-specific figures (a parameter server's staleness...); nothing for most strategies.
+            record.update(_strategy_metrics(ctx))
+            # Validation pass (sparkdl/_validation.py): adds val_loss, val_<metric>, val_samples
+            # when the run has validation data; a no-op otherwise.
+            record.update(validate_epoch(ctx, model, self.loss))
             state.history.append(record)
             if ctx.rank == 0:
                 ctx.report_epoch(record)
@@ -135,6 +141,7 @@ class FitLoop:
             "output_shape": state.output_shape or [],
             "timing": {"start": start, "first_batch": ctx.first_batch_time, "end": time.time()},
             "steps": {"resumed_at": resumed_at, "run": state.global_step - resumed_at, "total": state.global_step},
+            "checkpoints": dict(ctx.checkpoint_stats),
         }
 
     @staticmethod
@@ -144,3 +151,20 @@ class FitLoop:
             {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "loop": dataclasses.asdict(loop)},
             step=state.global_step,
         )
+
+
+def _strategy_metrics(ctx: TrainContext) -> Dict[str, Any]:
+    """The strategy runtime's ``epoch_metrics()`` over all ranks: keys ending in ``_per_sec`` are
+    summed (rates add up), the others take the maximum. Collective when there are any keys (every
+    rank has the same strategy, so the same keys); no communication otherwise."""
+    local = ctx._runtime.epoch_metrics()  # TrainContext exposes no public accessor for its runtime
+    out: Dict[str, Any] = {}
+    names = sorted(local)
+    sums = [name for name in names if name.endswith("_per_sec")]
+    peaks = [name for name in names if name not in sums]
+    for keys, op in ((sums, dist.ReduceOp.SUM), (peaks, dist.ReduceOp.MAX)):
+        if keys:
+            values = torch.tensor([float(local[k]) for k in keys], dtype=torch.float64, device=ctx.device)
+            dist.all_reduce(values, op=op)
+            out.update({k: int(v) if isinstance(local[k], int) else v for k, v in zip(keys, values.tolist())})
+    return out

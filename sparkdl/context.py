@@ -55,6 +55,8 @@ class TrainContext:
         self._liveness = liveness or Liveness()
         #: Batches taken from the stream so far: the reader position a checkpoint records.
         self._batches_taken = 0
+        #: Checkpoints this rank took part in during this attempt, and the seconds they cost.
+        self.checkpoint_stats = {"count": 0, "seconds": 0.0}
         self.steps_per_epoch = steps_per_epoch
         self.logger = logging.getLogger(f"sparkdl.rank{env.rank}")
         #: Wall-clock time of the first batch handed out: start-up cost is measured up to here.
@@ -125,6 +127,34 @@ class TrainContext:
                 labels.to(self.device, non_blocking=non_blocking) if labels is not None else None,
             )
 
+    # ---- validation (sparkdl/_validation.py) ------------------------------------------------
+
+    @property
+    def has_validation(self) -> bool:
+        """True when the run was given ``validation=`` data."""
+        return self._data_spec is not None and self._data_spec.validation is not None
+
+    def validation_batches(self) -> Iterator[Batch]:
+        """One pass over this rank's validation rows, on ``device``: unshuffled batches of
+        ``batch_size`` (the last one smaller). Ranks may get different numbers of batches."""
+        from sparkdl._validation import validation_batches, validation_source
+
+        if self._dataset is None:
+            raise RuntimeError("this run has no dataset: pass data=... to sparkdl.run")
+        dataset, spec = validation_source(self._dataset, self._data_spec)
+        for features, labels in validation_batches(self._reader, dataset, spec, self.rank, self.world_size):
+            yield (
+                torch.from_numpy(features).to(self.device),
+                torch.from_numpy(labels).to(self.device) if labels is not None else None,
+            )
+
+    def validate(self, model: torch.nn.Module, loss: Optional[Any] = None, metrics: Optional[Dict[str, Any]] = None) -> Dict[str, float]:
+        """Mean loss and metrics over all ranks' validation rows: ``{"val_loss", "val_<name>",
+        "val_samples"}``. Collective: call on every rank. ``metrics`` defaults to the run's."""
+        from sparkdl._validation import evaluate
+
+        return evaluate(self, model, loss, metrics)
+
     def set_phase(self, phase: str) -> None:
         """Names what this rank is doing now and counts as progress for the hang watchdog.
         Custom loops with long steps outside ``epoch_batches`` should call it now and then."""
@@ -141,6 +171,7 @@ class TrainContext:
         if self._store is None:
             return
         previous = self.phase
+        started = time.perf_counter()
         self.set_phase(f"checkpointing step {step}")
         part = to_cpu(
             {
@@ -156,6 +187,8 @@ class TrainContext:
             self._store.save(step, {"format": 1, "step": step, "world_size": self.world_size, "ranks": parts})
         # Nobody runs ahead of a checkpoint that is not on disk yet.
         torch.distributed.barrier()
+        self.checkpoint_stats["count"] += 1
+        self.checkpoint_stats["seconds"] += time.perf_counter() - started
         self.set_phase(previous)
 
     def load_checkpoint(self) -> Optional[Dict[str, Any]]:

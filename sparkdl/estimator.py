@@ -21,9 +21,9 @@ from sparkdl._launcher import LaunchConfig, launch
 from sparkdl._progress import ProgressCallback, ProgressDisplay
 from sparkdl.checkpoint import CheckpointConfig
 from sparkdl._training import FitLoop, LossFn, ModelFactory, OptimizerFactory, default_optimizer
-from sparkdl.api import DataSource, prepare_dataset
+from sparkdl.api import DEFAULT_READER, DataSource, prepare_data
 from sparkdl.data.dataset import ColumnInfo, normalize_url
-from sparkdl.data.reader import DataSpec, reader_from_name, steps_per_epoch, to_arrays
+from sparkdl.data.reader import DataSpec, MetricFn, TransformFn, reader_from_name, to_arrays
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.allreduce import AllReduce
 from sparkdl.strategies.base import Strategy
@@ -70,7 +70,15 @@ class TorchEstimator(Estimator, _TorchParams):
         watchdog_timeout_s: fail when a rank makes no progress for this long (None: never).
         progress: per-epoch progress on the driver; a callable also receives every record.
         cache_dir: where DataFrames are materialized (default: ``spark.sparkdl.cacheDir``).
-        reader: the data reader plug-in.
+        reader: the data reader: ``"arrow"`` (native pyarrow) or ``"petastorm"``.
+        filters: keep only matching rows: pyarrow's DNF ``[("col", ">", 3), ...]`` or a
+            ``pyarrow.compute`` expression (pushed down to the Parquet row groups).
+        transform_fn: ``(features, labels) -> (features, labels)`` on numpy arrays, run on the
+            executors for every training and validation batch; must keep the row count.
+        validation: a fraction in (0, 1) of the rows held out (by row position), or separate
+            validation data (URL, DataFrame, connector source); adds ``val_loss`` and
+            ``val_<metric>`` to every epoch of ``history``.
+        metrics: ``name -> fn(output, label)`` batch means computed on the validation data.
     """
 
     numWorkers = Param(Params._dummy(), "numWorkers", "number of barrier tasks (ranks)", TypeConverters.toInt)
@@ -104,7 +112,11 @@ class TorchEstimator(Estimator, _TorchParams):
         watchdog_timeout_s: Optional[float] = 600.0,
         progress: "bool | ProgressCallback" = True,
         cache_dir: Optional[str] = None,
-        reader: str = "petastorm",
+        reader: str = DEFAULT_READER,
+        filters: Any = None,
+        transform_fn: Optional[TransformFn] = None,
+        validation: Any = None,
+        metrics: Optional[Dict[str, MetricFn]] = None,
     ) -> None:
         super().__init__()
         if not callable(model) or isinstance(model, torch.nn.Module):
@@ -132,7 +144,12 @@ class TorchEstimator(Estimator, _TorchParams):
         DataSpec(batch_size=batch_size)  # validates batch_size now, not at fit
         self.progress = progress
         self.cache_dir = cache_dir
-        self.reader = reader_from_name(reader)
+        self.reader = reader_from_name(reader)  # fails now on an unknown name, not at fit
+        self.reader_name = reader
+        self.filters = filters
+        self.transform_fn = transform_fn
+        self.validation = validation
+        self.metrics = metrics
         self._set(
             featureCols=list(feature_cols),
             labelCol=label_col,
@@ -148,12 +165,15 @@ class TorchEstimator(Estimator, _TorchParams):
         started = time.time()
         num_workers = self.getOrDefault(self.numWorkers)
         config = LaunchConfig(**{**self.launch_config.__dict__, "num_workers": num_workers})
-        spec = DataSpec(batch_size=self.getOrDefault(self.batchSize), shuffle=self.getOrDefault(self.shuffle), seed=self.getOrDefault(self.seed))
         feature_cols = self.getFeatureCols()
         label_col = self.getOrDefault(self.labelCol)
-        spark = None if isinstance(dataset, str) else dataset.sparkSession
-        info = prepare_dataset(dataset, feature_cols, label_col, num_workers, spark, self.cache_dir)
-        steps = steps_per_epoch(info.num_rows, spec.batch_size, num_workers)
+        spark = getattr(dataset, "sparkSession", None)  # None for URLs and connector sources
+        info, spec, data_reader, steps = prepare_data(
+            dataset, feature_cols=feature_cols, label_col=label_col, num_workers=num_workers,
+            batch_size=self.getOrDefault(self.batchSize), shuffle=self.getOrDefault(self.shuffle), seed=self.getOrDefault(self.seed),
+            reader=self.reader_name, filters=self.filters, transform_fn=self.transform_fn, validation=self.validation,
+            metrics=self.metrics, spark=spark, cache_dir=self.cache_dir,
+        )
         epochs = self.getOrDefault(self.epochs)
         loop = FitLoop(
             model=self.model_fn, optimizer=self.optimizer_fn, loss=self.loss_fn, epochs=epochs, seed=self.getOrDefault(self.seed),
@@ -164,7 +184,7 @@ class TorchEstimator(Estimator, _TorchParams):
         )
         launched = time.time()
         outcome = launch(
-            loop, config, self.strategy, spark=spark, dataset=info, data_spec=spec, reader=self.reader,
+            loop, config, self.strategy, spark=spark, dataset=info, data_spec=spec, reader=data_reader,
             steps_per_epoch=steps, display=display, checkpoint=self.checkpoint,
         )
         result = outcome.value
@@ -177,11 +197,12 @@ class TorchEstimator(Estimator, _TorchParams):
             "batch_size": spec.batch_size,
             "epochs": epochs,
             "steps_per_epoch": steps,
-            "dataset": {"url": info.url, "rows": info.num_rows, "row_groups": info.num_row_groups},
+            "dataset": {"url": info.url, "rows": info.num_rows, "row_groups": info.num_row_groups, "reader": self.reader_name},
             "startup_seconds": (timing["first_batch"] - launched) if timing.get("first_batch") and not outcome.from_finished_checkpoint else None,
             "prepare_seconds": launched - started,
             "train_seconds": timing["end"] - timing["start"],
             "steps": result.get("steps"),
+            "checkpoints": result.get("checkpoints"),
             "attempts": outcome.attempts,
             "from_finished_checkpoint": outcome.from_finished_checkpoint,
         }

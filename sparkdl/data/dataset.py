@@ -73,7 +73,7 @@ class DatasetInfo:
     files: Tuple[FileInfo, ...] = ()
     #: True when the files were given explicitly (a connector's list) instead of listed from ``url``.
     explicit_files: bool = False
-    #: Columns the row filter reads besides the feature and label columns.
+    #: Columns the row filter reads (which may include feature and label columns).
     filter_columns: Tuple[str, ...] = ()
 
     @property
@@ -95,7 +95,9 @@ def normalize_url(url_or_path: str) -> str:
     if not isinstance(url_or_path, str) or not url_or_path:
         raise DataError(f"dataset URL must be a non-empty string, got {url_or_path!r}")
     if urllib.parse.urlparse(url_or_path).scheme in ("", "file") and not url_or_path.startswith("file://"):
-        return "file://" + os.path.abspath(url_or_path)
+        # Hadoop writes local URIs as file:/path (one slash): that is a path, not a relative name.
+        path = url_or_path[len("file:"):] if url_or_path.startswith("file:/") else url_or_path
+        return "file://" + os.path.abspath(path)
     return url_or_path
 
 
@@ -187,7 +189,7 @@ def inspect_dataset(
         # Petastorm (pyarrow's legacy ParquetDataset) reads files sorted by path, directory by
         # directory; both readers use this order, so row group i is the same row group for both.
         fragments = sorted(dataset.get_fragments(), key=lambda f: f.path.split("/"))
-        file_urls = [_child_url(url, path, f.path) for f in fragments]
+        file_urls = [child_url(url, path, f.path) for f in fragments]
 
     unischema = _petastorm_schema(url, fs, path) if not explicit else None
     if unischema is not None:
@@ -226,11 +228,11 @@ def inspect_dataset(
         raise DataError(f"dataset {url!r} is empty: its Parquet files hold 0 rows")
     return DatasetInfo(
         url, num_rows, num_row_groups, unischema is not None, features, label,
-        files=tuple(files), explicit_files=explicit, filter_columns=tuple(c for c in filter_cols if c not in roles),
+        files=tuple(files), explicit_files=explicit, filter_columns=tuple(filter_cols),
     )
 
 
-def _child_url(root_url: str, root_path: str, file_path: str) -> str:
+def child_url(root_url: str, root_path: str, file_path: str) -> str:
     """The URL of a file found under the dataset at ``root_url`` (whose path in its filesystem is
     ``root_path``): same scheme, host and query, so every reader resolves it the same way."""
     root = root_path.rstrip("/")

@@ -14,6 +14,9 @@ Sharding and balance rules (the same for every reader):
 * With ``shuffle`` on, row-group order is shuffled each pass and rows are mixed in a bounded
   in-memory buffer (``shuffle_buffer_batches`` batches), seeded per rank: reproducible, never the
   whole dataset in memory.
+* Which row groups and rows a rank reads (order, filters, the validation hold-out) is decided in
+  :mod:`sparkdl.data.selection`, identically for every reader: the Petastorm and Arrow readers
+  give the same batches for the same seed.
 """
 
 from __future__ import annotations
@@ -22,14 +25,34 @@ import abc
 import dataclasses
 import itertools
 import warnings
-from typing import ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple, Type
 
 import numpy as np
+import pyarrow as pa
 
 from sparkdl.data.dataset import ColumnInfo, DatasetInfo
 from sparkdl.errors import ConfigError, DataError
 
 Chunk = Tuple[np.ndarray, Optional[np.ndarray]]
+#: ``transform_fn(features, labels) -> (features, labels)``: numpy in, numpy out, same row count.
+TransformFn = Callable[[np.ndarray, Optional[np.ndarray]], Tuple[np.ndarray, Optional[np.ndarray]]]
+#: ``metric(output, label) -> scalar``: the mean over a batch's rows (a tensor or a number).
+MetricFn = Callable[[Any, Any], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidationSpec:
+    """What the per-epoch validation pass reads and computes.
+
+    Args:
+        dataset: a separate validation dataset; None reads the rows ``DataSpec.holdout`` holds
+            out of the training data.
+        metrics: ``(name, fn)`` pairs; each ``fn(output, label)`` is a batch mean, reported as
+            ``val_<name>`` averaged over every validation row of every rank.
+    """
+
+    dataset: Optional[DatasetInfo] = None
+    metrics: Tuple[Tuple[str, MetricFn], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +67,14 @@ class DataSpec:
         reader_threads: Petastorm decoding threads per task. One keeps the order of row groups,
             and so the whole run, reproducible for a fixed seed; more read faster but in an
             order that varies between runs.
+        filters: rows to keep: pyarrow's DNF list of ``(column, op, value)`` tuples or a
+            ``pyarrow.compute`` expression; row groups whose statistics rule it out are skipped.
+        transform_fn: ``(features, labels) -> (features, labels)`` on numpy arrays, applied to
+            every batch on the executor (in the prefetch thread); must keep the row count.
+        holdout: fraction of rows held out of training for validation (by row position).
+        part: ``"train"`` reads the rows not held out, ``"holdout"`` only the held-out ones.
+        validation: the validation pass, or None for none.
+        prefetch_row_groups: row groups the Arrow reader reads ahead in the background.
     """
 
     batch_size: int
@@ -51,6 +82,12 @@ class DataSpec:
     seed: int = 0
     shuffle_buffer_batches: int = 8
     reader_threads: int = 1
+    filters: Any = None
+    transform_fn: Optional[TransformFn] = None
+    holdout: float = 0.0
+    part: str = "train"
+    validation: Optional[ValidationSpec] = None
+    prefetch_row_groups: int = 2
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
@@ -59,6 +96,14 @@ class DataSpec:
             raise ConfigError(f"shuffle_buffer_batches={self.shuffle_buffer_batches!r} must be >= 1")
         if self.reader_threads < 1:
             raise ConfigError(f"reader_threads={self.reader_threads!r} must be >= 1")
+        if not 0.0 <= self.holdout < 1.0:
+            raise ConfigError(f"holdout={self.holdout!r} must be a fraction in [0, 1)")
+        if self.part not in ("train", "holdout"):
+            raise ConfigError(f"part={self.part!r} must be 'train' or 'holdout'")
+        if self.transform_fn is not None and not callable(self.transform_fn):
+            raise ConfigError(f"transform_fn={self.transform_fn!r} is not callable")
+        if self.prefetch_row_groups < 1:
+            raise ConfigError(f"prefetch_row_groups={self.prefetch_row_groups!r} must be >= 1")
 
 
 def steps_per_epoch(num_rows: int, batch_size: int, world_size: int) -> int:
@@ -76,7 +121,12 @@ _READERS: Dict[str, Type["DataReader"]] = {}
 
 
 class DataReader(abc.ABC):
-    """Plug-in point for turning a shard of Parquet into numpy chunks of any size."""
+    """Plug-in point for turning a shard of Parquet into numpy chunks of any size.
+
+    Subclasses set ``name`` (``reader="name"`` then selects them) and implement
+    :meth:`read_pass` — one pass over the rank's shard, which also serves the validation pass —
+    or, for training only, :meth:`chunks`.
+    """
 
     name: ClassVar[str] = ""
 
@@ -85,13 +135,27 @@ class DataReader(abc.ABC):
         if cls.name:
             _READERS[cls.name] = cls
 
-    @abc.abstractmethod
+    def read_pass(self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_index: int) -> Iterator[Chunk]:
+        """One pass over this rank's shard (seeded ``spec.seed + pass_index``), honouring
+        ``spec``'s filters and hold-out part. Must close its resources when closed."""
+        raise NotImplementedError(f"reader {self.name or type(self).__name__!r} cannot read single passes (validation)")
+
     def chunks(self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int) -> Iterator[Chunk]:
-        """Endless (features, labels) chunks of this rank's shard. Must close its resources when
-        the generator is closed."""
+        """Endless (features, labels) chunks of this rank's shard: :meth:`read_pass` for pass
+        0, 1, 2, ... Must close its resources when the generator is closed."""
+        for pass_index in itertools.count():
+            rows = 0
+            for chunk in self.read_pass(dataset, spec, rank, world_size, pass_index):
+                rows += len(chunk[0])
+                yield chunk
+            if rows == 0:
+                narrowed = " after filters and the validation hold-out" if spec.filters is not None or spec.holdout else ""
+                raise DataError(f"rank {rank} read no rows from its shard of dataset {dataset.url!r}{narrowed}")
 
 
 def reader_from_name(name: str) -> DataReader:
+    from sparkdl.data import arrow_reader  # noqa: F401 - registers "arrow" (it imports this module)
+
     try:
         return _READERS[name]()
     except KeyError:
@@ -120,11 +184,31 @@ def batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int,
             full = (len(features) // spec.batch_size) * spec.batch_size
             for start in range(0, full, spec.batch_size):
                 stop = start + spec.batch_size
-                yield features[start:stop], (labels[start:stop] if labels is not None else None)
+                batch = features[start:stop], (labels[start:stop] if labels is not None else None)
+                yield apply_transform(spec.transform_fn, *batch) if spec.transform_fn is not None else batch
             pending = [(features[full:], labels[full:] if labels is not None else None)]
             pending_rows = len(features) - full
     finally:
         source.close()
+
+
+def apply_transform(transform_fn: TransformFn, features: np.ndarray, labels: Optional[np.ndarray]) -> Chunk:
+    """Runs the user's per-batch transform and checks what it returns."""
+    result = transform_fn(features, labels)
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise ConfigError(f"transform_fn must return a (features, labels) tuple of numpy arrays, got {type(result).__name__}")
+    new_features, new_labels = result
+    if not isinstance(new_features, np.ndarray) or (new_labels is not None and not isinstance(new_labels, np.ndarray)):
+        raise ConfigError(
+            f"transform_fn must return numpy arrays, got ({type(new_features).__name__}, {type(new_labels).__name__})"
+        )
+    if len(new_features) != len(features) or (new_labels is not None and len(new_labels) != len(features)):
+        raise ConfigError(
+            f"transform_fn must keep the batch's {len(features)} rows, returned {len(new_features)} features"
+            + (f" and {len(new_labels)} labels" if new_labels is not None else "")
+            + "; use filters= to drop rows"
+        )
+    return np.ascontiguousarray(new_features), (np.ascontiguousarray(new_labels) if new_labels is not None else None)
 
 
 def to_arrays(
@@ -152,6 +236,8 @@ def to_arrays(
     if label is None or label_info is None:
         return features, None
     labels = _dense(label, label_info)
+    if labels.dtype.kind == "f" and np.isnan(labels).any():
+        raise DataError(f"label column {label_info.name} contains NaN or null values in {source}")
     labels = labels.astype(np.int64 if label_info.kind == "int" else np.float32, copy=False)
     return features, labels
 
@@ -177,61 +263,93 @@ def _dense(column: np.ndarray, info: ColumnInfo) -> np.ndarray:
 
 class PetastormReader(DataReader):
     """Streams through Petastorm: ``make_batch_reader`` for plain Parquet, ``make_reader`` for
-    Petastorm datasets with a Unischema (codecs such as images stored as ndarrays)."""
+    Petastorm datasets with a Unischema (codecs such as images stored as ndarrays).
+
+    Petastorm 0.12's own ``filters=`` only prunes Hive partition directories (its legacy
+    ``ParquetDataset`` ignores other columns), so row filters are evaluated here, on the
+    filter's columns, which are read along with the data.
+    """
 
     name = "petastorm"
 
-    def chunks(self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int) -> Iterator[Chunk]:
-        striding = dataset.num_row_groups < world_size
+    def read_pass(self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_index: int) -> Iterator[Chunk]:
+        from sparkdl.data.selection import PositionCursor, RowSelector, pass_row_groups
+
+        selector = RowSelector(dataset, spec.holdout, spec.part, spec.filters, rank, world_size)
+        seed = spec.seed + pass_index
+        order = pass_row_groups(dataset.num_row_groups, rank, world_size, seed, spec.shuffle)
+        if selector.needs_positions and spec.reader_threads > 1:
+            raise ConfigError(
+                "reader_threads > 1 reads row groups in a varying order, so rows cannot be matched to their "
+                "positions (needed for the validation hold-out and for datasets with fewer row groups than ranks)"
+            )
         feature_names = [c.name for c in dataset.features]
         label_name = dataset.label.name if dataset.label else None
+        extra = [c for c in dataset.filter_columns if c not in dataset.columns]
         source = f"dataset {dataset.url!r}"
-        # One reader per pass with a pass-specific seed, rather than Petastorm's num_epochs=None:
-        # its endless mode reorders row groups depending on timing, which made runs irreproducible.
-        for pass_index in itertools.count():
-            reader = self._open(dataset, spec, rank, world_size, striding, spec.seed + pass_index)
-            position = 0
-            rows = 0
-            try:
-                for item in _row_batches(reader, spec.batch_size) if dataset.is_petastorm else reader:
-                    columns = [np.asarray(getattr(item, name)) for name in feature_names]
-                    label = np.asarray(getattr(item, label_name)) if label_name else None
-                    if striding:
-                        keep = (np.arange(position, position + len(columns[0])) % world_size) == rank
-                        position += len(columns[0])
-                        columns = [c[keep] for c in columns]
-                        label = label[keep] if label is not None else None
-                        if not len(columns[0]):
-                            continue
-                    rows += len(columns[0])
-                    yield to_arrays(columns, label, dataset.features, dataset.label, source)
-            finally:
-                reader.stop()
-                reader.join()
-            if rows == 0:
-                raise DataError(f"rank {rank} read no rows from its shard of {source}")
+        cursor = PositionCursor(selector, order)
+        # make_batch_reader hands out one whole row group per item and skips empty ones: the
+        # expected sizes catch a Petastorm whose order differs from selection.pass_row_groups.
+        expected = iter([dataset.row_group_rows[g] for g in order if dataset.row_group_rows[g] > 0])
+        reader = self._open(dataset, spec, rank, world_size, selector.striding, seed, dataset.columns + extra)
+        try:
+            for item in _row_batches(reader, spec.batch_size) if dataset.is_petastorm else reader:
+                columns = [np.asarray(getattr(item, name)) for name in feature_names]
+                label = np.asarray(getattr(item, label_name)) if label_name else None
+                count = len(columns[0])
+                if not dataset.is_petastorm and count != next(expected, None):
+                    raise DataError(
+                        f"Petastorm returned a row group of {count} rows where {source} has a different one next; "
+                        f"its row-group order differs from the one sparkdl expects (Petastorm version?)"
+                    )
+                positions = cursor.take(count) if selector.needs_positions else None
+                filter_table = None
+                if selector.expression is not None:
+                    filter_table = pa.table({c: _arrow_column(getattr(item, c)) for c in dataset.filter_columns})
+                keep = selector.keep(positions, filter_table, count)
+                if keep is not None:
+                    if not keep.any():
+                        continue
+                    columns = [c[keep] for c in columns]
+                    label = label[keep] if label is not None else None
+                yield to_arrays(columns, label, dataset.features, dataset.label, source)
+        finally:
+            reader.stop()
+            reader.join()
 
     @staticmethod
-    def _open(dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, striding: bool, seed: int):
+    def _open(dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, striding: bool, seed: int, columns: List[str]):
         with warnings.catch_warnings():
             # Petastorm 0.12 calls pyarrow's legacy API, which warns on every call.
             warnings.simplefilter("ignore", FutureWarning)
             warnings.simplefilter("ignore", DeprecationWarning)
             from petastorm import make_batch_reader, make_reader
 
-            factory = make_reader if dataset.is_petastorm else make_batch_reader
+            if dataset.is_petastorm:
+                factory, location = make_reader, dataset.url
+            else:
+                # The explicit file list fixes Petastorm's row-group order to DatasetInfo.files.
+                factory, location = make_batch_reader, [f.url for f in dataset.files]
             return factory(
-                dataset.url,
-                schema_fields=dataset.columns,
+                location,
+                schema_fields=columns,
                 reader_pool_type="thread",
                 # Row striding needs every rank to see rows in the same order: one thread.
                 workers_count=1 if striding else spec.reader_threads,
-                seed=seed,
+                # Without shuffling no seed: Petastorm would still shuffle row groups before sharding.
+                seed=seed if spec.shuffle else None,
                 shuffle_row_groups=spec.shuffle,
                 num_epochs=1,
                 cur_shard=None if striding else rank,
                 shard_count=None if striding else world_size,
             )
+
+
+def _arrow_column(values: np.ndarray) -> pa.Array:
+    """A filter column as Arrow; NaN becomes null, as Petastorm turned nulls into NaN."""
+    if values.ndim > 1:
+        return pa.array(list(values))
+    return pa.array(values, from_pandas=True)
 
 
 def _row_batches(reader, size: int):

@@ -64,6 +64,16 @@ class StrategyRuntime(abc.ABC):
         """The plain module holding the strategy's result (e.g. the final average), same on all
         ranks when ``identical_final_weights``. Called once, after the last step, on every rank."""
 
+    def epoch_metrics(self) -> Dict[str, float]:
+        """Strategy-specific figures for this rank since the previous call (e.g. a parameter
+        server's ``staleness``), added to each epoch's history record by the training loop.
+
+        Called once per epoch on every rank; every rank must return the same keys. Keys ending
+        in ``_per_sec`` are summed over ranks (rates add up); every other key takes the maximum
+        over ranks. Default: none.
+        """
+        return {}
+
     def state_dict(self) -> Dict[str, Any]:
         """This rank's strategy state that a checkpoint must hold to resume exactly (averaging
         center, step counters, parameter-server shards with their optimizer state), beyond the

@@ -1,10 +1,10 @@
 """Compares sparkdl's strategies on digits: throughput, model-sync traffic, accuracy.
 
 Starts its own ``local-cluster[2,1,1024]`` Spark application (two executors, one core each),
-trains the same MLP with every strategy (same epochs, batch size, seed and optimizer) and prints
+trains the same MLP with every strategy (same epochs, batch size, seeds and optimizer) and prints
 a markdown table. Run from the repository root::
 
-    .venv/bin/python benchmarks/strategies.py            # defaults: --epochs 8 --repeats 2
+    .venv/bin/python benchmarks/strategies.py            # defaults: --epochs 10 --repeats 3
 
 Columns: samples/s is the steady state (the mean of the per-epoch throughput over epochs 2..N,
 averaged over repeats); comm bytes/epoch is what one rank put into model-sync collectives per
@@ -47,6 +47,7 @@ def strategies() -> List[Tuple[str, sparkdl.Strategy]]:
         ("AllReduce()", sparkdl.AllReduce()),
         ("ModelAveraging(sync_every=1)", sparkdl.ModelAveraging(sync_every=1)),
         ("ModelAveraging(sync_every=4)", sparkdl.ModelAveraging(sync_every=4)),
+        ("ModelAveraging(sync_every=8)", sparkdl.ModelAveraging(sync_every=8)),
         ("ModelAveraging(sync_every=16)", sparkdl.ModelAveraging(sync_every=16)),
         ("ElasticAveraging(sync_every=4)", sparkdl.ElasticAveraging(sync_every=4)),
     ]
@@ -66,10 +67,10 @@ def split_digits():
 
 def main(argv: Sequence[str] = ()) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
-    parser.add_argument("--repeats", type=int, default=2, help="fits per strategy; throughput is averaged")
+    parser.add_argument("--repeats", type=int, default=3, help="fits per strategy, seeds seed..seed+repeats-1; throughput and accuracy are averaged")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(list(argv))
 
@@ -92,7 +93,7 @@ def main(argv: Sequence[str] = ()) -> None:
             [(f.astype(float).tolist(), int(y)) for f, y in zip(train_x, train_y)], "features array<double>, label long"
         )
 
-        def fit(strategy: sparkdl.Strategy, epochs: int) -> sparkdl.TorchModel:
+        def fit(strategy: sparkdl.Strategy, epochs: int, seed: int = args.seed) -> sparkdl.TorchModel:
             return sparkdl.TorchEstimator(
                 model=digits_mlp,
                 optimizer=functools.partial(torch.optim.Adam, lr=args.lr),
@@ -100,7 +101,7 @@ def main(argv: Sequence[str] = ()) -> None:
                 num_workers=2,
                 batch_size=args.batch_size,
                 epochs=epochs,
-                seed=args.seed,
+                seed=seed,
                 progress=False,
             ).fit(df)
 
@@ -113,9 +114,11 @@ def main(argv: Sequence[str] = ()) -> None:
             throughput: List[float] = []
             scores: List[float] = []
             comm: List[float] = []
-            for _ in range(args.repeats):
+            for repeat in range(args.repeats):
                 started = time.time()
-                model = fit(strategy, args.epochs)
+                # A different seed per repeat: accuracy differences of a point are within the
+                # spread between seeds on a 360-row test set, so compare means.
+                model = fit(strategy, args.epochs, seed=args.seed + repeat)
                 steady = [h["samples_per_sec"] for h in model.history[1:]] or [model.history[0]["samples_per_sec"]]
                 throughput.append(statistics.mean(steady))
                 comm.append(statistics.mean(h["comm_bytes"] for h in model.history))
@@ -123,9 +126,7 @@ def main(argv: Sequence[str] = ()) -> None:
                     predicted = model.module(torch.from_numpy(test_x)).argmax(1).numpy()
                 scores.append(float((predicted == test_y).mean()))
                 print(f"  {name}: {time.time() - started:.1f}s, accuracy {scores[-1]:.4f}", file=sys.stderr)
-            if len(set(scores)) > 1:  # same seed, so a difference would be a reproducibility bug
-                print(f"  warning: {name} accuracy differs between repeats: {scores}", file=sys.stderr)
-            rows.append((name, statistics.mean(throughput), statistics.mean(comm), scores[0]))
+            rows.append((name, statistics.mean(throughput), statistics.mean(comm), statistics.mean(scores), min(scores), max(scores)))
         print(table(rows, args))
     finally:
         spark.stop()
@@ -135,14 +136,14 @@ def table(rows: Sequence[tuple], args: argparse.Namespace) -> str:
     baseline = rows[0][2]
     lines = [
         f"digits, 2 workers (local-cluster[2,1,1024]), batch {args.batch_size}/worker, {args.epochs} epochs, "
-        f"Adam lr={args.lr}, seed {args.seed}, {args.repeats} repeat(s), torch {torch.__version__}",
+        f"Adam lr={args.lr}, seeds {args.seed}..{args.seed + args.repeats - 1} (one fit each), torch {torch.__version__}",
         "",
-        "| strategy | samples/s (steady) | comm bytes/epoch/rank | AllReduce bytes / these | test accuracy |",
+        "| strategy | samples/s (steady) | comm bytes/epoch/rank | AllReduce bytes / these | test accuracy, mean (min–max) |",
         "|---|---:|---:|---:|---:|",
     ]
-    for name, speed, comm, score in rows:
+    for name, speed, comm, score, low, high in rows:
         ratio = f"{baseline / comm:.1f}" if comm else "n/a"
-        lines.append(f"| {name} | {speed:,.0f} | {comm:,.0f} | {ratio} | {score:.4f} |")
+        lines.append(f"| {name} | {speed:,.0f} | {comm:,.0f} | {ratio} | {score:.4f} ({low:.3f}–{high:.3f}) |")
     return "\n".join(lines)
 
 

@@ -1,0 +1,144 @@
+"""Reader throughput: Petastorm vs the native Arrow reader vs in-memory tensors.
+
+What one training task does with its shard, in one process: the reader's chunks, rebatched and
+shuffled by ``sparkdl.data.reader.batches``, turned into tensors by the TrainContext prefetch
+thread, fed to a tiny model (one linear layer) so that the data path dominates. The in-memory
+baseline runs the same training loop over batches sliced from tensors already in memory.
+
+    .venv/bin/python benchmarks/data_readers.py [--rows 300000] [--epochs 3] [--batch-size 256]
+
+Prints one table row per reader: samples/s (steady state, over all epochs after the first
+batch), time to the first batch, and the ratio to the in-memory loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+import warnings
+from typing import Dict, List, Tuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from sparkdl.context import _Prefetcher
+from sparkdl.data.dataset import inspect_dataset
+from sparkdl.data.reader import DataSpec, batches, reader_from_name, steps_per_epoch
+
+FEATURES = 64
+CLASSES = 10
+
+
+def write_dataset(path: str, rows: int, files: int, row_group_rows: int) -> str:
+    """``files`` Parquet files (snappy, like sparkdl's DataFrame cache) of list<float> features."""
+    rng = np.random.default_rng(0)
+    os.makedirs(path, exist_ok=True)
+    per_file = rows // files
+    for index in range(files):
+        features = rng.standard_normal((per_file, FEATURES), dtype=np.float32)
+        labels = rng.integers(0, CLASSES, per_file)
+        column = pa.ListArray.from_arrays(pa.array(np.arange(0, per_file * FEATURES + 1, FEATURES, dtype=np.int32)), pa.array(features.ravel()))
+        table = pa.table({"features": column, "label": pa.array(labels)})
+        pq.write_table(table, os.path.join(path, f"part-{index:05d}.parquet"), row_group_size=row_group_rows, compression="snappy")
+    return path
+
+
+def train(batch_source, steps: int, epochs: int) -> Tuple[float, float, int]:
+    """Runs the tiny model over ``epochs * steps`` batches; returns (first-batch seconds,
+    steady seconds, samples after the first batch)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(FEATURES, CLASSES)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    started = time.perf_counter()
+    first = None
+    samples = 0
+    for _ in range(epochs):
+        for _ in range(steps):
+            features, labels = batch_source()
+            if first is None:
+                first = time.perf_counter()
+            else:
+                samples += len(features)
+            optimizer.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(features), labels).backward()
+            optimizer.step()
+    return first - started, time.perf_counter() - first, samples
+
+
+def run_reader(name: str, url: str, batch_size: int, epochs: int) -> Dict[str, float]:
+    started = time.perf_counter()
+    dataset = inspect_dataset(url, ["features"], "label")
+    spec = DataSpec(batch_size=batch_size, shuffle=True, seed=0)
+    steps = steps_per_epoch(dataset.num_rows, batch_size, 1)
+    stream = _Prefetcher(batches(reader_from_name(name), dataset, spec, rank=0, world_size=1), pin=False)
+    try:
+        first, steady, samples = train(stream.next, steps, epochs)
+    finally:
+        stream.close()
+    inspect_s = time.perf_counter() - started - first - steady
+    return {"samples_per_s": samples / steady, "first_batch_s": first + inspect_s}
+
+
+def run_in_memory(url: str, batch_size: int, epochs: int) -> Dict[str, float]:
+    started = time.perf_counter()
+    table = pq.read_table(url)
+    features = torch.from_numpy(table.column("features").combine_chunks().flatten().to_numpy().reshape(-1, FEATURES).copy())
+    labels = torch.from_numpy(table.column("label").to_numpy().copy())
+    load_s = time.perf_counter() - started
+    steps = len(labels) // batch_size
+    generator = torch.Generator().manual_seed(0)
+    state = {"order": torch.randperm(len(labels), generator=generator), "step": 0}
+
+    def next_batch():
+        # A shuffled pass per epoch, as the readers do; slices of contiguous copies.
+        if state["step"] == steps:
+            state["order"] = torch.randperm(len(labels), generator=generator)
+            state["step"] = 0
+        index = state["order"][state["step"] * batch_size:(state["step"] + 1) * batch_size]
+        state["step"] += 1
+        return features[index], labels[index]
+
+    first, steady, samples = train(next_batch, steps, epochs)
+    return {"samples_per_s": samples / steady, "first_batch_s": first + load_s}
+
+
+def main(argv: List[str] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=300_000)
+    parser.add_argument("--files", type=int, default=4)
+    parser.add_argument("--row-group-rows", type=int, default=32_768)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (a task gets spark.task.cpus)")
+    parser.add_argument("--readers", default="petastorm,arrow")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    warnings.simplefilter("ignore")  # Petastorm's legacy-pyarrow deprecation warnings
+    with tempfile.TemporaryDirectory() as tmp:
+        url = write_dataset(os.path.join(tmp, "data"), args.rows, args.files, args.row_group_rows)
+        size_mb = sum(os.path.getsize(os.path.join(url, f)) for f in os.listdir(url)) / 2**20
+        print(
+            f"{args.rows:,} rows x {FEATURES} float32 features (list<float>) + int64 label, {args.files} files, "
+            f"row groups of {args.row_group_rows:,} rows, snappy, {size_mb:.0f} MiB; batch {args.batch_size}, "
+            f"{args.epochs} epochs, torch threads {args.threads}, model Linear({FEATURES}, {CLASSES})"
+        )
+        results = {"in-memory tensors": run_in_memory(url, args.batch_size, args.epochs)}
+        for name in args.readers.split(","):
+            results[f"{name} reader"] = run_reader(name, url, args.batch_size, args.epochs)
+    baseline = results["in-memory tensors"]["samples_per_s"]
+    print()
+    print("| data path | samples/s | time to first batch | vs in-memory |")
+    print("|---|---:|---:|---:|")
+    for name, result in results.items():
+        print(f"| {name} | {result['samples_per_s']:,.0f} | {result['first_batch_s']:.2f} s | {result['samples_per_s'] / baseline:.2f} |")
+    if "petastorm reader" in results and "arrow reader" in results:
+        ratio = results["arrow reader"]["samples_per_s"] / results["petastorm reader"]["samples_per_s"]
+        print(f"\narrow / petastorm: {ratio:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

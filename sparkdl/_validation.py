@@ -1,0 +1,142 @@
+"""The per-epoch validation pass: ``val_loss`` and ``val_<metric>`` in ``model.history``.
+
+Every rank reads its shard of the validation rows once per call — the rows
+``DataSpec.holdout`` holds out of the training data, or a separate validation dataset — in file
+order, unshuffled, in batches of ``batch_size`` (the last one smaller), with ``transform_fn``
+applied. The model runs in eval mode under ``torch.no_grad``; sums of loss and metrics weighted
+by rows, and the row count, are summed over ranks with one allreduce, so the result is the mean
+over all validation rows whatever their spread over ranks. Ranks need no equal step counts here:
+the forward passes run on the unwrapped module (never DDP's, whose forward may synchronize
+buffers), so no collective happens until that one allreduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from sparkdl.data.dataset import DatasetInfo
+from sparkdl.data.reader import Chunk, DataReader, DataSpec, MetricFn, apply_transform
+from sparkdl.errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sparkdl.context import TrainContext
+
+
+def validation_source(dataset: DatasetInfo, spec: DataSpec) -> Tuple[DatasetInfo, DataSpec]:
+    """The dataset and spec of the validation pass of a run on ``dataset`` with ``spec``."""
+    if spec.validation is None:
+        raise ConfigError("this run has no validation data: pass validation=<fraction, URL, DataFrame or source>")
+    if spec.validation.dataset is not None:
+        return spec.validation.dataset, dataclasses.replace(spec, shuffle=False, holdout=0.0, part="train")
+    return dataset, dataclasses.replace(spec, shuffle=False, part="holdout")
+
+
+def validation_batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int) -> Iterator[Chunk]:
+    """One pass over this rank's validation rows in batches of ``spec.batch_size`` (the last
+    one may be smaller), with ``spec.transform_fn`` applied."""
+    pending: List[Chunk] = []
+    pending_rows = 0
+
+    def emit(features: np.ndarray, labels: Optional[np.ndarray]) -> Chunk:
+        return apply_transform(spec.transform_fn, features, labels) if spec.transform_fn is not None else (features, labels)
+
+    def flush(final: bool) -> Iterator[Chunk]:
+        nonlocal pending, pending_rows
+        features = np.concatenate([c[0] for c in pending])
+        labels = np.concatenate([c[1] for c in pending]) if pending[0][1] is not None else None
+        full = len(features) if final else (len(features) // spec.batch_size) * spec.batch_size
+        for start in range(0, full, spec.batch_size):
+            stop = min(start + spec.batch_size, full)
+            yield emit(features[start:stop], labels[start:stop] if labels is not None else None)
+        pending = [(features[full:], labels[full:] if labels is not None else None)]
+        pending_rows = len(features) - full
+
+    source = reader.read_pass(dataset, spec, rank, world_size, 0)
+    try:
+        for chunk in source:
+            pending.append(chunk)
+            pending_rows += len(chunk[0])
+            if pending_rows >= spec.batch_size:
+                yield from flush(final=False)
+        if pending_rows:
+            yield from flush(final=True)
+    finally:
+        source.close()
+
+
+def evaluate(
+    ctx: "TrainContext",
+    model: torch.nn.Module,
+    loss: Optional[Any],
+    metrics: Optional[Mapping[str, MetricFn]] = None,
+) -> Dict[str, float]:
+    """Mean loss and metrics over every rank's validation rows. Collective: call on every rank.
+
+    Args:
+        ctx: the task's context.
+        model: the model being trained (DDP-wrapped or not).
+        loss: ``(output, label) -> scalar`` batch mean, or None to report only metrics.
+        metrics: ``name -> fn(output, label)`` batch means; default the run's ``metrics=``.
+
+    Returns:
+        ``{"val_loss": ..., "val_<name>": ..., "val_samples": rows}``.
+    """
+    if metrics is None:
+        spec = ctx._data_spec
+        metrics = dict(spec.validation.metrics) if spec is not None and spec.validation is not None else {}
+    names = sorted(metrics)
+    module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    was_training = module.training
+    module.eval()
+    sums = torch.zeros(2 + len(names), dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            for step, (features, labels) in enumerate(ctx.validation_batches()):
+                if step % 50 == 0:
+                    ctx.set_phase(f"validation (batch {step + 1})")
+                output = module(features)
+                rows = len(features)
+                sums[0] += rows
+                if loss is not None:
+                    sums[1] += _scalar(loss(output, labels), "loss") * rows
+                for i, name in enumerate(names):
+                    sums[2 + i] += _scalar(metrics[name](output, labels), f"metric {name!r}") * rows
+    finally:
+        module.train(was_training)
+    sums = sums.to(ctx.device)
+    dist.all_reduce(sums)
+    totals = sums.cpu().tolist()
+    count = totals[0]
+    if count == 0:
+        raise ConfigError("the validation data holds no rows on any rank")
+    result = {"val_samples": int(count)}
+    if loss is not None:
+        result["val_loss"] = totals[1] / count
+    for i, name in enumerate(names):
+        result[f"val_{name}"] = totals[2 + i] / count
+    return result
+
+
+def validate_epoch(ctx: "TrainContext", model: torch.nn.Module, loss: Any) -> Dict[str, float]:
+    """``evaluate`` with the run's metrics when the run has validation data, else ``{}``.
+    FitLoop calls it at the end of every epoch and merges the result into the epoch record."""
+    spec = ctx._data_spec
+    if spec is None or spec.validation is None:
+        return {}
+    return evaluate(ctx, model, loss, dict(spec.validation.metrics))
+
+
+def _scalar(value: Any, what: str) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ConfigError(f"the {what} must return a scalar (the batch mean), got a tensor of shape {tuple(value.shape)}")
+        return float(value.detach().double().item())
+    try:
+        return float(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"the {what} must return a number or a scalar tensor, got {type(value).__name__}") from exc

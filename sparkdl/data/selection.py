@@ -1,0 +1,237 @@
+"""Which rows of a dataset a rank reads, in which order: the rules every reader shares.
+
+* **Row-group order.** Global row group ``i`` is the ``i``-th row group of the dataset's files
+  in :attr:`DatasetInfo.files` order. Rank ``r`` of ``n`` reads the row groups with
+  ``i % n == r``; with shuffling, each pass's order is exactly the one Petastorm 0.12 produces
+  for ``seed = spec.seed + pass`` (its shard shuffle with ``random.Random(seed)``, then its
+  ventilator's ``numpy.random.RandomState(seed)`` shuffle); without, it is ascending. So the
+  Petastorm and Arrow readers hand out the same rows in the same order. With fewer row groups than ranks every rank reads
+  every row group and keeps the rows whose position ``p`` has ``p % n == r``.
+* **Positions.** A row's position is its index in the whole dataset in that file order. The
+  striding fallback and the validation hold-out are functions of the position only, so they do
+  not depend on the seed, the shuffle or the reader.
+* **Hold-out.** ``DataSpec.holdout = f`` sends the rows whose hashed position falls below
+  ``f`` to validation (a splitmix64 hash: a fixed, even spread over the file, the same split
+  for every seed and ``num_workers``). Training skips them, the validation pass reads only them.
+* **Filters.** A pyarrow filter (DNF or expression) keeps rows; the readers evaluate it on the
+  rows of each row group, after skipping row groups whose statistics rule it out.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from sparkdl.data.dataset import DatasetInfo, file_paths, filesystem_and_path, to_expression
+from sparkdl.errors import ConfigError, DataError
+
+#: Added to positions before hashing, so the split is not the one other tools derive from
+#: hashing plain row numbers.
+_SALT = np.uint64(0x9E3779B97F4A7C15)
+_ROW_INDEX = "__sparkdl_row__"
+
+
+def pass_row_groups(num_row_groups: int, rank: int, world_size: int, seed: int, shuffle: bool) -> List[int]:
+    """Global row groups rank ``rank`` reads in one pass, in reading order (Petastorm's order)."""
+    indexes = list(range(num_row_groups))
+    if num_row_groups >= world_size:
+        # Petastorm shuffles the list with its seed before sharding (the readers pass it no
+        # seed when not shuffling), then keeps the indexes (not positions) of the shard.
+        if shuffle:
+            random.Random(seed).shuffle(indexes)
+        indexes = [i for i in indexes if i % world_size == rank]
+    if shuffle:
+        # Petastorm's ventilator: RandomState(seed).shuffle of its item list, which permutes a
+        # list the same way whatever its items are.
+        np.random.RandomState(seed).shuffle(indexes)
+    return indexes
+
+
+def holdout_mask(positions: np.ndarray, fraction: float) -> np.ndarray:
+    """True for the positions that belong to the validation hold-out."""
+    if fraction <= 0:
+        return np.zeros(len(positions), dtype=bool)
+    x = positions.astype(np.uint64) + _SALT
+    # splitmix64's finalizer: consecutive positions land far apart, so held-out rows are spread
+    # evenly over every file and row group.
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+    return x < np.uint64(min(int(fraction * 2.0**64), 2**64 - 1))
+
+
+def filter_mask(table: pa.Table, expression) -> np.ndarray:
+    """The rows of ``table`` the filter keeps (null counts as false, as in Parquet pushdown)."""
+    indexed = table.append_column(_ROW_INDEX, pa.array(np.arange(table.num_rows, dtype=np.int64)))
+    kept = indexed.filter(expression).column(_ROW_INDEX).to_numpy()
+    mask = np.zeros(table.num_rows, dtype=bool)
+    mask[kept] = True
+    return mask
+
+
+class RowSelector:
+    """Decides which rows of a row group (or of a run of rows) a rank keeps.
+
+    Args:
+        dataset: the dataset.
+        holdout: fraction of rows held out for validation.
+        part: ``"train"`` keeps the rows that are not held out, ``"holdout"`` only those.
+        filters: the row filter, or None.
+        rank, world_size: this rank, and the number of ranks.
+    """
+
+    def __init__(self, dataset: DatasetInfo, holdout: float, part: str, filters, rank: int, world_size: int) -> None:
+        if part not in ("train", "holdout"):
+            raise ConfigError(f"part={part!r} must be 'train' or 'holdout'")
+        self.striding = dataset.num_row_groups < world_size
+        self.holdout = holdout
+        self.part = part
+        self.expression = to_expression(filters) if filters is not None else None
+        self.rank = rank
+        self.world_size = world_size
+        rows = np.asarray(dataset.row_group_rows, dtype=np.int64)
+        #: First position of every global row group.
+        self.starts = np.concatenate([[0], np.cumsum(rows)[:-1]]) if len(rows) else rows
+        self.rows = rows
+
+    @property
+    def needs_positions(self) -> bool:
+        return self.striding or self.holdout > 0
+
+    def positions(self, row_group: int) -> np.ndarray:
+        return np.arange(self.starts[row_group], self.starts[row_group] + self.rows[row_group], dtype=np.int64)
+
+    def keep(self, positions: Optional[np.ndarray], filter_table: Optional[pa.Table], num_rows: int) -> Optional[np.ndarray]:
+        """A boolean mask of the rows to keep, or None to keep them all."""
+        mask: Optional[np.ndarray] = None
+        if self.striding:
+            mask = (positions % self.world_size) == self.rank
+        if self.holdout > 0:
+            held = holdout_mask(positions, self.holdout)
+            part = held if self.part == "holdout" else ~held
+            mask = part if mask is None else mask & part
+        if self.expression is not None:
+            passed = filter_mask(filter_table, self.expression)
+            mask = passed if mask is None else mask & passed
+        return mask
+
+
+class PositionCursor:
+    """Positions of a stream of rows that is the concatenation of row groups in ``order``
+    (Petastorm's ``make_reader`` hands out rows, not row groups)."""
+
+    def __init__(self, selector: RowSelector, order: Sequence[int]) -> None:
+        self._selector = selector
+        self._order = list(order)
+        self._index = 0
+        self._offset = 0
+
+    def take(self, count: int) -> np.ndarray:
+        out = []
+        while count > 0:
+            if self._index >= len(self._order):
+                raise DataError("the reader returned more rows than the row groups of its shard hold")
+            group = self._order[self._index]
+            start = self._selector.starts[group] + self._offset
+            available = int(self._selector.rows[group]) - self._offset
+            taken = min(available, count)
+            out.append(np.arange(start, start + taken, dtype=np.int64))
+            count -= taken
+            self._offset += taken
+            if self._offset == self._selector.rows[group]:
+                self._index += 1
+                self._offset = 0
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+class OpenFiles:
+    """A dataset's files, each opened once with its footer kept: a task reads many row groups
+    per file, and re-parsing a footer per row group would cost more than small row groups."""
+
+    def __init__(self, dataset: DatasetInfo) -> None:
+        self.dataset = dataset
+        self.urls = [f.url for f in dataset.files]
+        self.fs, _ = filesystem_and_path(self.urls[0])
+        self.paths = file_paths(self.fs, self.urls)
+        self._files: Dict[int, pq.ParquetFile] = {}
+        self._matching: Dict[int, Optional[set]] = {}
+
+    def parquet(self, index: int) -> pq.ParquetFile:
+        handle = self._files.get(index)
+        if handle is None:
+            try:
+                handle = pq.ParquetFile(self.fs.open_input_file(self.paths[index]))
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise DataError(f"cannot open Parquet file {self.urls[index]!r}: {exc}") from exc
+            self._files[index] = handle
+        return handle
+
+    def read(self, index: int, row_group: int, columns: Sequence[str]) -> pa.Table:
+        try:
+            return self.parquet(index).read_row_group(row_group, columns=list(columns))
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise DataError(f"cannot read row group {row_group} of Parquet file {self.urls[index]!r}: {exc}") from exc
+
+    def may_match(self, index: int, row_group: int, expression) -> bool:
+        """False when the row group's statistics prove no row passes the filter (skip it)."""
+        if index not in self._matching:
+            import pyarrow.dataset as pads
+
+            try:
+                fragment = pads.ParquetFileFormat().make_fragment(self.paths[index], filesystem=self.fs)
+                self._matching[index] = {rg.id for rg in fragment.subset(filter=expression).row_groups}
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError):
+                self._matching[index] = None  # statistics unusable: read every row group
+        matching = self._matching[index]
+        return matching is None or row_group in matching
+
+    def close(self) -> None:
+        for handle in self._files.values():
+            handle.close()
+        self._files.clear()
+
+
+def shard_rows(dataset: DatasetInfo, world_size: int, holdout: float = 0.0, part: str = "train", filters=None) -> List[int]:
+    """Rows each rank's shard holds after the filter and hold-out: computed on the driver, so
+    that steps per epoch are exact and an empty shard fails before launch.
+
+    Without a filter this is arithmetic on footer row counts (plus hashing positions for a
+    hold-out); with one, it reads the filter's columns once, skipping row groups whose
+    statistics rule the filter out.
+    """
+    counts = np.zeros(world_size, dtype=np.int64)
+    striding = dataset.num_row_groups < world_size
+    rows = dataset.row_group_rows
+    if filters is None and holdout <= 0:
+        if striding:
+            return [max(0, (dataset.num_rows - r + world_size - 1) // world_size) for r in range(world_size)]
+        for g, n in enumerate(rows):
+            counts[g % world_size] += n
+        return counts.tolist()
+    selector = RowSelector(dataset, holdout, part, filters, rank=0, world_size=world_size)
+    files = OpenFiles(dataset) if filters is not None else None
+    try:
+        for g, (file_index, row_group) in enumerate(dataset.row_group_location()):
+            positions = selector.positions(g)
+            mask = np.ones(len(positions), dtype=bool)
+            if holdout > 0:
+                held = holdout_mask(positions, holdout)
+                mask &= held if part == "holdout" else ~held
+            if files is not None and mask.any():
+                if files.may_match(file_index, row_group, selector.expression):
+                    table = files.read(file_index, row_group, dataset.filter_columns)
+                    mask &= filter_mask(table, selector.expression)
+                else:
+                    mask[:] = False
+            if striding:
+                counts += np.bincount(positions[mask] % world_size, minlength=world_size)
+            else:
+                counts[g % world_size] += int(mask.sum())
+    finally:
+        if files is not None:
+            files.close()
+    return counts.tolist()

@@ -1,0 +1,408 @@
+"""The parameter server's wire: a real ShardServer on loopback, attacked with bad peers.
+
+No Spark and no process group: one server (rank 0 of a pretend world of 8) holds a whole
+10-element table updated by plain SGD (lr 0.5), so a good push of ones must come back as
+``initial - 0.5``. Every attack must be dropped *and logged*, and a good client must be served
+afterwards. Synchronization is on events (the server closing the attacker's socket, the shard's
+condition variable), never on sleeps: the server logs before it closes a connection, so once
+the attacker reads EOF the log record exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from typing import Iterator, Tuple
+
+import pytest
+import torch
+
+from sparkdl.strategies._ps_wire import (
+    DTYPE_CODES,
+    GREETING,
+    HEADER,
+    NONCE_BYTES,
+    Header,
+    Kind,
+    ParameterServerError,
+    ShardClient,
+    ShardServer,
+    WireError,
+    byte_view,
+    client_handshake,
+    listen,
+    server_handshake,
+)
+from sparkdl.strategies.parameter_server import Layout, _Shard, _ServerState, _TableSpec
+
+WORLD = 8
+SECRET = bytes(range(32))
+LOGGER = "sparkdl.parameter_server"
+F32 = DTYPE_CODES[torch.float32]
+N = 10
+PUSH_BYTES = 8 + 4 * N  # one learning rate + the gradient
+
+
+def _spec() -> _TableSpec:
+    # Rank 0 holds the whole table: bounds (0, 10, 10, ..., 10).
+    layout = Layout(order=(0, 1), bounds=(0,) + (N,) * WORLD)
+    return _TableSpec(table=0, dtype=torch.float32, shapes=((2, 3), (4,)), groups=(0, 0), num_groups=1, layout=layout)
+
+
+class _Server:
+    def __init__(self, timeout_s: float = 5.0, max_staleness=None) -> None:
+        self.state = _ServerState(0, WORLD, timeout_s)
+        template = torch.optim.SGD([torch.zeros(1)], lr=0.5)
+        self.shard = _Shard(_spec(), 0, WORLD, max_staleness, timeout_s, torch.arange(N, dtype=torch.float32), template)
+        self.shard.depart(0, clean=True, reason="rank 0's own worker takes no part in these tests")
+        self.state.register(0, self.shard)
+        self.server = ShardServer(listen("127.0.0.1"), SECRET, 0, WORLD, self.state, timeout_s)
+        self.address = self.server.address
+
+    def wait_for(self, predicate, timeout: float = 30.0) -> bool:
+        with self.shard.cond:
+            return self.shard.cond.wait_for(lambda: predicate(self.shard.clock), timeout=timeout)
+
+
+@pytest.fixture
+def server() -> Iterator[_Server]:
+    srv = _Server()
+    yield srv
+    srv.server.close()
+
+
+@pytest.fixture
+def quick_server() -> Iterator[_Server]:
+    """Times out stalled frames and handshakes after one second."""
+    srv = _Server(timeout_s=1.0)
+    yield srv
+    srv.server.close()
+
+
+def _push(client: ShardClient, clock: int = 0, lr: float = math.nan) -> torch.Tensor:
+    lrs = torch.tensor([lr], dtype=torch.float64)
+    client.send(Header(Kind.PUSH, F32, 0, client.rank, clock, 1, PUSH_BYTES), byte_view(lrs), byte_view(torch.ones(N)))
+    out = torch.empty(N)
+    reply = client.receive(byte_view(out), 0)
+    assert reply.kind == Kind.PARAMS and reply.rank == 0
+    return out
+
+
+def _good_client_is_served(srv: _Server, rank: int, updates_before: int = 0) -> None:
+    client = ShardClient(srv.address, SECRET, rank, 0, timeout_s=10)
+    try:
+        values = _push(client)
+    finally:
+        client.close()
+    expected = torch.arange(N, dtype=torch.float32) - 0.5 * (updates_before + 1)
+    assert torch.equal(values, expected), values
+
+
+def _authenticated(address: Tuple[str, int], rank: int) -> socket.socket:
+    sock = socket.create_connection(address, timeout=10)
+    assert client_handshake(sock, SECRET, rank, time.monotonic() + 10) == 0
+    return sock
+
+
+def _closed_by_server(sock: socket.socket, timeout: float = 30.0) -> bool:
+    """True once the server has closed the connection (EOF or reset), False on timeout."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    except TimeoutError:
+        return False
+    finally:
+        sock.close()
+    return True
+
+
+def _warnings(caplog) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno >= logging.WARNING)
+
+
+# ---- headers ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        Header(Kind.PUSH, F32, 0, 1, 0, 1, PUSH_BYTES),
+        Header(Kind.PULL, DTYPE_CODES[torch.bfloat16], 65535, 2**32 - 1, -1, 0, 0),
+        Header(Kind.PARAMS, DTYPE_CODES[torch.float64], 7, 3, 2**62, -(2**62), 2**64 - 1),
+        Header(Kind.ERROR, 0, 0, 0, 0, -1, 4096),
+        Header(Kind.BYE, 0, 0, 5, 0, 0, 0),
+    ],
+)
+def test_header_round_trips(header):
+    data = header.encode()
+    assert len(data) == HEADER.size == 36
+    assert data[:4] == b"SDPS"
+    assert Header.decode(data) == header
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"XXXX" + Header(Kind.PUSH, F32, 0, 1, 0, 1, 8).encode()[4:], "bad frame magic"),
+        (Header(99, F32, 0, 1, 0, 1, 8).encode(), "unknown frame kind 99"),
+        (Header(Kind.PUSH, 42, 0, 1, 0, 1, 8).encode(), "unknown dtype code 42"),
+        (Header(Kind.PUSH, F32, 0, 1, 0, 1, 8).encode()[:20], "truncated header"),
+    ],
+)
+def test_header_decode_rejects_malformed_bytes(data, message):
+    with pytest.raises(WireError, match=message):
+        Header.decode(data)
+
+
+def test_header_fields_out_of_range_cannot_be_encoded():
+    with pytest.raises(Exception):
+        Header(Kind.PUSH, F32, 70000, 1, 0, 1, 8).encode()  # table id is 16 bits
+
+
+# ---- the server under attack -----------------------------------------------------------------
+
+
+def test_a_good_client_pushes_and_pulls(server):
+    client = ShardClient(server.address, SECRET, 3, 0, timeout_s=10)
+    try:
+        assert torch.equal(_push(client, clock=0), torch.arange(N, dtype=torch.float32) - 0.5)
+        # A learning rate sent with the push replaces the server's (LR schedulers).
+        assert torch.equal(_push(client, clock=1, lr=0.25), torch.arange(N, dtype=torch.float32) - 0.75)
+        client.send(Header(Kind.PULL, F32, 0, 3, -1, 0, 0))
+        out = torch.empty(N)
+        client.receive(byte_view(out), 0)
+        assert torch.equal(out, torch.arange(N, dtype=torch.float32) - 0.75)
+    finally:
+        client.close()
+    assert server.wait_for(lambda clock: 3 in clock.finished), "BYE did not mark the worker finished"
+    assert server.shard.updates == 2
+
+
+def test_wrong_secret_is_rejected_logged_and_the_server_keeps_serving(server, caplog):
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        with pytest.raises(ParameterServerError, match="handshake with the parameter server on rank 0 failed"):
+            ShardClient(server.address, b"not the secret" * 3, 1, 0, timeout_s=10)
+        _good_client_is_served(server, 2)
+    assert "authentication failed" in _warnings(caplog)
+    assert 1 not in server.shard.clock.lost  # an unauthenticated peer never becomes a worker
+
+
+def test_garbage_bytes_are_dropped_and_logged(server, caplog):
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        sock = socket.create_connection(server.address, timeout=10)
+        sock.sendall(os.urandom(4096))
+        assert _closed_by_server(sock)
+        _good_client_is_served(server, 1)
+    assert "dropping unauthenticated peer" in _warnings(caplog)
+    assert "authentication failed" in _warnings(caplog)
+
+
+def test_garbage_after_authenticating_is_dropped_and_the_worker_counts_as_lost(server, caplog):
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        sock = _authenticated(server.address, 4)
+        sock.sendall(os.urandom(HEADER.size))
+        assert _closed_by_server(sock)
+        _good_client_is_served(server, 1)
+    assert "dropping rank 4" in _warnings(caplog) and "bad frame magic" in _warnings(caplog)
+    assert server.wait_for(lambda clock: 4 in clock.lost)
+
+
+def test_a_truncated_message_times_out_and_is_dropped(quick_server, caplog):
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        sock = _authenticated(quick_server.address, 5)
+        sock.sendall(Header(Kind.PUSH, F32, 0, 5, 0, 1, PUSH_BYTES).encode() + b"\0" * (PUSH_BYTES // 2))
+        started = time.monotonic()
+        assert _closed_by_server(sock), "a stalled frame must not hold the connection forever"
+        assert time.monotonic() - started < 20
+        _good_client_is_served(quick_server, 1)
+    assert "dropping rank 5" in _warnings(caplog) and "timed out" in _warnings(caplog)
+    assert quick_server.shard.updates == 1  # the partial push was never applied
+
+
+def test_a_stalled_handshake_times_out(quick_server, caplog):
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        sock = socket.create_connection(quick_server.address, timeout=10)
+        assert _closed_by_server(sock)
+    assert "handshake not completed within 1s" in _warnings(caplog)
+
+
+@pytest.mark.parametrize("sent", ["half a header", "header and half a payload"])
+def test_a_peer_that_disconnects_mid_message_is_dropped(server, caplog, sent):
+    frame = Header(Kind.PUSH, F32, 0, 6, 0, 1, PUSH_BYTES).encode()
+    partial = frame[: HEADER.size // 2] if sent == "half a header" else frame + b"\0" * (PUSH_BYTES // 2)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        sock = _authenticated(server.address, 6)
+        sock.sendall(partial)
+        sock.close()
+        assert server.wait_for(lambda clock: 6 in clock.lost)
+        _good_client_is_served(server, 1)
+    assert "truncated" in _warnings(caplog)
+    assert server.shard.updates == 1
+
+
+@pytest.mark.parametrize(
+    "header, message",
+    [
+        (Header(Kind.PUSH, F32, 0, 6, 0, 1, 2**62), "whose shard takes exactly 48"),
+        (Header(Kind.PUSH, F32, 0, 6, 0, 1, PUSH_BYTES + 1), "whose shard takes exactly 48"),
+        (Header(Kind.PUSH, F32, 0, 6, 0, 1000, 8000 + 4 * N), "carries 1000 learning rates"),
+        (Header(Kind.PULL, F32, 0, 6, -1, 0, 2**40), "PULL frames have clock -1 and no payload"),
+        (Header(Kind.PUSH, DTYPE_CODES[torch.float64], 0, 6, 0, 1, 8 + 8 * N), "dtype code"),
+        (Header(Kind.PARAMS, F32, 0, 6, 0, 0, 4 * N), "unexpected PARAMS frame from a worker"),
+        (Header(Kind.PUSH, F32, 0, 7, 0, 1, PUSH_BYTES), "frame claims rank 7 on rank 6's connection"),
+        (Header(Kind.PUSH, F32, 0, 6, 5, 1, PUSH_BYTES), "pushed clock 5, expected 0"),
+    ],
+    ids=["huge-length", "length-off-by-one", "too-many-lrs", "pull-with-payload", "wrong-dtype", "server-kind", "other-rank", "clock-skip"],
+)
+def test_oversized_or_inconsistent_headers_are_dropped_before_any_payload(server, caplog, header, message):
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        sock = _authenticated(server.address, 6)
+        payload = b"\0" * 8 + bytes(byte_view(torch.ones(N))) if header.length == PUSH_BYTES else b""
+        sock.sendall(header.encode() + payload)
+        assert _closed_by_server(sock)
+        _good_client_is_served(server, 1)
+    assert message in _warnings(caplog)
+    assert server.shard.updates == 1
+
+
+def test_a_negative_learning_rate_is_rejected(server, caplog):
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        sock = _authenticated(server.address, 6)
+        lrs = torch.tensor([-1.0], dtype=torch.float64)
+        sock.sendall(Header(Kind.PUSH, F32, 0, 6, 0, 1, PUSH_BYTES).encode() + bytes(byte_view(lrs)) + bytes(byte_view(torch.ones(N))))
+        assert _closed_by_server(sock)
+        _good_client_is_served(server, 1)
+    assert "negative or infinite learning rate" in _warnings(caplog)
+
+
+def test_a_rank_cannot_connect_twice_or_as_the_server_itself(server, caplog):
+    first = _authenticated(server.address, 2)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        second = _authenticated(server.address, 2)
+        assert _closed_by_server(second)
+        itself = _authenticated(server.address, 0)
+        assert _closed_by_server(itself)
+    first.close()
+    assert "rank 2 is already connected" in _warnings(caplog)
+    assert "invalid rank 0" in _warnings(caplog)
+
+
+# ---- staleness waits over the wire -----------------------------------------------------------
+
+
+def _ssp_server(timeout_s: float) -> _Server:
+    srv = _Server(timeout_s=timeout_s, max_staleness=0)
+    for rank in range(3, WORLD):  # a world where only ranks 1 and 2 train
+        srv.shard.depart(rank, clean=True, reason="not in this test")
+    return srv
+
+
+def test_a_lost_worker_fails_the_others_wait_with_an_error_naming_it():
+    srv = _ssp_server(timeout_s=60.0)
+    try:
+        doomed = _authenticated(srv.address, 2)
+        doomed.close()
+        client = ShardClient(srv.address, SECRET, 1, 0, timeout_s=60)
+        started = time.monotonic()
+        with pytest.raises(ParameterServerError) as info:
+            _push(client)
+        assert time.monotonic() - started < 30  # failed on the loss, not on the 60 s timeout
+        assert info.value.peer_rank == 2
+        assert "rank 2's worker left the parameter server on rank 0" in str(info.value)
+        assert "max_staleness=0" in str(info.value)
+        client.close()
+    finally:
+        srv.server.close()
+
+
+def test_a_staleness_wait_times_out_naming_the_slow_worker():
+    srv = _ssp_server(timeout_s=1.0)
+    try:
+        slow = _authenticated(srv.address, 2)  # connected, healthy, but never pushes
+        client = ShardClient(srv.address, SECRET, 1, 0, timeout_s=1.0)
+        with pytest.raises(ParameterServerError) as info:
+            _push(client)
+        assert info.value.peer_rank == 2
+        assert "waited 1s on the parameter server of rank 0 for rank 2, which is stuck at clock 0" in str(info.value)
+        client.close()
+        slow.close()
+    finally:
+        srv.server.close()
+
+
+# ---- the client side ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _fake_server(behaviour) -> Iterator[Tuple[str, int]]:
+    listener = listen("127.0.0.1")
+    listener.settimeout(30)
+
+    def run() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = listener.accept()
+            with conn:
+                behaviour(conn)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[:2]
+    finally:
+        thread.join(30)
+        listener.close()
+
+
+def test_the_client_rejects_a_server_that_does_not_know_the_secret():
+    def impostor(conn: socket.socket) -> None:
+        conn.sendall(GREETING + os.urandom(NONCE_BYTES))
+        conn.recv(1024)
+        conn.sendall(os.urandom(36))
+
+    with _fake_server(impostor) as address:
+        with pytest.raises(ParameterServerError, match="failed to prove the job's secret"):
+            ShardClient(address, SECRET, 1, 0, timeout_s=10)
+
+
+def test_the_client_names_the_server_rank_when_it_dies_mid_reply():
+    def dies_mid_reply(conn: socket.socket) -> None:
+        server_handshake(conn, SECRET, 3, time.monotonic() + 10)
+        conn.recv(HEADER.size + PUSH_BYTES, socket.MSG_WAITALL)
+        conn.sendall(Header(Kind.PARAMS, F32, 0, 3, 0, 0, 4 * N).encode() + b"\0" * 8)
+
+    with _fake_server(dies_mid_reply) as address:
+        client = ShardClient(address, SECRET, 1, 3, timeout_s=10)
+        with pytest.raises(ParameterServerError) as info:
+            _push(client)
+    assert info.value.peer_rank == 3
+    assert "rank 1 lost the parameter server on rank 3" in str(info.value)
+    assert "truncated reply" in str(info.value)
+
+
+def test_the_client_checks_which_rank_answered():
+    def wrong_rank(conn: socket.socket) -> None:
+        server_handshake(conn, SECRET, 5, time.monotonic() + 10)
+        conn.recv(1024)
+
+    with _fake_server(wrong_rank) as address:
+        with pytest.raises(ParameterServerError, match="expected the parameter server of rank 2, rank 5 answered"):
+            ShardClient(address, SECRET, 1, 2, timeout_s=10)
+
+
+def test_close_stops_the_server_and_its_threads():
+    srv = _Server()
+    idle = _authenticated(srv.address, 1)
+    srv.server.close()
+    assert _closed_by_server(idle)
+    assert not srv.server._accept_thread.is_alive()
+    assert not srv.server._threads
+    with pytest.raises(OSError):
+        socket.create_connection(srv.address, timeout=5).close()

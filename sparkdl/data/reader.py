@@ -175,8 +175,12 @@ def batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int,
             pending_rows += len(chunk[0])
             if pending_rows < target:
                 continue
-            features = np.concatenate([c[0] for c in pending])
-            labels = np.concatenate([c[1] for c in pending]) if pending[0][1] is not None else None
+            if spec.shuffle and len(pending) == 1:
+                features, labels = pending[0]  # the shuffle's gather below copies it anyway
+            else:
+                # Also copies a lone chunk: readers may hand out read-only views of Arrow buffers.
+                features = np.concatenate([c[0] for c in pending])
+                labels = np.concatenate([c[1] for c in pending]) if pending[0][1] is not None else None
             if spec.shuffle:
                 order = rng.permutation(len(features))
                 features = features[order]
@@ -186,7 +190,7 @@ def batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int,
                 stop = start + spec.batch_size
                 batch = features[start:stop], (labels[start:stop] if labels is not None else None)
                 yield apply_transform(spec.transform_fn, *batch) if spec.transform_fn is not None else batch
-            pending = [(features[full:], labels[full:] if labels is not None else None)]
+            pending = [(features[full:], labels[full:] if labels is not None else None)] if full < len(features) else []
             pending_rows = len(features) - full
     finally:
         source.close()

@@ -25,6 +25,7 @@ STRATEGIES = [
     pytest.param(sparkdl.AllReduce(), id="allreduce"),
     pytest.param(sparkdl.ModelAveraging(sync_every=4), id="model_averaging"),
     pytest.param(sparkdl.ElasticAveraging(sync_every=4), id="elastic_averaging"),
+    pytest.param(sparkdl.ParameterServer(), id="parameter_server"),
 ]
 IDENTICAL = [p for p in STRATEGIES if type(p.values[0]).identical_final_weights]
 

@@ -1,9 +1,11 @@
 """Runs a training function on N Spark barrier tasks and brings back rank 0's result.
 
 Driver side: check slots, open the progress channel, run one barrier stage, watch the channel.
-The first failure that reaches the driver (an error a rank reported, or a rank whose process
-vanished) cancels the Spark job at once — Spark would otherwise wait for the remaining tasks or
-retry — and is raised as one :class:`~sparkdl.errors.TrainingError`.
+The first failure that reaches the driver (an error a rank reported, a rank whose process
+vanished, or a rank the watchdog found stuck) cancels the Spark job at once — Spark would
+otherwise wait for the remaining tasks — and is raised as one
+:class:`~sparkdl.errors.TrainingError`, unless the :class:`FailurePolicy` relaunches the stage
+(which then resumes from the newest checkpoint).
 
 Task side (:func:`_task_main`): connect to the channel, prefix the task's output with its rank,
 set threads to the task's cores, rendezvous, run the function, report, clean up.
@@ -142,7 +144,6 @@ class _JobMonitor:
         self.connected: set = set()
         self.finished: set = set()
         self._progress: Dict[int, Tuple[int, float]] = {}  # rank -> (progress counter, when it last moved)
-        self.max_global_step = 0
         self._cond = threading.Condition()
         self._cancelled = False
 
@@ -284,9 +285,8 @@ def launch(
     for attempt in itertools.count(1):
         check_slots(sc, config.num_workers, config.slot_wait_s)
         started = time.time()
-        monitor = None
         try:
-            value, monitor = _launch_once(
+            value = _launch_once(
                 sc, train_fn, config, strategy, display,
                 dataset=dataset, data_spec=data_spec, reader=reader, steps_per_epoch=steps_per_epoch,
                 checkpoint=checkpoint, attempt=attempt,
@@ -325,7 +325,7 @@ def _launch_once(
     strategy: Strategy,
     display: ProgressDisplay,
     **payload_fields: Any,
-) -> Tuple[Any, "_JobMonitor"]:
+) -> Any:
     """One barrier stage; raises :class:`_AttemptFailed` carrying the run's ``TrainingError``."""
     tag = f"sparkdl-{uuid.uuid4().hex[:12]}"
     monitor = _JobMonitor(config.num_workers, lambda: sc.cancelJobsWithTag(tag), display)
@@ -354,6 +354,10 @@ def _launch_once(
     try:
         sc.setJobDescription(f"sparkdl: train on {config.num_workers} barrier tasks ({strategy.name})")
         results = sc.parallelize(range(config.num_workers), config.num_workers).barrier().mapPartitions(run_partition).collect()
+    except KeyboardInterrupt:
+        # A notebook user interrupted the kernel: stop the tasks too, not just the driver's wait.
+        sc.cancelJobsWithTag(tag)
+        raise
     except Exception as exc:
         # The job failed or was cancelled; give the ranks' own reports a moment to arrive.
         monitor.wait_disconnected(timeout=15.0)
@@ -367,7 +371,7 @@ def _launch_once(
         server.close()
     if monitor.failures:  # a rank failed but the stage still returned (should not happen)
         raise _AttemptFailed(TrainingError(monitor.failures))
-    return dict(results).get(0), monitor
+    return dict(results).get(0)
 
 
 def _with_connect(monitor: _JobMonitor) -> Callable[[int, Dict[str, Any]], None]:

@@ -164,7 +164,7 @@ class OpenFiles:
         handle = self._files.get(index)
         if handle is None:
             try:
-                handle = pq.ParquetFile(self.fs.open_input_file(self.paths[index]))
+                handle = pq.ParquetFile(self.fs.open_input_file(self.paths[index]), pre_buffer=True)
             except (pa.ArrowInvalid, OSError) as exc:
                 raise DataError(f"cannot open Parquet file {self.urls[index]!r}: {exc}") from exc
             self._files[index] = handle

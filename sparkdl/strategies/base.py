@@ -27,6 +27,9 @@ class Strategy(abc.ABC):
     name: ClassVar[str] = ""
     #: Whether every rank ends training holding bit-identical parameters.
     identical_final_weights: ClassVar[bool] = True
+    #: Whether a run is bit-reproducible for a fixed seed (and so a resumed run bit-identical to
+    #: an uninterrupted one). Asynchronous strategies, whose update order depends on timing, are not.
+    deterministic: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

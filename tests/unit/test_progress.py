@@ -1,0 +1,37 @@
+"""Driver-side progress display (console path; no Spark)."""
+
+import logging
+
+from sparkdl._progress import ProgressDisplay, format_epoch
+
+
+def test_epoch_lines_name_the_epoch_and_the_figures(capsys):
+    display = ProgressDisplay(enabled=True, total_epochs=10)
+    display.epoch({"epoch": 3, "loss": 0.123456, "samples_per_sec": 41234.5, "seconds": 0.5, "comm_bytes": 1000})
+    line = capsys.readouterr().out.strip()
+    assert line == "[sparkdl] epoch 3/10  loss 0.1235  samples_per_sec 4.123e+04  seconds 0.5  comm_bytes 1000"
+    assert display.records[0]["epoch"] == 3
+
+
+def test_disabled_display_prints_nothing_but_feeds_the_callback(capsys):
+    seen = []
+    display = ProgressDisplay(enabled=False, callback=seen.append)
+    display.epoch({"epoch": 1, "loss": 1.0})
+    display.metrics(1, {"step": 5})
+    assert capsys.readouterr().out == ""
+    assert seen == [{"epoch": 1, "loss": 1.0}, {"rank": 1, "step": 5}]
+
+
+def test_a_failing_callback_does_not_stop_the_display(caplog, capsys):
+    def broken(record):
+        raise RuntimeError("dashboard down")
+
+    display = ProgressDisplay(enabled=True, callback=broken)
+    with caplog.at_level(logging.ERROR, logger="sparkdl"):
+        display.epoch({"epoch": 1, "loss": 2.0})
+    assert "epoch 1" in capsys.readouterr().out
+    assert any("progress callback failed" in r.getMessage() for r in caplog.records)
+
+
+def test_format_without_total():
+    assert format_epoch({"epoch": 2, "loss": 0.5, "val_loss": 0.7}) == "[sparkdl] epoch 2  loss 0.5  val_loss 0.7"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Union
+from typing import Any, Dict, Sequence, Union
 
 from connectors.base import Source, _require_spark
 from sparkdl.data.dataset import ParquetFiles, normalize_url

@@ -8,7 +8,8 @@ otherwise wait for the remaining tasks — and is raised as one
 (which then resumes from the newest checkpoint).
 
 Task side (:func:`_task_main`): connect to the channel, prefix the task's output with its rank,
-set threads to the task's cores, rendezvous, run the function, report, clean up.
+set threads to the task's cores, select the device Spark assigned (:mod:`sparkdl._device`),
+rendezvous, run the function, report, clean up.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sparkdl._channel import ChannelClient, ChannelError, ChannelServer, new_secret
+from sparkdl._device import check_gpu_request, task_device
+from sparkdl._precision import Precision
 from sparkdl._progress import ProgressDisplay
 from sparkdl.checkpoint import CheckpointConfig, CheckpointStore
 from sparkdl.data.dataset import DatasetInfo
@@ -46,7 +49,9 @@ class LaunchConfig:
         num_workers: number of barrier tasks (ranks); each needs one task slot.
         timeout_s: bound on rendezvous and on every collective; a rank stuck longer fails the run.
         slot_wait_s: how long to wait for executors to register before giving up on slots.
-        use_gpu: True to require GPUs, False for CPU, None to use GPUs when Spark gives tasks some.
+        use_gpu: True to require GPUs, False for CPU, None to use GPUs when Spark gives tasks some
+            (see :mod:`sparkdl._device`).
+        precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"`` (see :mod:`sparkdl._precision`).
         progress: print (or display in a notebook) per-epoch progress on the driver.
         max_failures: relaunch the stage up to this many times after a failure, resuming from
             the newest checkpoint when there is a checkpoint directory.
@@ -59,6 +64,7 @@ class LaunchConfig:
     slot_wait_s: float = 30.0
     use_gpu: Optional[bool] = None
     progress: bool = True
+    precision: str = "32"
     max_failures: int = 0
     watchdog_timeout_s: Optional[float] = 600.0
 
@@ -67,6 +73,9 @@ class LaunchConfig:
             raise ConfigError(f"num_workers={self.num_workers!r} must be a positive integer")
         if not self.timeout_s > 0:
             raise ConfigError(f"timeout_s={self.timeout_s!r} must be > 0 seconds")
+        if self.use_gpu is not None and not isinstance(self.use_gpu, bool):
+            raise ConfigError(f"use_gpu={self.use_gpu!r} must be True, False or None (use GPUs when Spark assigns them)")
+        object.__setattr__(self, "precision", Precision(self.precision).value)  # normalized: 32 -> "32"
         if self.slot_wait_s < 0:
             raise ConfigError(f"slot_wait_s={self.slot_wait_s!r} must be >= 0 seconds")
         if not isinstance(self.max_failures, int) or isinstance(self.max_failures, bool) or self.max_failures < 0:
@@ -206,11 +215,16 @@ class _JobMonitor:
         with self._cond:
             self.connected.discard(rank)
             self._cond.notify_all()
-            lost = not clean and rank not in self.finished and not self.failures
+            reported = any(f.rank == rank for f in self.failures)
+            # Once a rank has failed on its own, Spark kills the others: their dropped connections
+            # are consequences. Only while every report so far is a peer complaining that it lost
+            # someone is a silent disconnect the likelier cause.
+            lost = (
+                not clean and rank not in self.finished and not reported and not self._cancelled
+                and all(_is_peer_loss(f) for f in self.failures)
+            )
             phase = self.phases.get(rank, "")
         if lost:
-            # Only a root cause is worth reporting: once a rank has failed, Spark kills the
-            # others, and their dropped connections are consequences.
             self._fail(
                 RankFailure(
                     rank=rank,
@@ -225,15 +239,33 @@ class _JobMonitor:
                 )
             )
 
+    #: How long the first failure waits for related ones before the job is cancelled. When a
+    #: process dies, its peers often report "connection lost" before the driver sees the dead
+    #: one's socket close; waiting a moment lets the dead rank be named as the root cause.
+    settle_s = 1.0
+
     def _fail(self, failure: RankFailure) -> None:
         with self._cond:
+            if self._cancelled:
+                self.failures.append(failure)
+                return
             self.failures.append(failure)
-            first = not self._cancelled
-            self._cancelled = True
+            first = len(self.failures) == 1
             self._cond.notify_all()
         if first:
-            logger.error("rank %d failed (%s: %s); cancelling the Spark job", failure.rank, failure.exc_type, failure.message)
-            self._cancel()
+            threading.Timer(self.settle_s, self._cancel_now).start()
+
+    def _cancel_now(self) -> None:
+        with self._cond:
+            if self._cancelled:
+                return
+            self._cancelled = True
+            # A rank that vanished without a word is the likeliest cause of its peers' errors.
+            self.failures.sort(key=lambda f: f.exc_type != "WorkerLost")
+            root = self.failures[0]
+            self._cond.notify_all()
+        logger.error("rank %d failed (%s: %s); cancelling the Spark job", root.rank, root.exc_type, root.message)
+        self._cancel()
 
     def wait_disconnected(self, timeout: float) -> None:
         """Waits (bounded) until every task has hung up, so late error reports are not lost."""
@@ -270,6 +302,7 @@ def launch(
     if spark is None:
         raise ConfigError("no active SparkSession: create one (SparkSession.builder...getOrCreate()) or pass spark=")
     sc = spark.sparkContext
+    check_gpu_request(sc.getConf().get, config.use_gpu)  # fail now, not after executors start
     display = display or ProgressDisplay(enabled=config.progress)
     store = CheckpointStore(checkpoint.url, checkpoint.keep) if checkpoint else None
     if store is not None:
@@ -310,6 +343,16 @@ def launch(
     if store is not None:
         store.save_finished(value)
     return LaunchOutcome(value, attempts)
+
+
+_PEER_LOSS = re.compile(
+    r"connection (closed|reset|refused|lost)|broken pipe|closed by peer|lost (rank|peer|worker)|peer rank|ParameterServerError", re.I
+)
+
+
+def _is_peer_loss(failure: RankFailure) -> bool:
+    """Whether a rank's error reads like the consequence of another rank's death."""
+    return bool(_PEER_LOSS.search(f"{failure.exc_type}: {failure.message}"))
 
 
 class _AttemptFailed(Exception):
@@ -361,6 +404,7 @@ def _launch_once(
     except Exception as exc:
         # The job failed or was cancelled; give the ranks' own reports a moment to arrive.
         monitor.wait_disconnected(timeout=15.0)
+        monitor._cancel_now()  # settles the root-cause order now that every rank has hung up
         if monitor.failures:
             raise _AttemptFailed(TrainingError(monitor.failures)) from None
         raise _AttemptFailed(TrainingError([_failure_from_spark(exc)])) from exc
@@ -453,7 +497,9 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
 
     liveness = Liveness()
     heartbeat = _Heartbeat(client, liveness, payload.config.heartbeat_interval_s)
-    with _rank_prefixed_output(rank), _forward_logs(client, rank), _task_threads(barrier.cpus()):
+    # ``scopes`` closes after the finally block below: the device stays selected until the
+    # process group is torn down, and is restored before the worker runs its next task.
+    with _rank_prefixed_output(rank), _forward_logs(client, rank), _task_threads(barrier.cpus()), contextlib.ExitStack() as scopes:
         context = None
         runtime = None
         try:
@@ -462,7 +508,9 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
 
             client.send({"kind": "started", "attempt": payload.attempt})
             heartbeat.start()
-            device = _task_device(barrier, payload.config.use_gpu)
+            liveness.advance("selecting the device")
+            assignment = scopes.enter_context(task_device(barrier, payload.config.use_gpu))
+            device = assignment.device
             liveness.advance("rendezvous")
             addresses = [info.address for info in barrier.getTaskInfos()]
             env = rendezvous(rank, payload.config.num_workers, addresses, barrier.allGather, device, payload.config.timeout_s)
@@ -477,6 +525,8 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
                 steps_per_epoch=payload.steps_per_epoch,
                 store=CheckpointStore(payload.checkpoint.url, payload.checkpoint.keep) if payload.checkpoint else None,
                 liveness=liveness,
+                assignment=assignment,
+                precision=payload.config.precision,
             )
             context.set_phase("training")
             value = payload.train_fn(context)
@@ -526,25 +576,6 @@ class _Heartbeat:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
-
-
-def _task_device(barrier: Any, use_gpu: Optional[bool]):
-    import torch
-
-    gpus = barrier.resources().get("gpu")
-    addresses = list(gpus.addresses) if gpus is not None else []
-    if use_gpu is False or (use_gpu is None and not addresses):
-        return torch.device("cpu")
-    if not addresses:
-        raise ConfigError(
-            "use_gpu=True but Spark gave this task no GPU: set spark.executor.resource.gpu.amount, "
-            "spark.task.resource.gpu.amount and a discovery script (spark.executor.resource.gpu.discoveryScript)"
-        )
-    if not torch.cuda.is_available():
-        raise ConfigError(f"Spark assigned GPU {addresses[0]} to this task, but torch sees no CUDA device")
-    device = torch.device("cuda", int(addresses[0]))
-    torch.cuda.set_device(device)
-    return device
 
 
 @contextlib.contextmanager

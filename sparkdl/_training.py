@@ -83,15 +83,15 @@ class FitLoop:
             loss_sum = torch.full((), state.loss_sum, dtype=torch.float64, device=ctx.device)
             for features, labels in ctx.epoch_batches(skip=state.step):
                 optimizer.zero_grad(set_to_none=True)
-                output = model(features)
-                loss = self.loss(output, labels)
+                with ctx.autocast():  # the run's precision: a no-op for "32"
+                    output = model(features)
+                    loss = self.loss(output, labels)
                 if not torch.isfinite(loss):
                     raise NonFiniteLossError(
                         f"loss is {loss.item()} at epoch {epoch}, step {state.step + 1} on rank {ctx.rank}: "
                         f"lower the learning rate, clip gradients, or check the data for extreme values"
                     )
-                loss.backward()
-                optimizer.step()
+                ctx.backward_and_step(loss, optimizer)  # through the grad scaler for "16-mixed"
                 loss_sum += loss.detach().double() * len(features)
                 state.samples += len(features)
                 state.step += 1
@@ -118,6 +118,7 @@ class FitLoop:
                 "seconds": seconds,
                 "samples_per_sec": total_samples / seconds if seconds > 0 else math.inf,
                 "comm_bytes": int(totals[2].item() / ctx.world_size),
+                **_per_rank_rates(ctx, state.samples, seconds),  # rank0_samples_per_sec, rank1_...
             }
             # Strategy-specific figures (a parameter server's staleness...); nothing for most strategies.
             record.update(_strategy_metrics(ctx))
@@ -142,6 +143,8 @@ class FitLoop:
             "timing": {"start": start, "first_batch": ctx.first_batch_time, "end": time.time()},
             "steps": {"resumed_at": resumed_at, "run": state.global_step - resumed_at, "total": state.global_step},
             "checkpoints": dict(ctx.checkpoint_stats),
+            "device": str(ctx.device),
+            "precision": ctx.precision,
         }
 
     @staticmethod
@@ -168,3 +171,13 @@ def _strategy_metrics(ctx: TrainContext) -> Dict[str, Any]:
             dist.all_reduce(values, op=op)
             out.update({k: int(v) if isinstance(local[k], int) else v for k, v in zip(keys, values.tolist())})
     return out
+
+
+def _per_rank_rates(ctx: TrainContext, samples: int, seconds: float) -> Dict[str, float]:
+    """Each rank's samples/s this epoch as ``rank<r>_samples_per_sec`` (collective: one small
+    allreduce), so a slow executor shows in the history, not only as a lower global rate. Flat
+    numbers, because epoch records travel to the driver as flat JSON metrics."""
+    rates = torch.zeros(ctx.world_size, dtype=torch.float64, device=ctx.device)
+    rates[ctx.rank] = samples / seconds if seconds > 0 else 0.0
+    dist.all_reduce(rates)
+    return {f"rank{r}_samples_per_sec": round(rate, 3) for r, rate in enumerate(rates.tolist())}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
 from sparkdl._launcher import LaunchConfig, launch
 from sparkdl._progress import ProgressCallback, ProgressDisplay
@@ -18,7 +18,7 @@ from sparkdl.strategies.base import Strategy
 
 DataSource = Union[str, Any]  # a dataset URL/path, a pyspark.sql.DataFrame, ParquetFiles, or a connector source
 #: The reader used when none is named (see docs/data.md for the measurements behind it).
-DEFAULT_READER = "petastorm"
+DEFAULT_READER = "arrow"
 
 
 def run(
@@ -47,6 +47,7 @@ def run(
     resume: bool = True,
     max_failures: int = 0,
     watchdog_timeout_s: Optional[float] = 600.0,
+    precision: str = "32",
 ) -> Any:
     """Runs ``train_fn(ctx)`` on ``num_workers`` Spark barrier tasks and returns rank 0's result.
 
@@ -77,7 +78,7 @@ def run(
         metrics: ``name -> fn(output, label)`` batch means that ``ctx.validate`` reports as
             ``val_<name>``; needs ``validation``.
         spark: the SparkSession; default the active one.
-        use_gpu: None uses GPUs when Spark assigns them to tasks; True requires them.
+        use_gpu: None uses GPUs when Spark assigns them to tasks; True requires them (docs/gpu.md).
         timeout_s: bound on rendezvous and every collective.
         progress: show per-epoch progress on the driver; a callable also receives each record.
         cache_dir: where DataFrames are materialized (default: ``spark.sparkdl.cacheDir`` conf).
@@ -88,6 +89,8 @@ def run(
         resume: False ignores (and replaces) what ``checkpoint_dir`` holds.
         max_failures: relaunch the stage up to this many times after a failure.
         watchdog_timeout_s: fail when a rank makes no progress for this long (None: never).
+        precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"``; the loop applies it with
+            ``ctx.autocast()`` and ``ctx.backward_and_step(loss, optimizer)``.
 
     Raises:
         TrainingError: a rank failed; names the rank and carries its traceback.
@@ -95,7 +98,7 @@ def run(
         ConfigError, DataError: bad arguments or data, before anything launches.
     """
     config = LaunchConfig(
-        num_workers=num_workers, use_gpu=use_gpu, timeout_s=timeout_s, progress=bool(progress),
+        num_workers=num_workers, use_gpu=use_gpu, timeout_s=timeout_s, progress=bool(progress), precision=precision,
         max_failures=max_failures, watchdog_timeout_s=watchdog_timeout_s,
     )
     checkpoint = CheckpointConfig(checkpoint_dir, keep=keep_checkpoints, resume=resume) if checkpoint_dir else None

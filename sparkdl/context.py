@@ -11,6 +11,8 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import numpy as np
 import torch
 
+from sparkdl._device import DeviceAssignment, DeviceFeed, pin_thread_to
+from sparkdl._precision import Precision, PrecisionRuntime
 from sparkdl._rendezvous import DistEnv
 from sparkdl.checkpoint import CheckpointStore, to_cpu
 from sparkdl.errors import ConfigError
@@ -29,6 +31,9 @@ class TrainContext:
         world_size: number of ranks.
         device: where this rank's model and batches live (``cpu`` or the task's GPU).
         steps_per_epoch: steps every rank runs per epoch (None when the run has no dataset).
+        device_assignment: how ``device`` was chosen from the GPUs Spark assigned the task
+            (:class:`sparkdl._device.DeviceAssignment`; ``visible_devices`` is the
+            ``CUDA_VISIBLE_DEVICES`` for a child process that should see only this task's GPUs).
         logger: a logger whose records reach the driver prefixed with the rank.
     """
 
@@ -43,6 +48,8 @@ class TrainContext:
         steps_per_epoch: Optional[int] = None,
         store: Optional[CheckpointStore] = None,
         liveness: Optional["Liveness"] = None,
+        assignment: Optional[DeviceAssignment] = None,
+        precision: str = "32",
     ) -> None:
         self._env = env
         self._runtime = runtime
@@ -50,9 +57,13 @@ class TrainContext:
         self._dataset = dataset
         self._data_spec = data_spec
         self._reader = reader
-        self._stream: Optional[_Prefetcher] = None
+        self._stream: Optional[DeviceFeed] = None
         self._store = store
         self._liveness = liveness or Liveness()
+        #: How this task's device was chosen from Spark's GPU assignment (None outside Spark).
+        self.device_assignment = assignment
+        # Built now so that a precision the device cannot run fails before any training.
+        self._amp = PrecisionRuntime(Precision(precision), env.device, env.world_size)
         #: Batches taken from the stream so far: the reader position a checkpoint records.
         self._batches_taken = 0
         #: Checkpoints this rank took part in during this attempt, and the seconds they cost.
@@ -82,6 +93,24 @@ class TrainContext:
     def prepare_model(self, module: torch.nn.Module) -> torch.nn.Module:
         """Moves the module to the task's device and applies the strategy (e.g. wraps it in DDP)."""
         return self._runtime.prepare_model(module.to(self.device))
+
+    @property
+    def precision(self) -> str:
+        """The run's precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"``."""
+        return str(self._amp.precision.value)
+
+    def autocast(self) -> Any:
+        """Context manager for the forward pass and the loss under the run's precision (a no-op
+        for ``"32"``). Custom loops: ``with ctx.autocast(): loss = loss_fn(model(x), y)``."""
+        return self._amp.autocast()
+
+    def backward_and_step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, max_grad_norm: Optional[float] = None) -> bool:
+        """``loss.backward(); optimizer.step()`` under the run's precision. For ``"16-mixed"`` it
+        scales the loss and skips steps whose gradients overflowed — on every rank alike, which
+        the averaging and parameter-server strategies need. ``max_grad_norm`` clips the true
+        (unscaled) gradients' norm first. Returns whether the step was taken. Call
+        ``optimizer.zero_grad()`` yourself, as usual."""
+        return self._amp.backward_and_step(loss, optimizer, max_grad_norm)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Applies the strategy to an optimizer built over the prepared model's parameters."""
@@ -113,7 +142,9 @@ class TrainContext:
             # cheaper than training, and replay is what makes the resumed batches exact.
             for _ in range(self._batches_taken):
                 next(source)
-            self._stream = _Prefetcher(source, pin=self.device.type == "cuda")
+            # On CUDA the prefetch thread pins batches and DeviceFeed copies the next one to the
+            # GPU on a side stream while the current one trains; on the CPU both pass through.
+            self._stream = DeviceFeed(_Prefetcher(source, pin=self.device.type == "cuda", device=self.device), self.device)
         non_blocking = self.device.type == "cuda"
         for step in range(skip, self.steps_per_epoch):
             self._liveness.advance(f"loading data (step {step + 1})")
@@ -178,6 +209,8 @@ class TrainContext:
                 "user": state,
                 "strategy": self._runtime.state_dict(),
                 "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
+                "grad_scaler": self._amp.state_dict(),
                 "batches_taken": self._batches_taken,
             }
         )
@@ -212,6 +245,9 @@ class TrainContext:
         part = checkpoint["ranks"][self.rank]
         self._runtime.load_state_dict(part["strategy"])
         torch.set_rng_state(part["torch_rng"])
+        if part.get("cuda_rng") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(part["cuda_rng"], self.device)
+        self._amp.load_state_dict(part.get("grad_scaler"))
         self._batches_taken = int(part["batches_taken"])
         self.logger.info("resumed from checkpoint step %d", step)
         return part["user"]
@@ -274,9 +310,10 @@ class _Prefetcher:
 
     _DONE = object()
 
-    def __init__(self, source: Iterator, pin: bool, depth: int = 4) -> None:
+    def __init__(self, source: Iterator, pin: bool, depth: int = 4, device: Optional[torch.device] = None) -> None:
         self._source = source
         self._pin = pin
+        self._device = device
         self._queue: "queue.Queue[Any]" = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._fill, name="sparkdl-prefetch", daemon=True)
@@ -284,6 +321,8 @@ class _Prefetcher:
 
     def _fill(self) -> None:
         try:
+            if self._pin:
+                pin_thread_to(self._device)  # else pinning puts a CUDA context on GPU 0
             for features, labels in self._source:
                 item = (_tensor(features, self._pin), _tensor(labels, self._pin) if labels is not None else None)
                 while not self._stop.is_set():
@@ -316,6 +355,16 @@ class _Prefetcher:
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():
                     raise RuntimeError("the data reader thread stopped without an error") from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def poll(self) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """The next batch if one is ready now, else None (never waits); errors as ``next``."""
+        try:
+            item = self._queue.get_nowait()
+        except queue.Empty:
+            return None
         if isinstance(item, BaseException):
             raise item
         return item

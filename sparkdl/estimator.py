@@ -27,6 +27,7 @@ from sparkdl.data.reader import DataSpec, MetricFn, TransformFn, reader_from_nam
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.allreduce import AllReduce
 from sparkdl.strategies.base import Strategy
+from sparkdl.tracking import Tracker, check_available as check_tracking, describe_callable
 
 
 class _TorchParams(Params):
@@ -56,7 +57,10 @@ class TorchEstimator(Estimator, _TorchParams):
         seed: seeds model initialization and data shuffling.
         shuffle: shuffle row groups and rows each pass.
         prediction_col: column ``TorchModel.transform`` adds.
-        use_gpu: None uses GPUs when Spark assigns them; True requires them; False never.
+        use_gpu: None uses GPUs when Spark assigns them; True requires them; False never
+            (docs/gpu.md).
+        precision: ``"32"`` (default), ``"bf16-mixed"`` (autocast to bfloat16; CPUs and
+            Ampere+ GPUs) or ``"16-mixed"`` (float16 with loss scaling; GPUs only).
         timeout_s: bound on rendezvous and each collective.
         checkpoint_dir: where checkpoints go (a path or URL every executor can write: HDFS, an
             object store or a shared mount on a real cluster). With it, a failed attempt resumes
@@ -79,6 +83,9 @@ class TorchEstimator(Estimator, _TorchParams):
             validation data (URL, DataFrame, connector source); adds ``val_loss`` and
             ``val_<metric>`` to every epoch of ``history``.
         metrics: ``name -> fn(output, label)`` batch means computed on the validation data.
+        mlflow_experiment: log params, per-epoch metrics and the model to this MLflow
+            experiment (``MLFLOW_TRACKING_URI`` picks the store); see :mod:`sparkdl.tracking`.
+        tensorboard_dir: write per-epoch scalars there for TensorBoard.
     """
 
     numWorkers = Param(Params._dummy(), "numWorkers", "number of barrier tasks (ranks)", TypeConverters.toInt)
@@ -117,6 +124,9 @@ class TorchEstimator(Estimator, _TorchParams):
         transform_fn: Optional[TransformFn] = None,
         validation: Any = None,
         metrics: Optional[Dict[str, MetricFn]] = None,
+        precision: str = "32",
+        mlflow_experiment: Optional[str] = None,
+        tensorboard_dir: Optional[str] = None,
     ) -> None:
         super().__init__()
         if not callable(model) or isinstance(model, torch.nn.Module):
@@ -135,7 +145,7 @@ class TorchEstimator(Estimator, _TorchParams):
         if not isinstance(self.strategy, Strategy):
             raise ConfigError(f"strategy={strategy!r} is not a sparkdl strategy (e.g. sparkdl.AllReduce())")
         self.launch_config = LaunchConfig(
-            num_workers=num_workers, use_gpu=use_gpu, timeout_s=timeout_s, progress=bool(progress),
+            num_workers=num_workers, use_gpu=use_gpu, timeout_s=timeout_s, progress=bool(progress), precision=precision,
             max_failures=max_failures, watchdog_timeout_s=watchdog_timeout_s,
         )
         self.checkpoint = CheckpointConfig(checkpoint_dir, every_steps=checkpoint_every, keep=keep_checkpoints, resume=resume) if checkpoint_dir else None
@@ -150,6 +160,9 @@ class TorchEstimator(Estimator, _TorchParams):
         self.transform_fn = transform_fn
         self.validation = validation
         self.metrics = metrics
+        check_tracking(mlflow_experiment, tensorboard_dir)  # fails now when mlflow/tensorboard is missing
+        self.mlflow_experiment = mlflow_experiment
+        self.tensorboard_dir = tensorboard_dir
         self._set(
             featureCols=list(feature_cols),
             labelCol=label_col,
@@ -179,14 +192,22 @@ class TorchEstimator(Estimator, _TorchParams):
             model=self.model_fn, optimizer=self.optimizer_fn, loss=self.loss_fn, epochs=epochs, seed=self.getOrDefault(self.seed),
             checkpoint_every=self.checkpoint.every_steps if self.checkpoint else None,
         )
+        # MLflow / TensorBoard (sparkdl/tracking.py): a no-op unless mlflow_experiment or tensorboard_dir is set.
+        tracker = Tracker(self.mlflow_experiment, self.tensorboard_dir)
+        if tracker.enabled:
+            tracker.start(self._tracking_params(info, num_workers, epochs))
         display = ProgressDisplay(
-            enabled=bool(self.progress), callback=self.progress if callable(self.progress) else None, total_epochs=epochs
+            enabled=bool(self.progress), callback=tracker.callback(self.progress if callable(self.progress) else None), total_epochs=epochs
         )
         launched = time.time()
-        outcome = launch(
-            loop, config, self.strategy, spark=spark, dataset=info, data_spec=spec, reader=data_reader,
-            steps_per_epoch=steps, display=display, checkpoint=self.checkpoint,
-        )
+        try:
+            outcome = launch(
+                loop, config, self.strategy, spark=spark, dataset=info, data_spec=spec, reader=data_reader,
+                steps_per_epoch=steps, display=display, checkpoint=self.checkpoint,
+            )
+        except BaseException as exc:
+            tracker.fail(exc)
+            raise
         result = outcome.value
         module = self.model_fn()
         module.load_state_dict(torch.load(io.BytesIO(result["state_dict"]), weights_only=True))
@@ -203,6 +224,8 @@ class TorchEstimator(Estimator, _TorchParams):
             "train_seconds": timing["end"] - timing["start"],
             "steps": result.get("steps"),
             "checkpoints": result.get("checkpoints"),
+            "device": result.get("device"),
+            "precision": result.get("precision"),
             "attempts": outcome.attempts,
             "from_finished_checkpoint": outcome.from_finished_checkpoint,
         }
@@ -216,7 +239,27 @@ class TorchEstimator(Estimator, _TorchParams):
             model_fn=self.model_fn,
             run_info=run_info,
         )
+        if tracker.enabled:
+            model.run_info["tracking"] = tracker.finish(model)
         return model
+
+    def _tracking_params(self, info: Any, num_workers: int, epochs: int) -> Dict[str, Any]:
+        """What the tracking run records as parameters."""
+        return {
+            "model": describe_callable(self.model_fn),
+            "optimizer": describe_callable(self.optimizer_fn),
+            "loss": describe_callable(self.loss_fn),
+            "strategy": self.strategy.describe(),
+            "num_workers": num_workers,
+            "batch_size": self.getOrDefault(self.batchSize),
+            "epochs": epochs,
+            "seed": self.getOrDefault(self.seed),
+            "feature_cols": self.getFeatureCols(),
+            "label_col": self.getOrDefault(self.labelCol),
+            "dataset": {"url": info.url, "rows": info.num_rows},
+            "checkpoint_dir": self.checkpoint.url if self.checkpoint else None,
+            "sparkdl_version": __version__,
+        }
 
 
 class TorchModel(Model, _TorchParams):

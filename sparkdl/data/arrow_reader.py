@@ -50,7 +50,8 @@ class ArrowReader(DataReader):
                 return None  # the row group's statistics rule the filter out: not even read
             table = files.read(file_index, row_group, columns)
             positions = selector.positions(group) if selector.needs_positions else None
-            keep = selector.keep(positions, table, table.num_rows)
+            filter_table = table.select(list(dataset.filter_columns)) if selector.expression is not None else None
+            keep = selector.keep(positions, filter_table)
             if keep is not None:
                 if not keep.any():
                     return None

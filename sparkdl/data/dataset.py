@@ -238,7 +238,9 @@ def child_url(root_url: str, root_path: str, file_path: str) -> str:
     root = root_path.rstrip("/")
     if file_path == root_path or not file_path.startswith(root + "/"):
         return root_url if file_path == root_path else file_path
-    parsed = urllib.parse.urlparse(root_url)
+    if "?" not in root_url and "#" not in root_url:
+        return root_url.rstrip("/") + file_path[len(root):]
+    parsed = urllib.parse.urlparse(root_url)  # keep a query (e.g. an endpoint) after the path
     return parsed._replace(path=parsed.path.rstrip("/") + file_path[len(root):]).geturl()
 
 

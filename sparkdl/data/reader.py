@@ -282,10 +282,12 @@ class PetastormReader(DataReader):
         selector = RowSelector(dataset, spec.holdout, spec.part, spec.filters, rank, world_size)
         seed = spec.seed + pass_index
         order = pass_row_groups(dataset.num_row_groups, rank, world_size, seed, spec.shuffle)
-        if selector.needs_positions and spec.reader_threads > 1:
+        # Striding always reads with one thread (see _open); otherwise more threads mean a varying order.
+        ordered = spec.reader_threads == 1 or selector.striding
+        if selector.needs_positions and not ordered:
             raise ConfigError(
                 "reader_threads > 1 reads row groups in a varying order, so rows cannot be matched to their "
-                "positions (needed for the validation hold-out and for datasets with fewer row groups than ranks)"
+                "positions, which the validation hold-out needs"
             )
         feature_names = [c.name for c in dataset.features]
         label_name = dataset.label.name if dataset.label else None
@@ -301,7 +303,7 @@ class PetastormReader(DataReader):
                 columns = [np.asarray(getattr(item, name)) for name in feature_names]
                 label = np.asarray(getattr(item, label_name)) if label_name else None
                 count = len(columns[0])
-                if not dataset.is_petastorm and count != next(expected, None):
+                if ordered and not dataset.is_petastorm and count != next(expected, None):
                     raise DataError(
                         f"Petastorm returned a row group of {count} rows where {source} has a different one next; "
                         f"its row-group order differs from the one sparkdl expects (Petastorm version?)"
@@ -310,7 +312,7 @@ class PetastormReader(DataReader):
                 filter_table = None
                 if selector.expression is not None:
                     filter_table = pa.table({c: _arrow_column(getattr(item, c)) for c in dataset.filter_columns})
-                keep = selector.keep(positions, filter_table, count)
+                keep = selector.keep(positions, filter_table)
                 if keep is not None:
                     if not keep.any():
                         continue
@@ -336,6 +338,7 @@ class PetastormReader(DataReader):
                 factory, location = make_batch_reader, [f.url for f in dataset.files]
             return factory(
                 location,
+                filesystem=_legacy_filesystem(dataset.url),
                 schema_fields=columns,
                 reader_pool_type="thread",
                 # Row striding needs every rank to see rows in the same order: one thread.
@@ -347,6 +350,30 @@ class PetastormReader(DataReader):
                 cur_shard=None if striding else rank,
                 shard_count=None if striding else world_size,
             )
+
+
+def _legacy_filesystem(url: str):
+    """None for the schemes Petastorm opens itself (file, hdfs); otherwise the URL's fsspec
+    filesystem behind pyarrow's legacy interface. Petastorm 0.12 hands other schemes' fsspec
+    filesystems straight to ``pyarrow.parquet.ParquetDataset`` with legacy-only arguments, which
+    pyarrow >= 13 rejects ("validate_schema is not yet supported with the new Dataset API",
+    uber/petastorm#758); a legacy filesystem keeps it on the legacy code path that works."""
+    import urllib.parse
+
+    if urllib.parse.urlparse(url).scheme in ("", "file", "hdfs"):
+        return None
+    import fsspec
+    import pyarrow.filesystem as legacy
+
+    class _FsspecLegacy(legacy.DaskFileSystem):
+        # The legacy wrapper lacks these two, which ParquetDataset calls.
+        def isfile(self, path: str) -> bool:
+            return self.fs.isfile(path)
+
+        def isdir(self, path: str) -> bool:
+            return self.fs.isdir(path)
+
+    return _FsspecLegacy(fsspec.core.url_to_fs(url)[0])
 
 
 def _arrow_column(values: np.ndarray) -> pa.Array:

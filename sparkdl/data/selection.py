@@ -20,7 +20,7 @@
 from __future__ import annotations
 
 import random
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -91,6 +91,9 @@ class RowSelector:
         self.holdout = holdout
         self.part = part
         self.expression = to_expression(filters) if filters is not None else None
+        if self.expression is not None and not dataset.filter_columns:
+            # The readers read dataset.filter_columns to evaluate the filter.
+            raise ConfigError("the dataset was inspected without these filters: pass filters= to inspect_dataset too")
         self.rank = rank
         self.world_size = world_size
         rows = np.asarray(dataset.row_group_rows, dtype=np.int64)
@@ -105,8 +108,10 @@ class RowSelector:
     def positions(self, row_group: int) -> np.ndarray:
         return np.arange(self.starts[row_group], self.starts[row_group] + self.rows[row_group], dtype=np.int64)
 
-    def keep(self, positions: Optional[np.ndarray], filter_table: Optional[pa.Table], num_rows: int) -> Optional[np.ndarray]:
-        """A boolean mask of the rows to keep, or None to keep them all."""
+    def keep(self, positions: Optional[np.ndarray], filter_table: Optional[pa.Table]) -> Optional[np.ndarray]:
+        """A boolean mask of the rows to keep, or None to keep them all. ``positions`` are the
+        rows' positions (needed when :attr:`needs_positions`), ``filter_table`` their filter
+        columns (needed with a filter)."""
         mask: Optional[np.ndarray] = None
         if self.striding:
             mask = (positions % self.world_size) == self.rank

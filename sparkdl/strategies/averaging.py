@@ -204,6 +204,10 @@ class _SyncingOptimizer(torch.optim.Optimizer):
     ``GradScaler`` check ``isinstance(optimizer, torch.optim.Optimizer)``.
     """
 
+    # GradScaler.step would otherwise hand grad_scale/found_inf to this wrapper (not the fused
+    # optimizer inside), which would then step on scaled gradients; unscale-then-step instead.
+    _step_supports_amp_scaling = False
+
     def __init__(self, optimizer: torch.optim.Optimizer, after_step: Callable[[], None]) -> None:
         # Optimizer.__init__ is deliberately not called: the wrapper owns no parameters and no
         # state of its own; every missing attribute is looked up on the wrapped optimizer.

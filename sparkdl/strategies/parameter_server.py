@@ -78,6 +78,12 @@ __all__ = [
 logger = logging.getLogger("sparkdl.parameter_server")
 
 LAYOUTS = ("balanced", "tensors")
+#: Seconds a worker waits before raising that it lost a peer. The peer's own death (or error)
+#: is the root cause; the launcher names a vanished process "WorkerLost" when it sees its channel
+#: drop, but only if no other rank's report got there first, and this rank notices the loss just
+#: as fast. The driver cancels the job at its first failure, so the wait usually ends with this
+#: task being killed; if not, the error below still names the peer.
+PEER_LOSS_GRACE_S = 5.0
 # Flags that choose a kernel for the user's device; the server's shard always lives on the CPU,
 # so it takes torch's CPU defaults for them instead (fused/capturable CUDA settings would fail).
 _DEVICE_FLAGS = frozenset({"foreach", "fused", "capturable", "differentiable"})
@@ -112,6 +118,8 @@ class ParameterServer(Strategy):
 
     name = "parameter_server"
     identical_final_weights = True
+    # The order in which the servers apply the workers' pushes depends on timing.
+    deterministic = False
 
     max_staleness: Optional[int] = None
     timeout_s: float = 300.0
@@ -431,7 +439,6 @@ class _Shard:
         self.optimizer: Optional[torch.optim.Optimizer] = None
         if self.segments:
             self.optimizer = build_server_optimizer(template, [(g, [self.tensors[i] for i in by_group[g]]) for g in self.group_map])
-        self._members = [by_group[g] for g in self.group_map]
 
     @staticmethod
     def _view(flat: torch.Tensor, seg: Segment, shape: Tuple[int, ...]) -> torch.Tensor:
@@ -749,6 +756,7 @@ class _ParameterServerRuntime(StrategyRuntime):
         self._window_steps = 0
         self._window_start = time.monotonic()
         self._window_staleness = 0
+        self.peer_loss_grace_s = PEER_LOSS_GRACE_S
         self.state = _ServerState(env.rank, env.world_size, self.timeout_s)
         listener = listen(host)
         try:
@@ -899,8 +907,14 @@ class _ParameterServerRuntime(StrategyRuntime):
         if self._closed:
             raise RuntimeError("ParameterServer: optimizer.step() after the strategy was closed")
         staleness = 0
-        for table in tables:
-            staleness = max(staleness, self._push_pull(table))
+        try:
+            for table in tables:
+                staleness = max(staleness, self._push_pull(table))
+        except ParameterServerError as exc:
+            if exc.peer_rank is not None and self.peer_loss_grace_s > 0:
+                logger.warning("rank %d: %s; reporting it in %gs unless the run is cancelled first", self.env.rank, exc, self.peer_loss_grace_s)
+                time.sleep(self.peer_loss_grace_s)  # not synchronization: see PEER_LOSS_GRACE_S
+            raise
         self._steps += 1
         self._window_steps += 1
         self._window_staleness = max(self._window_staleness, staleness)
@@ -1019,7 +1033,8 @@ class _ParameterServerRuntime(StrategyRuntime):
             return
         self._closed = True
         for client in self._clients.values():
-            client.close()
+            client.close()  # BYE: the other servers stop waiting for this worker
+        # Wake this server's threads that wait for a staleness bound before joining them.
+        self.state.close()
         if self._server is not None:
             self._server.close()
-        self.state.close()

@@ -339,7 +339,9 @@ def _checkpoint_scenario(rank: int, port: int) -> Dict[str, Any]:
 
         train(3, 0)
         saved = runtime.state_dict()
-        shard_steps_saved = _adam_steps(runtime)
+        # Read from the snapshot, not the live shard: the other worker may already be pushing
+        # its next steps once state_dict's closing barrier has passed.
+        shard_steps_saved = max(float(v["step"]) for v in saved["tables"][0]["optimizer"]["state"].values())
         train(3, 3)
         shard_steps_later = _adam_steps(runtime)
         runtime.load_state_dict(saved)
@@ -364,6 +366,7 @@ def _adam_steps(runtime: _ParameterServerRuntime) -> float:
 
 def _peer_lost_scenario(rank: int, port: int) -> Dict[str, Any]:
     runtime = _runtime(rank, port, max_staleness=0, timeout_s=60)
+    runtime.peer_loss_grace_s = 0.0  # no launcher here to name the dead rank first
     net = runtime.prepare_model(torch.nn.Linear(4, 2))
     optimizer = runtime.prepare_optimizer(torch.optim.SGD(net.parameters(), lr=0.1))
     result: Dict[str, Any] = {}

@@ -1,0 +1,207 @@
+"""Optional run tracking on the driver: MLflow and TensorBoard.
+
+``TorchEstimator(mlflow_experiment="digits", tensorboard_dir="/runs/tb")`` (or the CLI's
+``--mlflow-experiment`` / ``--tensorboard-dir``) records:
+
+* MLflow: the run's parameters (estimator settings, strategy, dataset), every epoch's numeric
+  metrics (``step`` = epoch) as they arrive from rank 0, the saved model as the ``model``
+  artifact directory (a :meth:`TorchModel.save` layout) and tags ``sparkdl.status``; a failed
+  fit ends the MLflow run as FAILED. Where the run goes is MLflow's choice:
+  ``MLFLOW_TRACKING_URI`` (a server ``http://...``, or a ``file:`` store, which MLflow 3.x only
+  accepts with ``MLFLOW_ALLOW_FILE_STORE=true``), else MLflow's default.
+* TensorBoard: one scalar per numeric epoch metric (``epoch/loss``, ``epoch/samples_per_sec``...;
+  each rank's throughput as ``rank/<r>/samples_per_sec``), written with
+  ``torch.utils.tensorboard`` into ``tensorboard_dir``.
+
+Both run only on the driver: executors need neither package. Install them with
+``pip install 'sparkdl[tracking]'`` (mlflow-skinny and tensorboard, checked against the pinned stack).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import os
+import re
+import tempfile
+import threading
+from typing import Any, Callable, Dict, List, Optional
+
+from sparkdl.errors import ConfigError
+
+logger = logging.getLogger("sparkdl")
+
+_RANK_KEY = re.compile(r"rank(\d+)_(.+)")  # per-rank figures: rank0_samples_per_sec -> rank/0/samples_per_sec
+
+INSTALL_HINT = "pip install 'sparkdl[tracking]' (mlflow-skinny and tensorboard)"
+
+
+def check_available(mlflow_experiment: Optional[str], tensorboard_dir: Optional[str]) -> None:
+    """Fails at construction, not after training, when a requested tracker is not installed."""
+    if mlflow_experiment is not None:
+        if not isinstance(mlflow_experiment, str) or not mlflow_experiment.strip():
+            raise ConfigError(f"mlflow_experiment={mlflow_experiment!r} must be a non-empty experiment name")
+        try:
+            import mlflow  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError(f"mlflow_experiment is set but MLflow is not importable ({exc}): {INSTALL_HINT}") from exc
+    if tensorboard_dir is not None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError(f"tensorboard_dir is set but TensorBoard is not importable ({exc}): {INSTALL_HINT}") from exc
+
+
+def numeric_metrics(record: Dict[str, Any]) -> Dict[str, float]:
+    """The finite numeric values of an epoch record (not ``epoch`` itself, lists or strings)."""
+    out = {}
+    for key, value in record.items():
+        if key == "epoch" or isinstance(value, bool) or not isinstance(value, numbers.Real):
+            continue
+        if math.isfinite(float(value)):
+            out[key] = float(value)
+    return out
+
+
+class Tracker:
+    """Fans a fit's events out to the configured backends; a no-op when none is configured.
+
+    Epochs are logged live (from the progress channel) and again from the final history at
+    :meth:`finish`, each epoch once: a run resumed from a checkpoint, or one that returns a
+    finished run's stored model, still ends with every epoch logged.
+    """
+
+    def __init__(self, mlflow_experiment: Optional[str] = None, tensorboard_dir: Optional[str] = None) -> None:
+        self.mlflow_experiment = mlflow_experiment
+        self.tensorboard_dir = tensorboard_dir
+        self._mlflow = None
+        self._mlflow_run = None
+        self._writer = None
+        self._logged: set = set()
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.mlflow_experiment is not None or self.tensorboard_dir is not None
+
+    def start(self, params: Dict[str, Any]) -> None:
+        if self.mlflow_experiment is not None:
+            import mlflow
+
+            try:
+                experiment = mlflow.set_experiment(self.mlflow_experiment)
+                self._mlflow_run = mlflow.start_run(experiment_id=experiment.experiment_id)
+            except Exception as exc:  # noqa: BLE001 - an unusable store is a setting to fix, before training
+                raise ConfigError(
+                    f"MLflow tracking at {mlflow.get_tracking_uri()!r} failed: {type(exc).__name__}: {exc}. "
+                    f"Set MLFLOW_TRACKING_URI to a server (http://host:5000), a database your MLflow supports, or "
+                    f"a file: store with MLFLOW_ALLOW_FILE_STORE=true"
+                ) from exc
+            self._mlflow = mlflow
+            flat = {k: _param(v) for k, v in _flatten(params).items()}
+            for start in range(0, len(flat), 100):  # MLflow caps a batch at 100 params
+                mlflow.log_params(dict(list(flat.items())[start:start + 100]))
+        if self.tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=self.tensorboard_dir)
+            self._writer.add_text("sparkdl/params", "\n".join(f"    {k}: {v}" for k, v in sorted(_flatten(params).items())), 0)
+
+    def epoch(self, record: Dict[str, Any]) -> None:
+        """One epoch record (safe to call from the progress channel's thread)."""
+        epoch = record.get("epoch")
+        if not isinstance(epoch, int):
+            return
+        with self._lock:
+            if epoch in self._logged:
+                return
+            self._logged.add(epoch)
+            values = numeric_metrics(record)
+            if self._mlflow is not None:
+                self._mlflow.log_metrics(values, step=epoch, run_id=self._mlflow_run.info.run_id)
+            if self._writer is not None:
+                for key, value in values.items():
+                    match = _RANK_KEY.fullmatch(key)
+                    tag = f"rank/{match.group(1)}/{match.group(2)}" if match else f"epoch/{key}"
+                    self._writer.add_scalar(tag, value, epoch)
+                self._writer.flush()
+
+    def callback(self, user: Optional[Callable[[Dict[str, Any]], Any]]) -> Optional[Callable[[Dict[str, Any]], Any]]:
+        """A progress callback that feeds the trackers and then ``user`` (if any)."""
+        if not self.enabled:
+            return user
+
+        def on_record(record: Dict[str, Any]) -> None:
+            if "epoch" in record and "rank" not in record:  # epoch records, not ctx.report(...) metrics
+                try:
+                    self.epoch(record)
+                except Exception:  # noqa: BLE001 - tracking must not kill a run; finish() logs again
+                    logger.exception("sparkdl: tracking an epoch failed")
+            if user is not None:
+                user(record)
+
+        return on_record
+
+    def finish(self, model: Any) -> Dict[str, Any]:
+        """Logs what is still missing (epochs, the model artifact), closes the run; returns ids
+        for ``run_info["tracking"]``."""
+        for record in model.history:
+            self.epoch(record)
+        info: Dict[str, Any] = {}
+        if self._mlflow is not None:
+            mlflow, run_id = self._mlflow, self._mlflow_run.info.run_id
+            with tempfile.TemporaryDirectory(prefix="sparkdl-mlflow-") as tmp:
+                model.save(os.path.join(tmp, "model"))
+                mlflow.log_artifacts(os.path.join(tmp, "model"), artifact_path="model", run_id=run_id)
+            mlflow.set_tag("sparkdl.status", "succeeded")
+            mlflow.end_run("FINISHED")
+            info.update(mlflow_run_id=run_id, mlflow_experiment_id=self._mlflow_run.info.experiment_id, mlflow_tracking_uri=mlflow.get_tracking_uri())
+            self._mlflow = None
+        if self._writer is not None:
+            self._writer.close()
+            info["tensorboard_dir"] = self.tensorboard_dir
+            self._writer = None
+        return info
+
+    def fail(self, exc: BaseException) -> None:
+        """Ends the run as failed; never raises (the training error is what matters)."""
+        try:
+            if self._mlflow is not None:
+                self._mlflow.set_tag("sparkdl.status", "failed")
+                self._mlflow.set_tag("sparkdl.error", f"{type(exc).__name__}: {exc}"[:5000])
+                self._mlflow.end_run("FAILED")
+                self._mlflow = None
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+        except Exception:  # noqa: BLE001
+            logger.exception("sparkdl: closing the tracking run failed")
+
+
+def _flatten(params: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def _param(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        value = ",".join(str(v) for v in value)
+    text = str(value)
+    return text if len(text) <= 6000 else text[:5997] + "..."
+
+
+def describe_callable(fn: Any) -> str:
+    """``module:qualname`` of a factory, or its type for other callables (for params)."""
+    module = getattr(fn, "__module__", None)
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{module}:{name}" if module else str(name)
+
+
+__all__: List[str] = ["Tracker", "check_available", "numeric_metrics", "describe_callable"]

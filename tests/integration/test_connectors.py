@@ -1,0 +1,109 @@
+"""Connectors against real tables: Spark catalog tables (managed, external, partitioned, other
+formats, views) and a Delta table with time travel, trained on through the cluster."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+import torch.distributed as dist
+
+import connectors
+import sparkdl
+from sparkdl.data import cache
+from sparkdl.data.dataset import ParquetFiles
+
+pytestmark = pytest.mark.spark
+
+
+@pytest.fixture(scope="module")
+def database(spark, tmp_path_factory):
+    """A database whose managed tables live in a temporary directory (not ./spark-warehouse)."""
+    location = tmp_path_factory.mktemp("warehouse") / "sparkdl_test.db"
+    spark.sql(f"CREATE DATABASE IF NOT EXISTS sparkdl_test LOCATION '{location}'")
+    yield "sparkdl_test", str(location)
+    spark.sql("DROP DATABASE IF EXISTS sparkdl_test CASCADE")
+
+
+def _ids_frame(spark, n=96, partitions=3):
+    rows = [([float(i), float(-i)], i % 2) for i in range(n)]
+    return spark.createDataFrame(rows, "features array<double>, label long").repartition(partitions)
+
+
+def _all_ids(ctx):
+    """Every id any rank saw in 3 epochs: shards differ in size, so one epoch may not cover the
+    bigger shard, while three cover every shard here."""
+    ids = [int(i) for _ in range(3) for features, _ in ctx.epoch_batches() for i in features[:, 0]]
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, ids)
+    return sorted(set(i for rank_ids in gathered for i in rank_ids))
+
+
+def _run(spark, source, n, batch_size=8):
+    return sparkdl.run(
+        _all_ids, num_workers=2, data=source, feature_cols=["features"], label_col="label",
+        batch_size=batch_size, shuffle=False, spark=spark, progress=False,
+    )
+
+
+def test_managed_parquet_table_is_read_in_place(spark, database):
+    name, location = database
+    _ids_frame(spark).write.mode("overwrite").saveAsTable(f"{name}.clicks")
+    resolved = connectors.SparkTable(f"{name}.clicks").resolve(spark, ["features", "label"])
+    assert isinstance(resolved, ParquetFiles)
+    assert resolved.url == f"file://{location}/clicks" and len(resolved.files) == 3
+    assert all(f.startswith(f"file://{location}/clicks/part-") for f in resolved.files)
+    assert "managed parquet, read in place" in resolved.description
+
+    before = cache.cached_urls()
+    assert _run(spark, connectors.SparkTable(f"{name}.clicks"), 96) == list(range(96))
+    assert cache.cached_urls() == before  # nothing was materialized
+
+
+def test_external_table_in_place_and_what_must_be_materialized(spark, database, tmp_path):
+    name, _ = database
+    frame = _ids_frame(spark, n=64, partitions=2)
+    frame.write.mode("overwrite").option("path", str(tmp_path / "external")).saveAsTable(f"{name}.external")
+    external = connectors.SparkTable(f"{name}.external").resolve(spark, ["features", "label"])
+    assert isinstance(external, ParquetFiles) and all(str(tmp_path / "external") in f for f in external.files)
+
+    frame.write.mode("overwrite").partitionBy("label").saveAsTable(f"{name}.by_label")
+    # The label lives only in the partition directories: materialize (a DataFrame comes back)...
+    assert not isinstance(connectors.SparkTable(f"{name}.by_label").resolve(spark, ["features", "label"]), ParquetFiles)
+    # ...but a run that does not need it reads the files in place.
+    assert isinstance(connectors.SparkTable(f"{name}.by_label").resolve(spark, ["features"]), ParquetFiles)
+
+    frame.write.mode("overwrite").format("json").option("path", str(tmp_path / "json")).saveAsTable(f"{name}.as_json")
+    frame.createOrReplaceTempView("sparkdl_ids_view")
+    for table in (f"{name}.as_json", "sparkdl_ids_view"):
+        assert not isinstance(connectors.SparkTable(table).resolve(spark, ["features", "label"]), ParquetFiles)
+    with pytest.raises(sparkdl.DataError, match="cannot be read in place \\(its format is json, not Parquet\\) and materialize='never'"):
+        connectors.SparkTable(f"{name}.as_json", materialize="never").resolve(spark, ["features", "label"])
+    with pytest.raises(sparkdl.DataError, match="no table 'sparkdl_test.nope' in the Spark catalog"):
+        connectors.SparkTable(f"{name}.nope").resolve(spark, ["features"])
+
+    before = len(cache.cached_urls())
+    assert _run(spark, connectors.SparkTable(f"{name}.by_label"), 64) == list(range(64))
+    assert len(cache.cached_urls()) == before + 1  # materialized once through the cache
+
+
+def test_fit_on_a_delta_table_version(spark, tmp_path):
+    from deltalake import write_deltalake
+
+    path = str(tmp_path / "delta")
+
+    def table(start, count):
+        ids = np.arange(start, start + count)
+        return pa.table({"features": pa.array(list(np.stack([ids, -ids], 1).astype(np.float32)), type=pa.list_(pa.float32())),
+                         "label": ids % 2})
+
+    write_deltalake(path, table(0, 80))
+    write_deltalake(path, table(1000, 48), mode="append")
+    assert _run(spark, connectors.DeltaSource(path, version=0), 80) == list(range(80))
+    assert _run(spark, connectors.DeltaSource(path), 128) == list(range(80)) + list(range(1000, 1048))
+
+    model = sparkdl.TorchEstimator(
+        model=lambda: torch.nn.Linear(2, 2), num_workers=2, batch_size=8, epochs=1, validation=0.25, progress=False,
+    ).fit(connectors.DeltaSource(path, version=0))
+    assert model.run_info["dataset"]["rows"] == 80 and "val_loss" in model.history[0]

@@ -1,0 +1,176 @@
+"""The command line without Spark: `sparkdl` dispatch, train's options and metrics.json, inspect,
+package. (Spark runs of the same commands: tests/integration/test_job.py, test_standalone.py,
+test_packaging.py, test_airflow.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+import zipfile
+
+import pytest
+import torch
+
+import sparkdl
+from sparkdl import cli
+from tests.conftest import REPO_ROOT
+
+
+def test_umbrella_command_dispatches_and_rejects_unknown_commands(capsys):
+    assert cli.sparkdl_main(["--help"]) == 0
+    assert "train" in capsys.readouterr().out
+    assert cli.sparkdl_main([]) == 2
+    assert cli.sparkdl_main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+    assert cli.sparkdl_main(["predict"]) == 2  # argparse: required options missing
+    assert cli.sparkdl_main(["inspect", "--help"]) == 0
+
+
+def test_console_scripts_are_registered():
+    pyproject = open(os.path.join(REPO_ROOT, "pyproject.toml")).read()
+    assert 'sparkdl = "sparkdl.cli:sparkdl_main"' in pyproject and 'sparkdl-train = "sparkdl.cli:main"' in pyproject
+    result = subprocess.run([os.path.join(os.path.dirname(sys.executable), "sparkdl"), "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "predict" in result.stdout
+
+
+class _FakeModel:
+    history = [
+        {"epoch": 1, "loss": 2.0, "samples_per_sec": 100.0, "rank0_samples_per_sec": 60.0, "rank1_samples_per_sec": 40.0},
+        {"epoch": 2, "loss": 1.0, "samples_per_sec": 120.0, "rank0_samples_per_sec": 70.0, "rank1_samples_per_sec": 50.0},
+    ]
+    run_info = {"num_workers": 2, "steps": {"resumed_at": 0}}
+
+    def save(self, path):
+        os.makedirs(path)
+
+
+def _fake_spark(monkeypatch, captured):
+    """Stands in for SparkSession and TorchEstimator so train()'s plumbing runs without a JVM."""
+    import pyspark.sql
+
+    class Builder:
+        def appName(self, name):
+            return self
+
+        def master(self, master):
+            captured["master"] = master
+            return self
+
+        def getOrCreate(self):
+            context = types.SimpleNamespace(master="local[2]", applicationId="local-1")
+            return types.SimpleNamespace(sparkContext=context, stop=lambda: captured.setdefault("stopped", True))
+
+    class FakeEstimator:
+        def __init__(self, **kwargs):
+            captured["estimator"] = kwargs
+
+        def fit(self, data):
+            captured["data"] = data
+            return _FakeModel()
+
+    monkeypatch.setattr(pyspark.sql, "SparkSession", types.SimpleNamespace(builder=Builder()))
+    monkeypatch.setattr(sparkdl, "TorchEstimator", FakeEstimator)
+
+
+def test_train_passes_recovery_and_tracking_options_and_writes_metrics(tmp_path, monkeypatch):
+    captured = {}
+    _fake_spark(monkeypatch, captured)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    code = cli.sparkdl_main([
+        "train", "--data", "/data/x", "--model", "tests.models:digits_mlp", "--features", "features", "--label", "label",
+        "--output", str(tmp_path / "run"), "--checkpoint-dir", "/ckpt/x", "--checkpoint-every", "50", "--max-failures", "3",
+        "--no-resume", "--mlflow-experiment", "exp", "--mlflow-tracking-uri", "file:/tmp/mlruns", "--tensorboard-dir", "/tb",
+        "--master", "local[2]",
+    ])
+    assert code == 0
+    kwargs = captured["estimator"]
+    assert (kwargs["checkpoint_dir"], kwargs["checkpoint_every"], kwargs["max_failures"], kwargs["resume"]) == ("/ckpt/x", 50, 3, False)
+    assert (kwargs["mlflow_experiment"], kwargs["tensorboard_dir"]) == ("exp", "/tb")
+    assert os.environ["MLFLOW_TRACKING_URI"] == "file:/tmp/mlruns"
+    assert captured["stopped"] and captured["master"] == "local[2]"
+    metrics = json.load(open(tmp_path / "run" / "metrics.json"))
+    assert metrics["status"] == "succeeded" and metrics["exit_code"] == 0
+    assert metrics["throughput"] == {"samples_per_sec": [100.0, 120.0], "rank_samples_per_sec_mean": [65.0, 45.0], "slowest_rank": 1}
+    assert metrics["config"]["checkpoint_dir"] == "/ckpt/x"
+    assert set(metrics["versions"]) >= {"sparkdl", "torch", "pyspark", "petastorm", "pyarrow", "python"}
+    assert metrics["started_at"].endswith("Z") and metrics["wall_seconds"] >= 0
+
+
+def test_failed_train_records_status_versions_and_exit_code(tmp_path, monkeypatch):
+    captured = {}
+    _fake_spark(monkeypatch, captured)
+
+    def failing_fit(self, data):
+        raise sparkdl.TrainingError([])
+
+    monkeypatch.setattr(sparkdl.TorchEstimator, "fit", failing_fit)
+    code = cli.main(["--data", "/d", "--model", "tests.models:digits_mlp", "--features", "f", "--label", "l", "--output", str(tmp_path / "o")])
+    assert code == 1
+    metrics = json.load(open(tmp_path / "o" / "metrics.json"))
+    assert metrics["status"] == "failed" and metrics["exit_code"] == 1 and "TrainingError" in metrics["error"]
+    assert "torch" in metrics["versions"]
+
+
+def test_missing_module_hints_name_the_fix():
+    assert "sparkdl package --output sparkdl.zip" in cli._missing_module_hint("No module named 'sparkdl'", "models:f")
+    assert "--py-files sparkdl.zip,models.py" in cli._missing_module_hint("No module named 'sparkdl.data'", "models:f")
+    assert "--py-files mymodels.py" in cli._missing_module_hint("No module named 'mymodels'", "mymodels:make")
+    assert "--archives env.tar.gz#env" in cli._missing_module_hint("No module named 'petastorm'", "models:f")
+    assert cli._missing_module_hint("some other failure", "models:f") == ""
+
+
+def test_inspect_describes_a_dataset(tmp_path, capsys):
+    from examples.digits import write_dataset
+
+    path = write_dataset(str(tmp_path / "digits"))
+    assert cli.sparkdl_main(["inspect", path, "--rows", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "1797 rows in 1 file(s), 4 row group(s)" in text
+    assert "features: list<element: float>" in text and "label: int64" in text
+    assert "part-00000.parquet: 450, 450, 450, 447" in text
+    assert cli.sparkdl_main(["inspect", path, "--json", "--rows", "2"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kind"] == "dataset" and doc["rows"] == 1797 and len(doc["head"]) == 2
+    assert doc["head"][0]["features"][-1] == "... (64 values)" and doc["head"][0]["label"] == 0
+
+
+def test_inspect_describes_a_run_and_a_model(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.json").write_text(json.dumps({
+        "status": "succeeded", "exit_code": 0, "wall_seconds": 12.5, "history": _FakeModel.history,
+        "run": {"num_workers": 2, "strategy": {"name": "allreduce"}, "dataset": {"rows": 1797}, "attempts": [{}], "steps": {"resumed_at": 28}},
+        "versions": {"torch": "2.13.0"},
+    }))
+    assert cli.sparkdl_main(["inspect", str(run_dir)]) == 0
+    text = capsys.readouterr().out
+    assert "succeeded in 12.5s (exit 0)" in text and "resumed at step 28" in text
+    assert "60, 40" in text  # each rank's samples/s of epoch 1
+
+    module = torch.nn.Linear(3, 2)
+    from sparkdl.data.dataset import ColumnInfo
+
+    model = sparkdl.TorchModel(module, history=_FakeModel.history, feature_cols=["x"], features_info=[ColumnInfo("x", "float", (3,))], output_shape=[2])
+    model.save(str(tmp_path / "model"))
+    assert cli.sparkdl_main(["inspect", str(tmp_path / "model")]) == 0
+    text = capsys.readouterr().out
+    assert "features: x -> prediction (output shape [2])" in text
+    assert cli.sparkdl_main(["inspect", str(tmp_path / "nothing")]) == 2
+
+
+def test_package_zips_sparkdl_reproducibly_without_bytecode(tmp_path):
+    first, second = tmp_path / "a.zip", tmp_path / "b.zip"
+    info = cli.package(str(first))
+    cli.package(str(second))
+    assert first.read_bytes() == second.read_bytes()  # same sources, same bytes
+    names = zipfile.ZipFile(first).namelist()
+    assert names == sorted(names) and info["files"] == len(names)
+    assert {"sparkdl/__init__.py", "sparkdl/cli.py", "sparkdl/tracking.py", "connectors/__init__.py"} <= set(names)
+    assert not any(n.endswith(".pyc") or "__pycache__" in n for n in names)
+    sources = {os.path.relpath(os.path.join(d, f), os.path.dirname(os.path.dirname(sparkdl.__file__)))
+               for d, _, files in os.walk(os.path.dirname(sparkdl.__file__)) for f in files if f.endswith(".py")}
+    assert {s for s in sources} <= set(names)  # every module of the package is in the zip
+    assert "connectors/__init__.py" not in zipfile.ZipFile(cli.package(str(tmp_path / "c.zip"), connectors=False)["output"]).namelist()

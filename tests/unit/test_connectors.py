@@ -1,0 +1,130 @@
+"""Connectors that need no Spark: Parquet paths and globs, and real Delta tables (delta-rs)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from deltalake import DeltaTable, write_deltalake
+
+import connectors
+from sparkdl.api import prepare_data, prepare_dataset
+from sparkdl.data.dataset import ParquetFiles, inspect_dataset
+from sparkdl.data.reader import DataSpec, reader_from_name
+from sparkdl.errors import ConfigError, DataError
+
+
+def ids_table(start, count):
+    ids = np.arange(start, start + count)
+    return pa.table(
+        {
+            "features": pa.array(list(np.stack([ids, -ids], 1).astype(np.float32)), type=pa.list_(pa.float32())),
+            "label": ids % 2,
+            "day": np.array(["mon", "tue"])[ids % 2],
+        }
+    )
+
+
+def read_ids(info, reader_name="arrow", world_size=1):
+    ids = []
+    for rank in range(world_size):
+        for features, _ in reader_from_name(reader_name).read_pass(info, DataSpec(batch_size=8, shuffle=False), rank, world_size, 0):
+            ids += features[:, 0].astype(int).tolist()
+    return sorted(ids)
+
+
+# ---- Parquet -------------------------------------------------------------------------------
+
+
+def test_parquet_source_directory_file_list_and_glob(tmp_path):
+    for index, day in enumerate(["2024-01-01", "2024-01-02", "2024-02-01"]):
+        os.makedirs(tmp_path / day)
+        pq.write_table(ids_table(index * 10, 10), tmp_path / day / "part-0.parquet")
+    pq.write_table(ids_table(100, 10), tmp_path / "2024-01-01" / "notes.parquet")
+
+    whole = connectors.ParquetSource(str(tmp_path)).resolve()
+    assert whole == ParquetFiles(url=f"file://{tmp_path}", description=f"Parquet at file://{tmp_path}")
+    assert inspect_dataset(whole, ["features"], "label").num_rows == 40
+
+    january = connectors.ParquetSource(f"{tmp_path}/2024-01-*/part-*.parquet").resolve()
+    assert january.files == (f"file://{tmp_path}/2024-01-01/part-0.parquet", f"file://{tmp_path}/2024-01-02/part-0.parquet")
+    info = prepare_dataset(connectors.ParquetSource(f"{tmp_path}/2024-01-*/part-*.parquet"), ["features"], "label", num_workers=2)
+    assert info.explicit_files and read_ids(info, "petastorm", world_size=2) == list(range(20))
+
+    listed = connectors.ParquetSource([f"{tmp_path}/2024-02-01/part-0.parquet", f"{tmp_path}/2024-01-01/notes.parquet"])
+    info = inspect_dataset(listed.resolve(), ["features"], "label")
+    # An explicit list is read in its own order: that order decides the row groups' ranks.
+    assert [f.url.rsplit("/", 2)[-2] for f in info.files] == ["2024-02-01", "2024-01-01"]
+    assert read_ids(info) == list(range(20, 30)) + list(range(100, 110))
+
+    with pytest.raises(DataError, match="no files match"):
+        connectors.ParquetSource(f"{tmp_path}/2025-*/*.parquet").resolve()
+
+
+# ---- Delta ---------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def delta_table(tmp_path):
+    """A real Delta table with three versions: create (0-99), append (100-149), overwrite (500-519)."""
+    path = str(tmp_path / "delta")
+    write_deltalake(path, ids_table(0, 100))
+    write_deltalake(path, ids_table(100, 50), mode="append")
+    write_deltalake(path, ids_table(500, 20), mode="overwrite")
+    # delta-rs dates versions by their log files' modification times: fix them to known instants.
+    for version, day in enumerate([1, 2, 3]):
+        stamp = datetime.datetime(2024, 5, day, 12, tzinfo=datetime.timezone.utc).timestamp()
+        os.utime(os.path.join(path, "_delta_log", f"{version:020d}.json"), (stamp, stamp))
+    return path
+
+
+def test_delta_latest_version_and_time_travel_by_version(delta_table):
+    assert DeltaTable(delta_table).version() == 2
+    latest = connectors.DeltaSource(delta_table).resolve()
+    assert latest.description == f"Delta table {delta_table} version 2"
+    assert read_ids(inspect_dataset(latest, ["features"], "label")) == list(range(500, 520))
+
+    first = prepare_dataset(connectors.DeltaSource(delta_table, version=0), ["features"], "label", num_workers=2)
+    assert first.num_rows == 100 and read_ids(first, world_size=2) == list(range(100))
+    second = inspect_dataset(connectors.DeltaSource(delta_table, version=1).resolve(), ["features"], "label")
+    assert second.num_rows == 150 and read_ids(second, "petastorm") == list(range(150))
+    # Only the version's files: the files of version 0 plus the appended one, none removed later.
+    assert len(second.files) == 2 and all(f.url.startswith("file://") for f in second.files)
+
+
+def test_delta_time_travel_by_timestamp(delta_table):
+    def rows_at(timestamp):
+        return inspect_dataset(connectors.DeltaSource(delta_table, timestamp=timestamp).resolve(), ["features"], "label").num_rows
+
+    assert rows_at("2024-05-01T18:00:00Z") == 100
+    assert rows_at(datetime.datetime(2024, 5, 2, 13, tzinfo=datetime.timezone.utc)) == 150
+    assert rows_at("2024-06-01T00:00:00Z") == 20
+
+
+def test_delta_source_trains_through_prepare_data(delta_table):
+    dataset, spec, reader, steps = prepare_data(
+        connectors.DeltaSource(delta_table, version=1), feature_cols=["features"], label_col="label",
+        num_workers=2, batch_size=10, validation=0.2, reader="arrow",
+    )
+    assert dataset.num_rows == 150 and spec.holdout == 0.2 and 0 < steps < 150 // 20
+
+
+def test_delta_errors_are_named(tmp_path, delta_table):
+    with pytest.raises(DataError, match="no Delta table at"):
+        connectors.DeltaSource(str(tmp_path / "missing")).resolve()
+    with pytest.raises(DataError, match="cannot load Delta table .*version 7"):
+        connectors.DeltaSource(delta_table, version=7).resolve()
+    with pytest.raises(ConfigError, match="pass version= or timestamp=, not both"):
+        connectors.DeltaSource(delta_table, version=0, timestamp="2024-05-01T00:00:00Z")
+
+    partitioned = str(tmp_path / "partitioned")
+    write_deltalake(partitioned, ids_table(0, 40), partition_by=["day"])
+    with pytest.raises(DataError, match="column\\(s\\) day of Delta table .* are partition columns"):
+        connectors.DeltaSource(partitioned).resolve(None, ["features", "day"])
+    # Without the partition column the files are fine to read in place.
+    info = inspect_dataset(connectors.DeltaSource(partitioned).resolve(None, ["features", "label"]), ["features"], "label")
+    assert info.num_rows == 40 and len(info.files) == 2

@@ -160,7 +160,7 @@ def _strategy_metrics(ctx: TrainContext) -> Dict[str, Any]:
     """The strategy runtime's ``epoch_metrics()`` over all ranks: keys ending in ``_per_sec`` are
     summed (rates add up), the others take the maximum. Collective when there are any keys (every
     rank has the same strategy, so the same keys); no communication otherwise."""
-    local = ctx._runtime.epoch_metrics()  # TrainContext exposes no public accessor for its runtime
+    local = ctx.strategy_metrics()
     out: Dict[str, Any] = {}
     names = sorted(local)
     sums = [name for name in names if name.endswith("_per_sec")]

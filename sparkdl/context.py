@@ -186,6 +186,11 @@ class TrainContext:
 
         return evaluate(self, model, loss, metrics)
 
+    def strategy_metrics(self) -> Dict[str, Any]:
+        """The strategy's own figures for this rank since the last call (e.g. a parameter
+        server's largest staleness); empty for most strategies."""
+        return self._runtime.epoch_metrics()
+
     def set_phase(self, phase: str) -> None:
         """Names what this rank is doing now and counts as progress for the hang watchdog.
         Custom loops with long steps outside ``epoch_batches`` should call it now and then."""

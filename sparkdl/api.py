@@ -182,8 +182,8 @@ def prepare_data(
     if validation is not None:
         spec = dataclasses.replace(spec, validation=ValidationSpec(validation_data, tuple(sorted((metrics or {}).items()))))
 
-    narrowed = " that pass the filters" if filters is not None else ""
-    narrowed += " and are not held out for validation" if holdout else ""
+    conditions = [text for text, on in (("pass the filters", filters is not None), ("are not held out for validation", holdout)) if on]
+    narrowed = " that " + " and ".join(conditions) if conditions else ""
     counts = shard_rows(dataset, num_workers, holdout, "train", filters)
     empty = [rank for rank, rows in enumerate(counts) if rows == 0]
     if empty:

@@ -262,9 +262,10 @@ class _JobMonitor:
             self._cancelled = True
             # A rank that vanished without a word is the likeliest cause of its peers' errors.
             self.failures.sort(key=lambda f: f.exc_type != "WorkerLost")
-            root = self.failures[0]
+            root = self.failures[0] if self.failures else None  # none when the job died before any rank reported
             self._cond.notify_all()
-        logger.error("rank %d failed (%s: %s); cancelling the Spark job", root.rank, root.exc_type, root.message)
+        if root is not None:
+            logger.error("rank %d failed (%s: %s); cancelling the Spark job", root.rank, root.exc_type, root.message)
         self._cancel()
 
     def wait_disconnected(self, timeout: float) -> None:
@@ -450,9 +451,10 @@ def check_slots(sc: Any, num_workers: int, wait_s: float) -> None:
 
     Spark itself would retry the barrier stage for minutes before giving up
     (``spark.scheduler.barrier.maxConcurrentTasksCheck.*``). Executors register asynchronously
-    after start-up, so while fewer have registered than were asked for
-    (``spark.executor.instances``, or none at all yet) this waits up to ``wait_s``; once they are
-    all there, too few slots is an error at once.
+    after start-up, so while fewer have registered than were asked for this waits up to
+    ``wait_s``; once they are all there, too few slots is an error at once. When the number
+    to expect is unknown (a standalone or YARN cluster without ``spark.executor.instances``),
+    it waits the whole ``wait_s`` before deciding.
     """
     deadline = time.monotonic() + wait_s
     jsc = sc._jsc.sc()
@@ -463,7 +465,7 @@ def check_slots(sc: Any, num_workers: int, wait_s: float) -> None:
         if slots >= num_workers:
             return
         executors = int(jsc.getExecutorIds().size())
-        if executors >= expected or time.monotonic() >= deadline:
+        if (expected is not None and executors >= expected) or time.monotonic() >= deadline:
             break
         time.sleep(0.25)  # polling the scheduler: executor registration has no Python-side event
     task_cpus = sc.getConf().get("spark.task.cpus", "1")
@@ -474,12 +476,15 @@ def check_slots(sc: Any, num_workers: int, wait_s: float) -> None:
     )
 
 
-def _expected_executors(sc: Any) -> int:
+def _expected_executors(sc: Any) -> Optional[int]:
+    """How many executors this application will get, when that is known up front."""
     configured = sc.getConf().get("spark.executor.instances", None)
     if configured:
         return int(configured)
     match = re.match(r"local-cluster\[\s*(\d+)", sc.master)
-    return int(match.group(1)) if match else 1
+    if match:
+        return int(match.group(1))
+    return 1 if sc.master.startswith("local") else None
 
 
 # --------------------------------------------------------------------------------------------

@@ -151,13 +151,21 @@ class Tracker:
         info: Dict[str, Any] = {}
         if self._mlflow is not None:
             mlflow, run_id = self._mlflow, self._mlflow_run.info.run_id
-            with tempfile.TemporaryDirectory(prefix="sparkdl-mlflow-") as tmp:
-                model.save(os.path.join(tmp, "model"))
-                mlflow.log_artifacts(os.path.join(tmp, "model"), artifact_path="model", run_id=run_id)
-            mlflow.set_tag("sparkdl.status", "succeeded")
-            mlflow.end_run("FINISHED")
             info.update(mlflow_run_id=run_id, mlflow_experiment_id=self._mlflow_run.info.experiment_id, mlflow_tracking_uri=mlflow.get_tracking_uri())
-            self._mlflow = None
+            try:
+                with tempfile.TemporaryDirectory(prefix="sparkdl-mlflow-") as tmp:
+                    model.save(os.path.join(tmp, "model"))
+                    mlflow.log_artifacts(os.path.join(tmp, "model"), artifact_path="model", run_id=run_id)
+                mlflow.set_tag("sparkdl.status", "succeeded")
+            except Exception as exc:  # noqa: BLE001 - the trained model must reach the caller all the same
+                logger.exception("sparkdl: logging the model to MLflow failed")
+                info["mlflow_error"] = f"{type(exc).__name__}: {exc}"
+            finally:
+                self._mlflow = None
+                try:
+                    mlflow.end_run("FINISHED")
+                except Exception:  # noqa: BLE001
+                    logger.exception("sparkdl: closing the MLflow run failed")
         if self._writer is not None:
             self._writer.close()
             info["tensorboard_dir"] = self.tensorboard_dir

@@ -86,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", required=True, help="directory for the saved model and metrics.json")
     parser.add_argument("--master", default=None, help="Spark master when not started by spark-submit")
     parser.add_argument("--quiet", action="store_true", help="no per-epoch progress lines")
+    parser.add_argument("--reader", choices=["arrow", "petastorm"], default="arrow", help="data reader (default arrow)")
+    parser.add_argument(
+        "--validation", type=float, default=None, metavar="FRACTION",
+        help="hold out this fraction of the rows (deterministically) and report val_loss per epoch",
+    )
+    parser.add_argument(
+        "--precision", choices=["32", "bf16-mixed", "16-mixed"], default="32",
+        help="training precision (16-mixed needs GPUs)",
+    )
     recovery = parser.add_argument_group("fault tolerance (README, 'Surviving failures')")
     recovery.add_argument(
         "--checkpoint-dir", default=None,
@@ -179,6 +188,9 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
         epochs=args.epochs,
         seed=args.seed,
         progress=not args.quiet,
+        reader=args.reader,
+        validation=args.validation,
+        precision=args.precision,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         max_failures=args.max_failures,

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import cloudpickle
 import numpy as np

@@ -194,6 +194,20 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def broadcast_from_rank0(module: torch.nn.Module) -> int:
+    """Overwrites the module's parameters and buffers with rank 0's, one broadcast per
+    (device, dtype); returns the bytes this rank sent (only the root puts bytes on the wire)."""
+    sent = 0
+    with torch.no_grad():
+        for group in _by_device_and_dtype(_model_tensors(module, floating_only=False)):
+            flat = _flatten(group)
+            dist.broadcast(flat, src=0)
+            if dist.get_rank() == 0:
+                sent += _nbytes(flat)
+            _unflatten_into(flat, group)
+    return sent
+
+
 class _SyncingOptimizer(torch.optim.Optimizer):
     """Runs the wrapped optimizer's ``step()``, then the strategy's ``after_step`` callback.
 
@@ -291,13 +305,7 @@ class _PeriodicSyncRuntime(StrategyRuntime):
         if any(m is module for m in self.modules):
             return module
         # Custom loops need not seed: start every replica from rank 0's weights, like DDP does.
-        with torch.no_grad():
-            for group in _by_device_and_dtype(_model_tensors(module, floating_only=False)):
-                flat = _flatten(group)
-                dist.broadcast(flat, src=0)
-                if self.env.rank == 0:  # only the root puts bytes into a broadcast
-                    self.comm_bytes += _nbytes(flat)
-                _unflatten_into(flat, group)
+        self.comm_bytes += broadcast_from_rank0(module)
         self.modules.append(module)
         self._module_prepared(module)
         return module

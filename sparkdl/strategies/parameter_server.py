@@ -56,7 +56,14 @@ from sparkdl.strategies._ps_wire import (
     connect_all,
     listen,
 )
-from sparkdl.strategies.averaging import _by_device_and_dtype, _flatten, _model_tensors, _nbytes, _SyncingOptimizer, _unflatten_into
+from sparkdl.strategies.averaging import (
+    _by_device_and_dtype,
+    _flatten,
+    _nbytes,
+    _SyncingOptimizer,
+    _unflatten_into,
+    broadcast_from_rank0,
+)
 from sparkdl.strategies.base import Strategy, StrategyRuntime
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -796,13 +803,7 @@ class _ParameterServerRuntime(StrategyRuntime):
         if any(m is module for m in self.modules):
             return module
         # Custom loops need not seed: every replica starts from rank 0's weights, like DDP.
-        with torch.no_grad():
-            for group in _by_device_and_dtype(_model_tensors(module, floating_only=False)):
-                flat = _flatten(group)
-                dist.broadcast(flat, src=0)
-                if self.env.rank == 0:
-                    self._sent.add(_nbytes(flat))
-                _unflatten_into(flat, group)
+        self._sent.add(broadcast_from_rank0(module))
         self.modules.append(module)
         return module
 

@@ -150,9 +150,11 @@ class FitLoop:
     @staticmethod
     def _save(ctx: TrainContext, model, optimizer, state: _LoopState, comm_in_epoch: int, seconds_in_epoch: float) -> None:
         loop = dataclasses.replace(state, comm_bytes=state.comm_bytes + comm_in_epoch, seconds=state.seconds + seconds_in_epoch)
+        weights = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
         ctx.save_checkpoint(
-            {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "loop": dataclasses.asdict(loop)},
+            {"loop": dataclasses.asdict(loop), **({} if ctx.replicas_identical else weights)},
             step=state.global_step,
+            replicated=weights if ctx.replicas_identical else None,
         )
 
 

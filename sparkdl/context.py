@@ -186,6 +186,12 @@ class TrainContext:
 
         return evaluate(self, model, loss, metrics)
 
+    @property
+    def replicas_identical(self) -> bool:
+        """Whether the strategy keeps model and optimizer state bit-identical on every rank at
+        every step (AllReduce), so one copy of them describes all ranks."""
+        return self._runtime.replicas_identical
+
     def strategy_metrics(self) -> Dict[str, Any]:
         """The strategy's own figures for this rank since the last call (e.g. a parameter
         server's largest staleness); empty for most strategies."""
@@ -196,13 +202,15 @@ class TrainContext:
         Custom loops with long steps outside ``epoch_batches`` should call it now and then."""
         self._liveness.advance(phase)
 
-    def save_checkpoint(self, state: Dict[str, Any], step: int) -> None:
+    def save_checkpoint(self, state: Dict[str, Any], step: int, replicated: Optional[Dict[str, Any]] = None) -> None:
         """Saves a checkpoint of this run. Collective: call on every rank at the same step.
 
         ``state`` is this rank's own part (model and optimizer ``state_dict``s, counters...);
         the strategy's state, this rank's RNG and its data-stream position are added to it.
-        Rank 0 gathers every rank's part and writes one file atomically. No-op without a
-        ``checkpoint_dir``.
+        ``replicated`` is state that is bit-identical on every rank (the model and optimizer
+        under AllReduce): only rank 0's copy is gathered and written, which keeps the file
+        ``world_size`` times smaller. Rank 0 gathers every rank's part and writes one file
+        atomically. No-op without a ``checkpoint_dir``.
         """
         if self._store is None:
             return
@@ -212,6 +220,7 @@ class TrainContext:
         part = to_cpu(
             {
                 "user": state,
+                "replicated": replicated if self.rank == 0 else None,
                 "strategy": self._runtime.state_dict(),
                 "torch_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
@@ -230,7 +239,8 @@ class TrainContext:
         self.set_phase(previous)
 
     def load_checkpoint(self) -> Optional[Dict[str, Any]]:
-        """This rank's ``state`` from the newest complete checkpoint, or None to start fresh.
+        """This rank's ``state`` from the newest complete checkpoint, merged with the
+        ``replicated`` state saved with it, or None to start fresh.
 
         Call on every rank after ``prepare_model`` and ``prepare_optimizer`` and before the
         first batch: it also restores the strategy's state, the RNG and the stream position.
@@ -255,7 +265,7 @@ class TrainContext:
         self._amp.load_state_dict(part.get("grad_scaler"))
         self._batches_taken = int(part["batches_taken"])
         self.logger.info("resumed from checkpoint step %d", step)
-        return part["user"]
+        return {**(checkpoint["ranks"][0].get("replicated") or {}), **part["user"]}
 
     def report_epoch(self, record: Dict[str, Any]) -> None:
         """Sends one epoch's summary (``epoch``, ``loss``, ...) to the driver's progress display.

@@ -39,6 +39,9 @@ class AllReduce(Strategy):
 
 
 class _AllReduceRuntime(StrategyRuntime):
+    # Every rank applies the same averaged gradients to the same weights with the same optimizer.
+    replicas_identical = True
+
     def __init__(self, config: AllReduce, env: "DistEnv") -> None:
         super().__init__(env)
         self.config = config

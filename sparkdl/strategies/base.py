@@ -49,6 +49,10 @@ class Strategy(abc.ABC):
 class StrategyRuntime(abc.ABC):
     """Task-side half of a strategy, bound to one rank of a live process group."""
 
+    #: Model and optimizer state are bit-identical on every rank after every step (checkpoints
+    #: then store one copy of them).
+    replicas_identical: ClassVar[bool] = False
+
     def __init__(self, env: "DistEnv") -> None:
         self.env = env
         #: Bytes this rank sent in collectives to keep the replicas consistent (not metrics).

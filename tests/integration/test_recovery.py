@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import sparkdl
+from sparkdl.checkpoint import CheckpointStore
 from tests.integration.test_strategy_contract import STRATEGIES
 from tests.models import accuracy, digits_mlp
 
@@ -79,6 +80,12 @@ def test_killed_trainer_resumes_from_the_checkpoint_exactly(spark, digits_df, di
     assert [r["samples"] for r in resumed.history] == [r["samples"] for r in reference.history]
     _, (test_x, test_y) = digits_split
     assert accuracy(resumed.module, test_x, test_y) >= 0.85
+    # Under AllReduce every rank holds the same weights: the checkpoint keeps one copy of them.
+    _, checkpoint = CheckpointStore(str(tmp_path / "resumed")).load_latest()
+    copies = sum("model" in part["user"] for part in checkpoint["ranks"]) + sum(
+        "model" in (part.get("replicated") or {}) for part in checkpoint["ranks"]
+    )
+    assert copies == (1 if isinstance(strategy, sparkdl.AllReduce) else 2)
     if getattr(type(strategy), "deterministic", True):
         # Same batches, RNG, optimizer and strategy state after the resume: bit-identical result.
         assert [r["loss"] for r in resumed.history] == [r["loss"] for r in reference.history]

@@ -30,6 +30,10 @@ import threading
 import time
 from typing import Any, Callable
 
+from sparkdl._tcpserver import ThreadedServer
+from sparkdl._tcpserver import close_quietly as _close_quietly
+from sparkdl._tcpserver import shutdown_quietly as _shutdown_quietly
+
 __all__ = ["MAX_MESSAGE_BYTES", "ChannelClient", "ChannelError", "ChannelServer", "new_secret"]
 
 logger = logging.getLogger("sparkdl.channel")
@@ -43,10 +47,6 @@ _HEADER = struct.Struct(">I")
 _MAX_CONTROL_BYTES = 4096
 _HELLO, _READY, _BYE = "hello", "ready", "bye"
 _RESERVED_KINDS = frozenset({_HELLO, _READY, _BYE})
-# Server threads are daemons, so a callback stuck forever must not hang the driver in close().
-_JOIN_TIMEOUT = 5.0
-# Safety net for platforms where shutdown() of a listening socket does not interrupt accept().
-_ACCEPT_POLL = 0.5
 
 Message = dict[str, Any]
 
@@ -115,21 +115,7 @@ def _read_frame(
     return message
 
 
-def _shutdown_quietly(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # already closed or never connected; either way nothing left to wake
-
-
-def _close_quietly(sock: socket.socket) -> None:
-    try:
-        sock.close()
-    except OSError:
-        pass
-
-
-class ChannelServer:
+class ChannelServer(ThreadedServer):
     """Driver-side endpoint: accepts authenticated task connections and hands messages to callbacks.
 
     Callbacks run on per-connection threads; they must be thread-safe and should return quickly.
@@ -168,18 +154,10 @@ class ChannelServer:
         self._on_disconnect = on_disconnect
         self._max_message_bytes = max_message_bytes
         self._handshake_timeout = handshake_timeout
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        self._conns: set[socket.socket] = set()
-        self._threads: set[threading.Thread] = set()
         family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
-        self._listener = socket.create_server((host, 0), family=family)
-        self._listener.settimeout(_ACCEPT_POLL)
-        self._address: tuple[str, int] = self._listener.getsockname()[:2]
-        self._accept_thread = threading.Thread(
-            target=self._accept_loop, name="sparkdl-channel-accept", daemon=True
-        )
-        self._accept_thread.start()
+        listener = socket.create_server((host, 0), family=family)
+        self._address: tuple[str, int] = listener.getsockname()[:2]
+        super().__init__(listener, "sparkdl-channel", logger)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -192,59 +170,13 @@ class ChannelServer:
         Connections ended this way do not trigger ``on_disconnect``. Safe to call more than once,
         including from a callback.
         """
-        with self._lock:
-            if self._closed.is_set():
-                return
-            # Set under the lock so the accept thread cannot register a connection we miss.
-            self._closed.set()
-            conns, threads = list(self._conns), list(self._threads)
-        # Only shutdown here: the owning threads close their sockets, so no fd is reused under them.
-        _shutdown_quietly(self._listener)
-        for conn in conns:
-            _shutdown_quietly(conn)
-        deadline = time.monotonic() + _JOIN_TIMEOUT
-        for thread in [self._accept_thread, *threads]:
-            if thread is threading.current_thread():
-                continue
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                logger.warning("channel: %s did not stop in %.0fs", thread.name, _JOIN_TIMEOUT)
+        super().close()
 
     def __enter__(self) -> ChannelServer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def _accept_loop(self) -> None:
-        try:
-            while not self._closed.is_set():
-                try:
-                    conn, peer = self._listener.accept()
-                except TimeoutError:
-                    continue
-                except OSError as exc:
-                    if self._closed.is_set():
-                        break
-                    # E.g. EMFILE: keep serving, but back off instead of spinning.
-                    logger.warning("channel: accept failed: %s", exc)
-                    self._closed.wait(0.1)
-                    continue
-                with self._lock:
-                    if self._closed.is_set():
-                        _close_quietly(conn)
-                        break
-                    thread = threading.Thread(
-                        target=self._serve,
-                        args=(conn, peer),
-                        name=f"sparkdl-channel-{peer}",
-                        daemon=True,
-                    )
-                    self._conns.add(conn)
-                    self._threads.add(thread)
-                    thread.start()
-        finally:
-            _close_quietly(self._listener)
 
     def _handshake(self, conn: socket.socket) -> int:
         deadline = time.monotonic() + self._handshake_timeout
@@ -299,17 +231,13 @@ class ChannelServer:
                 who = f"rank {rank}" if rank is not None else "unauthenticated peer"
                 logger.warning("channel: dropping %s (%s): %s", who, peer, exc)
         finally:
-            with self._lock:
-                self._conns.discard(conn)
-            _close_quietly(conn)
+            self._forget_connection(conn)
             if rank is not None and self._on_disconnect is not None and not self._closed.is_set():
                 try:
                     self._on_disconnect(rank, clean)
                 except Exception:
                     logger.exception("channel: on_disconnect callback failed for rank %d", rank)
-            # Deregistered last so that close() also waits for a running on_disconnect.
-            with self._lock:
-                self._threads.discard(threading.current_thread())
+            self._release()
 
 
 class ChannelClient:

@@ -55,7 +55,9 @@ from typing import Callable, Dict, Optional, Protocol, Sequence, Set, Tuple, Uni
 
 import torch
 
-from sparkdl._channel import _close_quietly, _recv_exact, _shutdown_quietly
+from sparkdl._channel import _recv_exact
+from sparkdl._tcpserver import ThreadedServer
+from sparkdl._tcpserver import close_quietly as _close_quietly
 
 logger = logging.getLogger("sparkdl.parameter_server")
 
@@ -76,8 +78,6 @@ _SERVER_LABEL = b"sparkdl-ps server"
 # of idle connections must not hold threads (or the slots of real workers) for the full timeout.
 MAX_PENDING_HANDSHAKES = 64
 MAX_HANDSHAKE_S = 30.0
-_ACCEPT_POLL = 0.5
-_JOIN_TIMEOUT = 5.0
 
 
 class Kind(enum.IntEnum):
@@ -323,7 +323,7 @@ class ByteCounter:
             self._value = value
 
 
-class ShardServer:
+class ShardServer(ThreadedServer):
     """Serves one rank's parameter shards to the other ranks' workers.
 
     One thread accepts; each connection gets a thread that authenticates it and then serves its
@@ -361,64 +361,18 @@ class ShardServer:
         self._timeout_s = timeout_s
         self._handshake_s = min(timeout_s, MAX_HANDSHAKE_S)
         self.sent = sent if sent is not None else ByteCounter()
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        self._conns: Set[socket.socket] = set()
-        self._threads: Set[threading.Thread] = set()
         self._pending = 0
         self._ranks_seen: Set[int] = set()
-        self._listener = listener
-        self._listener.settimeout(_ACCEPT_POLL)
         self.address: Tuple[str, int] = listener.getsockname()[:2]
-        self._accept_thread = threading.Thread(target=self._accept_loop, name=f"sparkdl-ps{rank}-accept", daemon=True)
-        self._accept_thread.start()
+        super().__init__(listener, f"sparkdl-ps{rank}", logger)
 
-    def close(self) -> None:
-        """Stops accepting, drops every connection, joins the threads (bounded). Idempotent."""
-        with self._lock:
-            if self._closed.is_set():
-                return
-            self._closed.set()
-            conns, threads = list(self._conns), list(self._threads)
-        _shutdown_quietly(self._listener)
-        for conn in conns:
-            _shutdown_quietly(conn)
-        deadline = time.monotonic() + _JOIN_TIMEOUT
-        for thread in [self._accept_thread, *threads]:
-            if thread is threading.current_thread():
-                continue
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                logger.warning("parameter server: %s did not stop in %.0fs", thread.name, _JOIN_TIMEOUT)
-
-    def _accept_loop(self) -> None:
-        try:
-            while not self._closed.is_set():
-                try:
-                    conn, peer = self._listener.accept()
-                except TimeoutError:
-                    continue
-                except OSError as exc:
-                    if self._closed.is_set():
-                        break
-                    logger.warning("parameter server on rank %d: accept failed: %s", self.rank, exc)
-                    self._closed.wait(0.1)  # e.g. EMFILE: back off instead of spinning
-                    continue
-                with self._lock:
-                    if self._closed.is_set():
-                        _close_quietly(conn)
-                        break
-                    if self._pending >= MAX_PENDING_HANDSHAKES:
-                        _close_quietly(conn)
-                        logger.warning("parameter server on rank %d: too many pending handshakes; dropping %s", self.rank, peer)
-                        continue
-                    self._pending += 1
-                    thread = threading.Thread(target=self._serve, args=(conn, peer), name=f"sparkdl-ps{self.rank}-{peer}", daemon=True)
-                    self._conns.add(conn)
-                    self._threads.add(thread)
-                    thread.start()
-        finally:
-            _close_quietly(self._listener)
+    def _admit(self, peer: object) -> bool:
+        # Bounds the threads an unauthenticated flood can make us hold.
+        if self._pending >= MAX_PENDING_HANDSHAKES:
+            logger.warning("parameter server on rank %d: too many pending handshakes; dropping %s", self.rank, peer)
+            return False
+        self._pending += 1
+        return True
 
     def _authenticate(self, conn: socket.socket) -> int:
         _configure(conn)
@@ -481,16 +435,13 @@ class ShardServer:
                 reason = f"dropped: {exc}"
                 logger.warning("parameter server on rank %d: dropping %s (%s): %s", self.rank, who, peer, exc)
         finally:
-            with self._lock:
-                self._conns.discard(conn)
-            _close_quietly(conn)
+            self._forget_connection(conn)
             if rank is not None and not self._closed.is_set():
                 try:
                     self._backend.disconnected(rank, clean, reason)
                 except Exception:  # noqa: BLE001 - a server thread must not die silently
                     logger.exception("parameter server on rank %d: disconnect handling failed", self.rank)
-            with self._lock:
-                self._threads.discard(threading.current_thread())
+            self._release()
 
 
 def listen(host: str) -> socket.socket:

@@ -62,21 +62,11 @@ def write_parquet(path: str, features, labels, row_group: int = 8192) -> None:
 
 
 def run_sparkdl(path: str, batch: int, epochs: int, readers=("arrow", "petastorm")):
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    from pyspark.sql import SparkSession
+    from _spark import local_cluster
 
     import sparkdl
 
-    spark = (
-        SparkSession.builder.master("local-cluster[2,1,2048]")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.executorEnv.PYTHONPATH", ROOT)
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = local_cluster("sparkdl-benchmark-allreduce", executor_memory_mb=2048)
     results = []
     try:
         # The first fit of a new Spark application starts the executors' Python workers ("cold");

@@ -49,21 +49,11 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args()
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    from pyspark.sql import SparkSession
+    from _spark import local_cluster
 
     import sparkdl
 
-    spark = (
-        SparkSession.builder.master("local-cluster[2,1,2048]")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.executorEnv.PYTHONPATH", ROOT + os.pathsep + os.path.join(ROOT, "benchmarks"))
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = local_cluster("sparkdl-benchmark-checkpoints", executor_memory_mb=2048, pythonpath=(ROOT, os.path.join(ROOT, "benchmarks")))
     workdir = tempfile.mkdtemp(prefix="sparkdl-ckpt-bench-")
     rows = []
     try:

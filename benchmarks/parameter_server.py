@@ -369,19 +369,9 @@ def _digits_loop(epochs: int, lr: float, slow_step_s: float, test_x: np.ndarray,
 
 
 def digits_part(epochs: int, target: float, lr: float, slow_step_s: float, repeats: int) -> None:
-    from pyspark.sql import SparkSession
+    from _spark import local_cluster
 
-    spark = (
-        SparkSession.builder.master("local-cluster[2,1,1024]")
-        .appName("sparkdl-benchmark-parameter-server")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.executorEnv.PYTHONPATH", REPO_ROOT)
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = local_cluster("sparkdl-benchmark-parameter-server")
     try:
         (train_x, train_y), (test_x, test_y) = split_digits()
         df = spark.createDataFrame([(f.astype(float).tolist(), int(y)) for f, y in zip(train_x, train_y)], "features array<double>, label long")

@@ -74,19 +74,9 @@ def main(argv: Sequence[str] = ()) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(list(argv))
 
-    from pyspark.sql import SparkSession
+    from _spark import local_cluster
 
-    spark = (
-        SparkSession.builder.master("local-cluster[2,1,1024]")
-        .appName("sparkdl-benchmark-strategies")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.executorEnv.PYTHONPATH", REPO_ROOT)
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = local_cluster("sparkdl-benchmark-strategies")
     try:
         (train_x, train_y), (test_x, test_y) = split_digits()
         df = spark.createDataFrame(

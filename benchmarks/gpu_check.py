@@ -57,7 +57,8 @@ from sparkdl._rendezvous import rendezvous, teardown  # noqa: E402
 from sparkdl._training import FitLoop  # noqa: E402
 from sparkdl.context import TrainContext, _Prefetcher  # noqa: E402
 from sparkdl.data.dataset import inspect_dataset  # noqa: E402
-from sparkdl.data.reader import DataSpec, batches, reader_from_name  # noqa: E402
+from sparkdl.data.batching import DataSpec, batches  # noqa: E402
+from sparkdl.data.readers import reader_from_name  # noqa: E402
 from sparkdl.strategies.allreduce import AllReduce  # noqa: E402
 
 SIZES = {

@@ -4,6 +4,7 @@ Public surface::
 
     sparkdl.TorchEstimator / sparkdl.TorchModel   Spark ML estimator and model
     sparkdl.run                                    custom training loops on barrier tasks
+    sparkdl.Image, sparkdl.Sequence                input specs for inputs= (images as bytes, token ids)
     sparkdl.AllReduce, ParameterServer, ...        strategies
     sparkdl.TrainContext                           what a custom loop receives
     sparkdl.TrainingError, ...                     errors
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 from sparkdl.api import run
 from sparkdl.context import TrainContext
 from sparkdl.data.cache import clear_cache
+from sparkdl.data.inputs import Image, Sequence
 from sparkdl.errors import (
     ConfigError,
     DataError,
@@ -30,10 +32,12 @@ __all__ = [
     "ConfigError",
     "DataError",
     "ElasticAveraging",
+    "Image",
     "InsufficientSlotsError",
     "ModelAveraging",
     "NonFiniteLossError",
     "ParameterServer",
+    "Sequence",
     "SparkdlError",
     "Strategy",
     "TorchEstimator",

@@ -60,7 +60,25 @@ GPU_SETTINGS = (
 )
 _ORDINAL = re.compile(r"^(0|[1-9][0-9]*)$")
 
-Batch = Tuple[torch.Tensor, Optional[torch.Tensor]]
+#: (inputs, labels); inputs is a tensor or a dict of named tensors.
+Batch = Tuple[Any, Optional[torch.Tensor]]
+
+
+def move_batch(batch: Batch, device: torch.device, non_blocking: bool = False) -> Batch:
+    """A batch's tensors (a dict of named inputs too) on ``device``."""
+    inputs, labels = batch
+    if isinstance(inputs, dict):
+        inputs = {name: value.to(device, non_blocking=non_blocking) for name, value in inputs.items()}
+    else:
+        inputs = inputs.to(device, non_blocking=non_blocking)
+    return inputs, (labels.to(device, non_blocking=non_blocking) if labels is not None else None)
+
+
+def _batch_tensors(batch: Batch) -> Iterator[torch.Tensor]:
+    inputs, labels = batch
+    yield from (inputs.values() if isinstance(inputs, dict) else (inputs,))
+    if labels is not None:
+        yield labels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,7 +433,7 @@ class CudaCopier:
 
     def start(self, batch: Batch) -> Tuple[Batch, Any]:
         with torch.cuda.stream(self._stream):
-            moved = tuple(t.to(self._device, non_blocking=True) if t is not None else None for t in batch)
+            moved = move_batch(batch, self._device, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
         return moved, event  # type: ignore[return-value]
@@ -423,9 +441,8 @@ class CudaCopier:
     def finish(self, batch: Batch, token: Any) -> None:
         current = torch.cuda.current_stream(self._device)
         current.wait_event(token)
-        for tensor in batch:
-            if tensor is not None:
-                tensor.record_stream(current)
+        for tensor in _batch_tensors(batch):
+            tensor.record_stream(current)
 
 
 class DeviceFeed:

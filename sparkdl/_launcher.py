@@ -34,7 +34,8 @@ from sparkdl._precision import Precision
 from sparkdl._progress import ProgressDisplay
 from sparkdl.checkpoint import CheckpointConfig, CheckpointStore
 from sparkdl.data.dataset import DatasetInfo
-from sparkdl.data.reader import DataReader, DataSpec
+from sparkdl.data.batching import DataSpec
+from sparkdl.data.readers.base import DataReader
 from sparkdl.errors import ConfigError, InsufficientSlotsError, RankFailure, TrainingError
 from sparkdl.strategies.base import Strategy
 

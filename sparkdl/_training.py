@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from sparkdl._validation import validate_epoch
 from sparkdl.context import TrainContext
+from sparkdl.data.batching import batch_rows, call_model
 from sparkdl.errors import NonFiniteLossError
 
 ModelFactory = Callable[[], torch.nn.Module]
@@ -84,7 +85,7 @@ class FitLoop:
             for features, labels in ctx.epoch_batches(skip=state.step):
                 optimizer.zero_grad(set_to_none=True)
                 with ctx.autocast():  # the run's precision: a no-op for "32"
-                    output = model(features)
+                    output = call_model(model, features)  # model(**inputs) with inputs=
                     loss = self.loss(output, labels)
                 if not torch.isfinite(loss):
                     raise NonFiniteLossError(
@@ -92,8 +93,9 @@ class FitLoop:
                         f"lower the learning rate, clip gradients, or check the data for extreme values"
                     )
                 ctx.backward_and_step(loss, optimizer)  # through the grad scaler for "16-mixed"
-                loss_sum += loss.detach().double() * len(features)
-                state.samples += len(features)
+                rows = batch_rows(features)
+                loss_sum += loss.detach().double() * rows
+                state.samples += rows
                 state.step += 1
                 state.global_step += 1
                 if state.output_shape is None:

@@ -2,8 +2,9 @@
 
 Every rank reads its shard of the validation rows once per call — the rows
 ``DataSpec.holdout`` holds out of the training data, or a separate validation dataset — in file
-order, unshuffled, in batches of ``batch_size`` (the last one smaller), with ``transform_fn``
-applied. The model runs in eval mode under ``torch.no_grad``; sums of loss and metrics weighted
+order, unshuffled, in batches of ``batch_size`` (the last one smaller), finished like training
+batches but never augmented (:func:`sparkdl.data.batching.validation_batches`), with
+``transform_fn`` applied. The model runs in eval mode under ``torch.no_grad``; sums of loss and metrics weighted
 by rows, and the row count, are summed over ranks with one allreduce, so the result is the mean
 over all validation rows whatever their spread over ranks. Ranks need no equal step counts here:
 the forward passes run on the unwrapped module (never DDP's, whose forward may synchronize
@@ -13,14 +14,13 @@ buffers), so no collective happens until that one allreduce.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from sparkdl.data.dataset import DatasetInfo
-from sparkdl.data.reader import Chunk, DataReader, DataSpec, MetricFn, apply_transform
+from sparkdl.data.batching import DataSpec, MetricFn, batch_rows, call_model
 from sparkdl.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -34,39 +34,6 @@ def validation_source(dataset: DatasetInfo, spec: DataSpec) -> Tuple[DatasetInfo
     if spec.validation.dataset is not None:
         return spec.validation.dataset, dataclasses.replace(spec, shuffle=False, holdout=0.0, part="train")
     return dataset, dataclasses.replace(spec, shuffle=False, part="holdout")
-
-
-def validation_batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int) -> Iterator[Chunk]:
-    """One pass over this rank's validation rows in batches of ``spec.batch_size`` (the last
-    one may be smaller), with ``spec.transform_fn`` applied."""
-    pending: List[Chunk] = []
-    pending_rows = 0
-
-    def emit(features: np.ndarray, labels: Optional[np.ndarray]) -> Chunk:
-        return apply_transform(spec.transform_fn, features, labels) if spec.transform_fn is not None else (features, labels)
-
-    def flush(final: bool) -> Iterator[Chunk]:
-        nonlocal pending, pending_rows
-        features = np.concatenate([c[0] for c in pending])
-        labels = np.concatenate([c[1] for c in pending]) if pending[0][1] is not None else None
-        full = len(features) if final else (len(features) // spec.batch_size) * spec.batch_size
-        for start in range(0, full, spec.batch_size):
-            stop = min(start + spec.batch_size, full)
-            yield emit(features[start:stop], labels[start:stop] if labels is not None else None)
-        pending = [(features[full:], labels[full:] if labels is not None else None)]
-        pending_rows = len(features) - full
-
-    source = reader.read_pass(dataset, spec, rank, world_size, 0)
-    try:
-        for chunk in source:
-            pending.append(chunk)
-            pending_rows += len(chunk[0])
-            if pending_rows >= spec.batch_size:
-                yield from flush(final=False)
-        if pending_rows:
-            yield from flush(final=True)
-    finally:
-        source.close()
 
 
 def evaluate(
@@ -99,8 +66,8 @@ def evaluate(
             for step, (features, labels) in enumerate(ctx.validation_batches()):
                 if step % 50 == 0:
                     ctx.set_phase(f"validation (batch {step + 1})")
-                output = module(features)
-                rows = len(features)
+                output = call_model(module, features)
+                rows = batch_rows(features)
                 sums[0] += rows
                 if loss is not None:
                     sums[1] += _scalar(loss(output, labels), "loss") * rows

@@ -30,6 +30,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+from sparkdl.data.readers import registered_readers
+
 OPTIMIZERS: Dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
     "adam": torch.optim.Adam,
@@ -65,7 +67,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparkdl train", description="Train a PyTorch model on a Spark cluster with sparkdl.")
     parser.add_argument("--data", required=True, help="URL or path of a Parquet/Petastorm dataset")
     parser.add_argument("--model", required=True, help="module:factory, a zero-argument callable returning a torch.nn.Module")
-    parser.add_argument("--features", required=True, help="feature column(s), comma-separated, concatenated in order")
+    parser.add_argument("--features", default=None, help="feature column(s), comma-separated, concatenated in order into one positional input")
+    parser.add_argument(
+        "--input", action="append", default=[], metavar="NAME=SPEC", dest="inputs",
+        help=(
+            "a named model input (repeat; the model is called as model(**inputs); replaces --features). SPEC is: "
+            "COLUMN (the column as it is; integer ids stay int64), "
+            "dense:COL1,COL2,... (numeric/array columns concatenated into floats), "
+            "image:COLUMN:HxW[xC][:flip][:crop=P] (encoded images, C = 1 or 3, default 3), "
+            "sequence:COLUMN:MAX_LENGTH[:PAD] (variable-length token ids, padded; a length input NAME_lengths is added). "
+            "E.g. --input image=image:jpeg_bytes:224x224x3 --input tokens=sequence:token_ids:128 --input dense=dense:age,income"
+        ),
+    )
     parser.add_argument("--label", required=True, help="label column")
     parser.add_argument("--strategy", default="allreduce", help="allreduce, model_averaging, elastic_averaging, ... (default allreduce)")
     parser.add_argument(
@@ -86,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", required=True, help="directory for the saved model and metrics.json")
     parser.add_argument("--master", default=None, help="Spark master when not started by spark-submit")
     parser.add_argument("--quiet", action="store_true", help="no per-epoch progress lines")
-    parser.add_argument("--reader", choices=["arrow", "petastorm"], default="arrow", help="data reader (default arrow)")
+    parser.add_argument("--reader", choices=registered_readers(), default="arrow", help="data reader (default arrow)")
+    parser.add_argument("--decode-threads", type=int, default=None, help="threads per task decoding images (default: the task's cores)")
     parser.add_argument(
         "--validation", type=float, default=None, metavar="FRACTION",
         help="hold out this fraction of the rows (deterministically) and report val_loss per epoch",
@@ -109,6 +123,49 @@ def build_parser() -> argparse.ArgumentParser:
     tracking.add_argument("--mlflow-tracking-uri", default=None, help="MLflow store (default: $MLFLOW_TRACKING_URI)")
     tracking.add_argument("--tensorboard-dir", default=None, help="write per-epoch scalars for TensorBoard here")
     return parser
+
+
+def parse_inputs(items: List[str]) -> Dict[str, Any]:
+    """``--input NAME=SPEC`` arguments as the ``inputs=`` dict (see ``--help``)."""
+    from sparkdl.data.inputs import Image, Sequence
+
+    inputs: Dict[str, Any] = {}
+    for item in items:
+        name, sep, spec = item.partition("=")
+        name = name.strip()
+        if not sep or not name or not spec:
+            raise UsageError(f"--input {item!r}: expected NAME=SPEC, e.g. image=image:jpeg_bytes:224x224x3")
+        if name in inputs:
+            raise UsageError(f"--input {name!r} is given twice")
+        kind, _, rest = spec.partition(":")
+        try:
+            if kind == "image" and rest:
+                parts = rest.split(":")
+                column, shape, options = parts[0], (parts[1] if len(parts) > 1 else ""), parts[2:]
+                dims = [int(v) for v in shape.lower().split("x")] if shape else []
+                if len(dims) not in (2, 3):
+                    raise UsageError(f"--input {item!r}: image size must be HxW or HxWxC, e.g. 224x224x3")
+                crop = [int(o.split("=", 1)[1]) for o in options if o.startswith("crop=")]
+                unknown = [o for o in options if o != "flip" and not o.startswith("crop=")]
+                if unknown:
+                    raise UsageError(f"--input {item!r}: unknown image option(s) {unknown}; valid: flip, crop=PIXELS")
+                inputs[name] = Image(column, size=(dims[0], dims[1]), channels=dims[2] if len(dims) == 3 else 3,
+                                     random_flip="flip" in options, random_crop=crop[0] if crop else 0)
+            elif kind == "sequence" and rest:
+                parts = rest.split(":")
+                if len(parts) not in (2, 3):
+                    raise UsageError(f"--input {item!r}: expected sequence:COLUMN:MAX_LENGTH[:PAD]")
+                inputs[name] = Sequence(parts[0], max_length=int(parts[1]), pad_value=int(parts[2]) if len(parts) == 3 else 0,
+                                        lengths_input=f"{name}_lengths")
+            elif kind == "dense" and rest:
+                inputs[name] = [c.strip() for c in rest.split(",") if c.strip()]
+            elif ":" not in spec and "," not in spec:
+                inputs[name] = spec.strip()
+            else:
+                raise UsageError(f"--input {item!r}: SPEC must be COLUMN, dense:COLS, image:COLUMN:HxW[xC] or sequence:COLUMN:MAX_LENGTH[:PAD]")
+        except ValueError as exc:
+            raise UsageError(f"--input {item!r}: {exc}") from exc
+    return inputs
 
 
 def load_factory(spec: str) -> Callable[[], torch.nn.Module]:
@@ -168,6 +225,9 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
     import sparkdl
     from sparkdl.strategies import strategy_from_name
 
+    inputs = parse_inputs(args.inputs) if args.inputs else None
+    if bool(inputs) == bool(args.features):
+        raise UsageError("give --features (one positional input) or --input NAME=SPEC (named inputs), not both and not neither")
     factory = load_factory(args.model)
     strategy = strategy_from_name(args.strategy, **_strategy_kwargs(args.strategy_arg))
     if args.mlflow_tracking_uri:
@@ -180,7 +240,9 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
         model=factory,
         optimizer=_optimizer_factory(args.optimizer, args.lr, args.momentum),
         loss=LOSSES[args.loss],
-        feature_cols=[c.strip() for c in args.features.split(",") if c.strip()],
+        feature_cols=[c.strip() for c in args.features.split(",") if c.strip()] if args.features else None,
+        inputs=inputs,
+        decode_threads=args.decode_threads,
         label_col=args.label,
         strategy=strategy,
         num_workers=args.num_workers,

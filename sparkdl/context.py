@@ -11,16 +11,18 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import numpy as np
 import torch
 
-from sparkdl._device import DeviceAssignment, DeviceFeed, pin_thread_to
+from sparkdl._device import DeviceAssignment, DeviceFeed, move_batch, pin_thread_to
 from sparkdl._precision import Precision, PrecisionRuntime
 from sparkdl._rendezvous import DistEnv
 from sparkdl.checkpoint import CheckpointStore, to_cpu
 from sparkdl.errors import ConfigError
 from sparkdl.data.dataset import DatasetInfo
-from sparkdl.data.reader import DataReader, DataSpec, batches
+from sparkdl.data.batching import DataSpec, batches, to_tensors, validation_batches
+from sparkdl.data.readers.base import DataReader
 from sparkdl.strategies.base import StrategyRuntime
 
-Batch = Tuple[torch.Tensor, Optional[torch.Tensor]]
+#: (inputs, labels): inputs is one tensor with ``feature_cols``, a dict of named tensors with ``inputs=``.
+Batch = Tuple[Any, Optional[torch.Tensor]]
 
 
 class TrainContext:
@@ -129,7 +131,9 @@ class TrainContext:
     def epoch_batches(self, skip: int = 0) -> Iterator[Batch]:
         """This epoch's ``steps_per_epoch`` batches of the rank's shard, on ``device``.
 
-        Call once per epoch; the underlying stream continues across epochs (see
+        Each batch is ``(inputs, labels)``: ``inputs`` is one float tensor with ``feature_cols=``
+        and a dict of named tensors (call the model as ``model(**inputs)``) with ``inputs=``;
+        ``labels`` is None for unlabeled data. Call once per epoch; the underlying stream continues across epochs (see
         :mod:`sparkdl.data.reader` for what that means for the remainder rows). After resuming
         from a checkpoint taken mid-epoch, pass ``skip`` = the steps of this epoch already done:
         the stream itself is already positioned after them.
@@ -137,11 +141,9 @@ class TrainContext:
         if self._dataset is None:
             raise RuntimeError("this run has no dataset: pass data=... to sparkdl.run")
         if self._stream is None:
-            source = batches(self._reader, self._dataset, self._data_spec, self.rank, self.world_size)
-            # Resuming: replay the seeded stream up to the checkpoint's position. Reading is far
-            # cheaper than training, and replay is what makes the resumed batches exact.
-            for _ in range(self._batches_taken):
-                next(source)
+            # Resuming: replay the seeded stream up to the checkpoint's position (cut, not
+            # decoded). Reading is far cheaper than training, and replay makes resumed batches exact.
+            source = batches(self._reader, self._dataset, self._data_spec, self.rank, self.world_size, skip=self._batches_taken)
             # On CUDA the prefetch thread pins batches and DeviceFeed copies the next one to the
             # GPU on a side stream while the current one trains; on the CPU both pass through.
             self._stream = DeviceFeed(_Prefetcher(source, pin=self.device.type == "cuda", device=self.device), self.device)
@@ -153,10 +155,7 @@ class TrainContext:
             self._liveness.advance(f"training step {step + 1} (forward, backward, sync, optimizer)")
             if self.first_batch_time is None:
                 self.first_batch_time = time.time()
-            yield (
-                features.to(self.device, non_blocking=non_blocking),
-                labels.to(self.device, non_blocking=non_blocking) if labels is not None else None,
-            )
+            yield move_batch((features, labels), self.device, non_blocking)
 
     # ---- validation (sparkdl/_validation.py) ------------------------------------------------
 
@@ -168,16 +167,13 @@ class TrainContext:
     def validation_batches(self) -> Iterator[Batch]:
         """One pass over this rank's validation rows, on ``device``: unshuffled batches of
         ``batch_size`` (the last one smaller). Ranks may get different numbers of batches."""
-        from sparkdl._validation import validation_batches, validation_source
+        from sparkdl._validation import validation_source
 
         if self._dataset is None:
             raise RuntimeError("this run has no dataset: pass data=... to sparkdl.run")
         dataset, spec = validation_source(self._dataset, self._data_spec)
-        for features, labels in validation_batches(self._reader, dataset, spec, self.rank, self.world_size):
-            yield (
-                torch.from_numpy(features).to(self.device),
-                torch.from_numpy(labels).to(self.device) if labels is not None else None,
-            )
+        for batch in validation_batches(self._reader, dataset, spec, self.rank, self.world_size):
+            yield move_batch(to_tensors(batch), self.device, False)
 
     def validate(self, model: torch.nn.Module, loss: Optional[Any] = None, metrics: Optional[Dict[str, Any]] = None) -> Dict[str, float]:
         """Mean loss and metrics over all ranks' validation rows: ``{"val_loss", "val_<name>",
@@ -338,8 +334,8 @@ class _Prefetcher:
         try:
             if self._pin:
                 pin_thread_to(self._device)  # else pinning puts a CUDA context on GPU 0
-            for features, labels in self._source:
-                item = (_tensor(features, self._pin), _tensor(labels, self._pin) if labels is not None else None)
+            for batch in self._source:
+                item = to_tensors(batch, self._pin)
                 while not self._stop.is_set():
                     try:
                         self._queue.put(item, timeout=0.5)
@@ -362,7 +358,7 @@ class _Prefetcher:
             except queue.Full:
                 continue
 
-    def next(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def next(self) -> Batch:
         while True:
             try:
                 item = self._queue.get(timeout=1.0)
@@ -374,7 +370,7 @@ class _Prefetcher:
             raise item
         return item
 
-    def poll(self) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    def poll(self) -> Optional[Batch]:
         """The next batch if one is ready now, else None (never waits); errors as ``next``."""
         try:
             item = self._queue.get_nowait()
@@ -387,8 +383,3 @@ class _Prefetcher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
-
-
-def _tensor(array: np.ndarray, pin: bool) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
-    return tensor.pin_memory() if pin else tensor

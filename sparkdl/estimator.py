@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import cloudpickle
 import numpy as np
@@ -20,9 +20,11 @@ from sparkdl._launcher import LaunchConfig, launch
 from sparkdl._progress import ProgressCallback, ProgressDisplay
 from sparkdl.checkpoint import CheckpointConfig
 from sparkdl._training import FitLoop, LossFn, ModelFactory, OptimizerFactory, default_optimizer
-from sparkdl.api import DEFAULT_READER, DataSource, prepare_data
-from sparkdl.data.dataset import ColumnInfo, normalize_url
-from sparkdl.data.reader import DataSpec, MetricFn, TransformFn, reader_from_name, to_arrays
+from sparkdl.data.batching import DataSpec, MetricFn, TransformFn, call_model, frame_batch
+from sparkdl.data.dataset import normalize_url
+from sparkdl.data.inputs import InputPlan, Sequence as SequenceInput
+from sparkdl.data.prepare import DEFAULT_READER, DataSource, prepare_data, spark_column_infos
+from sparkdl.data.readers.base import reader_from_name
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.allreduce import AllReduce
 from sparkdl.strategies.base import Strategy
@@ -47,8 +49,16 @@ class TorchEstimator(Estimator, _TorchParams):
         model: zero-argument callable returning the ``torch.nn.Module`` to train.
         optimizer: ``params -> torch.optim.Optimizer``; default Adam(lr=1e-3).
         loss: ``(output, label) -> scalar tensor``; default cross entropy (classification).
-        feature_cols: numeric and/or array<numeric> columns, concatenated in order.
-        label_col: the label column (integer labels become int64, others float32).
+        feature_cols: numeric and/or array<numeric> columns, concatenated in order into one
+            positional model input (default ``["features"]`` when ``inputs`` is not given).
+        inputs: named model inputs instead: input name -> a column name (the column as it is:
+            an integer id stays int64), a list of columns (concatenated into one float
+            matrix), ``sparkdl.Image(...)`` (encoded images) or ``sparkdl.Sequence(...)``
+            (variable-length token ids); the model is called as ``model(**inputs)``. See
+            docs/data.md, "Deep-learning inputs".
+        label_col: the label column (integer labels become int64, others float32; an array
+            column gives a matrix, e.g. multi-label), or ``sparkdl.Sequence(...)`` for
+            variable-length labels (token tagging; pad with -100 for cross_entropy to ignore).
         strategy: :class:`~sparkdl.AllReduce` (default) or another strategy object.
         num_workers: number of ranks; the cluster needs that many free task slots.
         batch_size: rows per batch on each rank (global batch = num_workers * batch_size).
@@ -82,6 +92,8 @@ class TorchEstimator(Estimator, _TorchParams):
             validation data (URL, DataFrame, connector source); adds ``val_loss`` and
             ``val_<metric>`` to every epoch of ``history``.
         metrics: ``name -> fn(output, label)`` batch means computed on the validation data.
+        decode_threads: threads per task that decode images and run ``transform_fn`` ahead of
+            the training step (default: the task's cores, ``spark.task.cpus``).
         mlflow_experiment: log params, per-epoch metrics and the model to this MLflow
             experiment (``MLFLOW_TRACKING_URI`` picks the store); see :mod:`sparkdl.tracking`.
         tensorboard_dir: write per-epoch scalars there for TensorBoard.
@@ -99,8 +111,8 @@ class TorchEstimator(Estimator, _TorchParams):
         model: ModelFactory,
         optimizer: Optional[OptimizerFactory] = None,
         loss: Optional[LossFn] = None,
-        feature_cols: Sequence[str] = ("features",),
-        label_col: str = "label",
+        feature_cols: Optional[Sequence[str]] = None,
+        label_col: Any = "label",
         strategy: Optional[Strategy] = None,
         num_workers: int = 2,
         batch_size: int = 32,
@@ -126,6 +138,8 @@ class TorchEstimator(Estimator, _TorchParams):
         precision: str = "32",
         mlflow_experiment: Optional[str] = None,
         tensorboard_dir: Optional[str] = None,
+        inputs: Optional[Dict[str, Any]] = None,
+        decode_threads: Optional[int] = None,
     ) -> None:
         super().__init__()
         if not callable(model) or isinstance(model, torch.nn.Module):
@@ -133,8 +147,11 @@ class TorchEstimator(Estimator, _TorchParams):
                 "model must be a zero-argument callable that builds the module (e.g. a class or a function), "
                 "so every task builds its own copy"
             )
-        if isinstance(feature_cols, str):
-            raise ConfigError(f"feature_cols={feature_cols!r} must be a list of column names, e.g. [{feature_cols!r}]")
+        if feature_cols is None and inputs is None:
+            feature_cols = ("features",)
+        # Validates feature_cols / inputs / label_col now, not at fit.
+        self.input_plan = InputPlan.build(feature_cols, inputs, label_col)
+        self.label_spec = label_col
         if not isinstance(epochs, int) or epochs < 1:
             raise ConfigError(f"epochs={epochs!r} must be a positive integer")
         self.model_fn = model
@@ -150,7 +167,8 @@ class TorchEstimator(Estimator, _TorchParams):
         self.checkpoint = CheckpointConfig(checkpoint_dir, every_steps=checkpoint_every, keep=keep_checkpoints, resume=resume) if checkpoint_dir else None
         if checkpoint_every is not None and checkpoint_dir is None:
             raise ConfigError("checkpoint_every is set but checkpoint_dir is not: name a directory for the checkpoints")
-        DataSpec(batch_size=batch_size)  # validates batch_size now, not at fit
+        DataSpec(batch_size=batch_size, decode_threads=decode_threads)  # validates both now, not at fit
+        self.decode_threads = decode_threads
         self.progress = progress
         self.cache_dir = cache_dir
         self.reader = reader_from_name(reader)  # fails now on an unknown name, not at fit
@@ -163,8 +181,8 @@ class TorchEstimator(Estimator, _TorchParams):
         self.mlflow_experiment = mlflow_experiment
         self.tensorboard_dir = tensorboard_dir
         self._set(
-            featureCols=list(feature_cols),
-            labelCol=label_col,
+            featureCols=list(feature_cols) if inputs is None else [c for c in self.input_plan.columns if c != self.input_plan.label_column],
+            labelCol=self.input_plan.label_column or "",
             predictionCol=prediction_col,
             numWorkers=num_workers,
             batchSize=batch_size,
@@ -177,11 +195,15 @@ class TorchEstimator(Estimator, _TorchParams):
         started = time.time()
         num_workers = self.getOrDefault(self.numWorkers)
         config = LaunchConfig(**{**self.launch_config.__dict__, "num_workers": num_workers})
-        feature_cols = self.getFeatureCols()
-        label_col = self.getOrDefault(self.labelCol)
+        plan = self._plan()
         spark = getattr(dataset, "sparkSession", None)  # None for URLs and connector sources
+        # The model, built once on the driver: its forward must take the inputs, checked before
+        # anything launches; it also receives the trained weights at the end.
+        module = _build_checked(self.model_fn, plan)
         info, spec, data_reader, steps = prepare_data(
-            dataset, feature_cols=feature_cols, label_col=label_col, num_workers=num_workers,
+            dataset, feature_cols=None if not plan.positional else self.getFeatureCols(),
+            inputs=None if plan.positional else dict(plan.inputs), label_col=plan.label if isinstance(plan.label, SequenceInput) else plan.label_column,
+            num_workers=num_workers, decode_threads=self.decode_threads,
             batch_size=self.getOrDefault(self.batchSize), shuffle=self.getOrDefault(self.shuffle), seed=self.getOrDefault(self.seed),
             reader=self.reader_name, filters=self.filters, transform_fn=self.transform_fn, validation=self.validation,
             metrics=self.metrics, spark=spark, cache_dir=self.cache_dir,
@@ -208,7 +230,6 @@ class TorchEstimator(Estimator, _TorchParams):
             tracker.fail(exc)
             raise
         result = outcome.value
-        module = self.model_fn()
         module.load_state_dict(torch.load(io.BytesIO(result["state_dict"]), weights_only=True))
         timing = result["timing"]
         run_info = {
@@ -231,8 +252,8 @@ class TorchEstimator(Estimator, _TorchParams):
         model = TorchModel(
             module=module,
             history=result["history"],
-            feature_cols=feature_cols,
-            features_info=info.features,
+            feature_cols=self.getFeatureCols(),
+            input_plan=info.plan,
             output_shape=result["output_shape"],
             prediction_col=self.getPredictionCol(),
             model_fn=self.model_fn,
@@ -254,11 +275,58 @@ class TorchEstimator(Estimator, _TorchParams):
             "epochs": epochs,
             "seed": self.getOrDefault(self.seed),
             "feature_cols": self.getFeatureCols(),
+            "inputs": None if self.input_plan.positional else {k: spec.to_json() for k, spec in self.input_plan.inputs},
             "label_col": self.getOrDefault(self.labelCol),
             "dataset": {"url": info.url, "rows": info.num_rows},
             "checkpoint_dir": self.checkpoint.url if self.checkpoint else None,
             "sparkdl_version": __version__,
         }
+
+
+    def _plan(self) -> InputPlan:
+        """The input plan with the current Params (``copy({est.featureCols: ...})`` applies)."""
+        label_col = self.getOrDefault(self.labelCol) or None
+        if self.input_plan.positional:
+            return InputPlan.from_feature_cols(self.getFeatureCols(), label_col)
+        label = self.input_plan.label
+        if label is None or label.source_columns()[0] != label_col:
+            label = label_col
+        return InputPlan.from_inputs(dict(self.input_plan.inputs), label)
+
+
+def _build_checked(model_fn: ModelFactory, plan: InputPlan) -> torch.nn.Module:
+    """``model_fn()``, checked: a Module whose forward accepts the plan's named inputs."""
+    import inspect
+
+    module = model_fn()
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"model() must return a torch.nn.Module, got {type(module).__name__}")
+    if plan.positional:
+        return module
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):  # a forward inspect cannot read (C++, some wrappers): trust it
+        return module
+    kinds = {p.kind for p in parameters.values()}
+    names = plan.model_input_names()
+    if inspect.Parameter.VAR_KEYWORD not in kinds:
+        accepted = [n for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        unknown = [n for n in names if n not in accepted]
+        if unknown:
+            raise ConfigError(
+                f"{type(module).__name__}.forward does not accept the input(s) {', '.join(map(repr, unknown))} of inputs= "
+                f"(its parameters: {', '.join(accepted) or 'none'}); rename the inputs or the parameters of forward"
+            )
+    missing = [
+        n for n, p in parameters.items()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in names
+    ]
+    if missing:
+        raise ConfigError(
+            f"{type(module).__name__}.forward needs {', '.join(map(repr, missing))}, which inputs= does not give "
+            f"(inputs: {', '.join(names)}); add them to inputs= or give them defaults"
+        )
+    return module
 
 
 class TorchModel(Model, _TorchParams):
@@ -275,17 +343,21 @@ class TorchModel(Model, _TorchParams):
         self,
         module: torch.nn.Module,
         history: List[Dict[str, Any]],
-        feature_cols: Sequence[str],
-        features_info: Sequence[ColumnInfo],
-        output_shape: Sequence[int],
+        feature_cols: Sequence[str] = (),
+        output_shape: Sequence[int] = (),
         prediction_col: str = "prediction",
         model_fn: Optional[ModelFactory] = None,
         run_info: Optional[Dict[str, Any]] = None,
+        input_plan: Optional[InputPlan] = None,
     ) -> None:
         super().__init__()
         self.module = module
         self.history = list(history)
-        self.features_info = tuple(features_info)
+        #: How predictions' inputs are built from a DataFrame's columns (the training run's
+        #: inputs, without the label).
+        self.input_plan = (input_plan or InputPlan.from_feature_cols(list(feature_cols), None)).without_label()
+        if not feature_cols:
+            feature_cols = self.input_plan.columns
         self.output_shape = list(output_shape)
         self.model_fn = model_fn
         self.run_info = dict(run_info or {})
@@ -299,9 +371,12 @@ class TorchModel(Model, _TorchParams):
         from pyspark.sql.functions import pandas_udf
         from pyspark.sql.types import ArrayType, DoubleType
 
-        missing = [c for c in self.getFeatureCols() if c not in dataset.columns]
+        plan = self.input_plan
+        columns = plan.columns
+        missing = [c for c in columns if c not in dataset.columns]
         if missing:
             raise ConfigError(f"column(s) {missing} not in the DataFrame to transform; its columns are: {dataset.columns}")
+        infos = spark_column_infos(dataset, plan)
         scalar = self.output_size == 1
         return_type = DoubleType() if scalar else ArrayType(DoubleType())
         buffer = io.BytesIO()
@@ -309,29 +384,34 @@ class TorchModel(Model, _TorchParams):
         model_blob = dataset.sparkSession.sparkContext.broadcast(
             (cloudpickle.dumps(self.model_fn or _FixedModule(self.module)), buffer.getvalue())
         )
-        features_info = self.features_info
-
-        def predict_batches(batches: Iterator[Tuple[pd.Series, ...]]) -> Iterator[pd.Series]:
+        def predict_batches(batches: Iterator[Tuple[Any, ...]]) -> Iterator[pd.Series]:
             module = _load_for_inference(*model_blob.value)
-            for columns in batches:
-                features, _ = to_arrays([c.to_numpy() for c in columns], None, features_info, None, "the DataFrame to transform")
+            for batch in batches:
+                rows = len(batch[0])
                 outputs = []
                 with torch.inference_mode():
-                    for start in range(0, len(features), 1024):
-                        out = module(torch.from_numpy(features[start:start + 1024]))
+                    for start in range(0, rows, 1024):
+                        named = {name: values.iloc[start:start + 1024] for name, values in zip(columns, batch)}
+                        inputs = frame_batch(plan, named, infos, "the DataFrame to transform")
+                        tensors = {k: torch.from_numpy(v) for k, v in inputs.items()} if isinstance(inputs, dict) else torch.from_numpy(inputs)
+                        out = call_model(module, tensors)
                         outputs.append(out.reshape(len(out), -1).double().numpy())
                 values = np.concatenate(outputs) if outputs else np.zeros((0, 1))
                 yield pd.Series(values[:, 0]) if scalar else pd.Series(list(values))
 
-        if len(self.getFeatureCols()) == 1:
+        # Spark picks the UDF's kind from its annotations; a struct column (an image) arrives
+        # as a DataFrame, every other column as a Series.
+        if len(columns) == 1:
 
-            def predict(batches: Iterator[pd.Series]) -> Iterator[pd.Series]:
+            def predict(batches: Iterator[Union[pd.Series, pd.DataFrame]]) -> Iterator[pd.Series]:
                 return predict_batches((column,) for column in batches)
 
         else:
-            predict = predict_batches  # type: ignore[assignment]
 
-        return dataset.withColumn(self.getPredictionCol(), pandas_udf(predict, return_type)(*self.getFeatureCols()))
+            def predict(batches: Iterator[Tuple[Union[pd.Series, pd.DataFrame], ...]]) -> Iterator[pd.Series]:  # type: ignore[misc]
+                return predict_batches(batches)
+
+        return dataset.withColumn(self.getPredictionCol(), pandas_udf(predict, return_type)(*columns))
 
     def save(self, path: str) -> None:
         """Writes the weights (``state_dict.pt``), the model factory (``model_fn.pkl``) and
@@ -346,7 +426,7 @@ class TorchModel(Model, _TorchParams):
             "torch_version": torch.__version__,
             "feature_cols": self.getFeatureCols(),
             "prediction_col": self.getPredictionCol(),
-            "features_info": [[c.name, c.kind, list(c.shape)] for c in self.features_info],
+            "inputs": self.input_plan.to_json(),
             "output_shape": self.output_shape,
             "history": self.history,
             "run_info": self.run_info,
@@ -391,7 +471,7 @@ class TorchModel(Model, _TorchParams):
             module=module,
             history=metadata["history"],
             feature_cols=metadata["feature_cols"],
-            features_info=[ColumnInfo(n, k, tuple(s)) for n, k, s in metadata["features_info"]],
+            input_plan=InputPlan.from_json(metadata["inputs"]) if "inputs" in metadata else None,
             output_shape=metadata["output_shape"],
             prediction_col=metadata["prediction_col"],
             model_fn=model_fn,

@@ -11,3 +11,65 @@ def accuracy(module: torch.nn.Module, features, labels) -> float:
     with torch.no_grad():
         predicted = module(torch.as_tensor(features)).argmax(1).numpy()
     return float((predicted == labels).mean())
+
+
+def pairs(chunks):
+    """A reader's chunks (named row-aligned arrays) as the (features, labels) pairs of a
+    feature_cols run."""
+    from sparkdl.data.inputs import LABEL_KEY, POSITIONAL
+
+    return [(chunk[POSITIONAL], chunk.get(LABEL_KEY)) for chunk in chunks]
+
+
+class DigitsCNN(torch.nn.Module):
+    """A small CNN for 8x8 grayscale digits, called as ``model(image=...)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(),
+            torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        )
+        self.head = torch.nn.Linear(32 * 4 * 4, 10)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(image).flatten(1))
+
+
+class TokenCounter(torch.nn.Module):
+    """Embedding + GRU over padded token ids (packed by their lengths) with a dense side input."""
+
+    def __init__(self, vocabulary: int = 12, width: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocabulary, width, padding_idx=0)
+        self.gru = torch.nn.GRU(width, hidden, batch_first=True)
+        self.head = torch.nn.Sequential(torch.nn.Linear(hidden + 1, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        packed = torch.nn.utils.rnn.pack_padded_sequence(self.embed(tokens), lengths.clamp(min=1).cpu(), batch_first=True, enforce_sorted=False)
+        _, state = self.gru(packed)
+        return self.head(torch.cat([state[-1], dense], dim=1))
+
+
+class WideAndDeep(torch.nn.Module):
+    """A user-id Embedding (deep) beside dense features (wide)."""
+
+    def __init__(self, users: int = 40) -> None:
+        super().__init__()
+        self.user_embedding = torch.nn.Embedding(users, 8)
+        self.deep = torch.nn.Sequential(torch.nn.Linear(8 + 2, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+        self.wide = torch.nn.Linear(2, 2)
+
+    def forward(self, user: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        return self.deep(torch.cat([self.user_embedding(user), dense], dim=1)) + self.wide(dense)
+
+
+def png_bytes(pixels, format: str = "PNG") -> bytes:
+    """An encoded image of a uint8 array (HxW grayscale, HxWx3 RGB, HxWx4 RGBA)."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format=format)
+    return buffer.getvalue()

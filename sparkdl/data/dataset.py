@@ -11,7 +11,7 @@ import dataclasses
 import os
 import urllib.parse
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import pyarrow as pa
 import pyarrow.dataset as pads
@@ -19,11 +19,15 @@ import pyarrow.fs as pafs
 
 from sparkdl.errors import DataError
 
+if TYPE_CHECKING:  # pragma: no cover
+    from sparkdl.data.inputs import InputPlan
+
 
 @dataclasses.dataclass(frozen=True)
 class ColumnInfo:
     name: str
-    #: "float" or "int" (numpy kind of the values).
+    #: What the values are: "float", "int" or "bool" (numbers; for arrays, of the elements),
+    #: "binary", "string", "image_struct" (Spark's ``format("image")`` struct) or "other".
     kind: str
     #: Shape of one value: () for scalars, (n,) for arrays whose length is only known per row
     #: (``None`` inside), or a fixed shape for Petastorm tensor fields.
@@ -31,6 +35,8 @@ class ColumnInfo:
     #: The Petastorm ``UnischemaField`` of a column stored with a codec (e.g. an ndarray as
     #: bytes), which readers other than Petastorm's decode with it; None for plain columns.
     codec_field: Any = dataclasses.field(default=None, compare=False, repr=False)
+    #: The stored type, for messages (e.g. ``list<item: int64>``).
+    type_name: str = dataclasses.field(default="", compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +71,10 @@ class DatasetInfo:
     num_row_groups: int
     #: True when the dataset carries a Petastorm Unischema (read with ``make_reader``).
     is_petastorm: bool
-    features: Tuple[ColumnInfo, ...]
-    label: Optional[ColumnInfo]
+    #: How batches are built from the columns (model inputs and label).
+    plan: "InputPlan"
+    #: Every column the plan reads, by name.
+    column_info: Tuple[ColumnInfo, ...]
     #: The Parquet files in reading order (Petastorm's: sorted paths, or a connector's list),
     #: with their row groups' row counts: the global row-group index that decides a row
     #: group's rank, and every row's position, come from this list.
@@ -78,7 +86,23 @@ class DatasetInfo:
 
     @property
     def columns(self) -> List[str]:
-        return [c.name for c in self.features] + ([self.label.name] if self.label else [])
+        return self.plan.columns
+
+    @property
+    def infos(self) -> Dict[str, ColumnInfo]:
+        return {c.name: c for c in self.column_info}
+
+    def locate(self, position: Optional[int]) -> str:
+        """Where the row at ``position`` (in the dataset's file order) is: file and row group."""
+        if position is None:
+            return f"dataset {self.url!r}"
+        start = 0
+        for file in self.files:
+            for group, rows in enumerate(file.row_groups):
+                if position < start + rows:
+                    return f"row {position - start} of row group {group} of file {file.url!r}"
+                start += rows
+        return f"dataset {self.url!r}"
 
     @property
     def row_group_rows(self) -> List[int]:
@@ -147,8 +171,8 @@ Filters = Any  # pyarrow's DNF list of (column, op, value) tuples, or a pyarrow.
 
 def inspect_dataset(
     data: Union[str, ParquetFiles],
-    feature_cols: Sequence[str],
-    label_col: Optional[str],
+    feature_cols: Union[Sequence[str], "InputPlan"],
+    label_col: Optional[str] = None,
     filters: Filters = None,
 ) -> DatasetInfo:
     """Validates a dataset against the columns to train on, reading only metadata.
@@ -156,16 +180,20 @@ def inspect_dataset(
     Args:
         data: a dataset URL or path (a directory of Parquet files, or one file), or the
             :class:`ParquetFiles` a connector resolved.
-        feature_cols: feature columns.
-        label_col: label column, or None.
+        feature_cols: feature columns (with ``label_col``), or the run's
+            :class:`~sparkdl.data.inputs.InputPlan`.
+        label_col: label column, or None (ignored with a plan).
         filters: the row filter the readers will apply; its columns are checked too.
 
     Raises:
-        DataError: the path does not exist, a file is unreadable, a column is missing or not
-            numeric, files disagree on a column's type, a feature or label column holds nulls
+        DataError: the path does not exist, a file is unreadable, a column is missing or of a
+            type its input cannot use, files disagree on a column's type, a column holds nulls
             (from the footers' statistics), the filter names an unknown column, or the dataset
-            has no rows. The message names the path, file or column.
+            has no rows. The message names the path, file, column and input.
     """
+    from sparkdl.data.inputs import InputPlan
+
+    plan = feature_cols if isinstance(feature_cols, InputPlan) else InputPlan.from_feature_cols(feature_cols, label_col)
     explicit = isinstance(data, ParquetFiles) and bool(data.files)
     url = normalize_url(data.url if isinstance(data, ParquetFiles) else data)
     if explicit:
@@ -191,18 +219,21 @@ def inspect_dataset(
         fragments = sorted(dataset.get_fragments(), key=lambda f: f.path.split("/"))
         file_urls = [child_url(url, path, f.path) for f in fragments]
 
+    roles = plan.null_roles()
+    column_roles = {c: roles.get(c, "input") for c in plan.columns}
+    for key, spec in plan.inputs:
+        for column in spec.source_columns():
+            column_roles[column] = plan.role(key)
+    if plan.label_column:
+        column_roles[plan.label_column] = "label"
     unischema = _petastorm_schema(url, fs, path) if not explicit else None
     if unischema is not None:
-        features = tuple(_unischema_column(unischema, c, "feature") for c in feature_cols)
-        label = _unischema_column(unischema, label_col, "label") if label_col else None
+        infos = {c: _unischema_column(unischema, c, column_roles[c]) for c in plan.columns}
     else:
-        features = tuple(_arrow_column(dataset.schema, c, "feature", url) for c in feature_cols)
-        label = _arrow_column(dataset.schema, label_col, "label", url) if label_col else None
+        infos = {c: describe_column(dataset.schema, c, column_roles[c], url) for c in plan.columns}
+    plan.check(infos, f"dataset {url!r}")
     filter_cols = referenced_columns(filters, dataset.schema, url) if filters is not None else ()
-    roles = {c: "feature" for c in feature_cols}
-    if label_col:
-        roles[label_col] = "label"
-    checked = list(roles) + [c for c in filter_cols if c not in roles]
+    checked = list(plan.columns) + [c for c in filter_cols if c not in plan.columns]
 
     files: List[FileInfo] = []
     reference: Optional[Tuple[str, pa.Schema]] = None
@@ -227,7 +258,7 @@ def inspect_dataset(
     if num_rows == 0:
         raise DataError(f"dataset {url!r} is empty: its Parquet files hold 0 rows")
     return DatasetInfo(
-        url, num_rows, num_row_groups, unischema is not None, features, label,
+        url, num_rows, num_row_groups, unischema is not None, plan, tuple(infos[c] for c in plan.columns),
         files=tuple(files), explicit_files=explicit, filter_columns=tuple(filter_cols),
     )
 
@@ -325,15 +356,24 @@ def referenced_columns(filters: Filters, schema: pa.Schema, url: str) -> Tuple[s
     return tuple(f.name for i, f in enumerate(fields) if binds(fields[:i] + fields[i + 1:]) is not None)
 
 
-def _numeric_kind(arrow_type: pa.DataType) -> Optional[str]:
+def _value_kind(arrow_type: pa.DataType) -> str:
     if pa.types.is_floating(arrow_type) or pa.types.is_decimal(arrow_type):
         return "float"
-    if pa.types.is_integer(arrow_type) or pa.types.is_boolean(arrow_type):
+    if pa.types.is_integer(arrow_type):
         return "int"
-    return None
+    if pa.types.is_boolean(arrow_type):
+        return "int"
+    if pa.types.is_binary(arrow_type) or pa.types.is_large_binary(arrow_type) or pa.types.is_fixed_size_binary(arrow_type):
+        return "binary"
+    if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
+        return "string"
+    if pa.types.is_struct(arrow_type) and {"height", "width", "nChannels", "data"} <= {f.name for f in arrow_type}:
+        return "image_struct"
+    return "other"
 
 
-def _arrow_column(schema: pa.Schema, name: str, role: str, url: str) -> ColumnInfo:
+def describe_column(schema: pa.Schema, name: str, role: str, url: str) -> ColumnInfo:
+    """What a column of an Arrow schema holds; its input spec decides whether that is usable."""
     index = schema.get_field_index(name)
     if index < 0:
         raise DataError(
@@ -346,19 +386,14 @@ def _arrow_column(schema: pa.Schema, name: str, role: str, url: str) -> ColumnIn
             f"{role} column {name!r} has type {arrow_type}; the Petastorm reader cannot read fixed-size lists: "
             f"write it as list<{arrow_type.value_type}> (e.g. pyarrow.list_(pyarrow.float32()))"
         )
-    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type) or pa.types.is_fixed_size_list(arrow_type):
-        kind = _numeric_kind(arrow_type.value_type)
-        size = arrow_type.list_size if pa.types.is_fixed_size_list(arrow_type) else None
-        shape: Tuple[Optional[int], ...] = (size,)
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+        kind = _value_kind(arrow_type.value_type)
+        kind = kind if kind in ("float", "int") else "other"
+        shape: Tuple[Optional[int], ...] = (None,)
     else:
-        kind = _numeric_kind(arrow_type)
+        kind = _value_kind(arrow_type)
         shape = ()
-    if kind is None:
-        raise DataError(
-            f"{role} column {name!r} has type {arrow_type}, which is not numeric; "
-            f"{role}s must be numbers or arrays of numbers"
-        )
-    return ColumnInfo(name, kind, shape)
+    return ColumnInfo(name, kind, shape, type_name=str(arrow_type))
 
 
 def _petastorm_schema(url: str, fs: pafs.FileSystem, path: str):
@@ -393,10 +428,10 @@ def _unischema_column(unischema, name: str, role: str) -> ColumnInfo:
             f"its fields are: {', '.join(unischema.fields)}"
         )
     dtype = np.dtype(field.numpy_dtype)
-    if dtype.kind not in "fiub":
-        raise DataError(f"{role} column {name!r} has dtype {dtype}, which is not numeric")
+    kind = {"f": "float", "i": "int", "u": "int", "b": "int", "S": "binary", "U": "string", "O": "string"}.get(dtype.kind, "other")
     from petastorm.codecs import ScalarCodec
 
     # Scalar fields are stored as plain Parquet values; other codecs store bytes to decode.
     encoded = field.codec is not None and not isinstance(field.codec, ScalarCodec)
-    return ColumnInfo(name, "float" if dtype.kind == "f" else "int", tuple(field.shape), codec_field=field if encoded else None)
+    type_name = f"{dtype} {tuple(field.shape)}" + (f" ({type(field.codec).__name__})" if encoded else "")
+    return ColumnInfo(name, kind, tuple(field.shape), codec_field=field if encoded else None, type_name=type_name)

@@ -14,9 +14,10 @@ import torch.distributed as dist
 
 import sparkdl
 from sparkdl.data.dataset import inspect_dataset
-from sparkdl.data.reader import DataSpec, reader_from_name
+from sparkdl.data.batching import DataSpec
+from sparkdl.data.readers import reader_from_name
 from sparkdl.data.selection import shard_rows
-from tests.models import accuracy, digits_mlp
+from tests.models import accuracy, digits_mlp, pairs
 
 pytestmark = pytest.mark.spark
 
@@ -150,11 +151,11 @@ def test_petastorm_codec_dataset_reads_identically_with_both_readers(spark, tmp_
         spark.createDataFrame(rows, schema.as_spark_schema()).repartition(3).write.mode("overwrite").parquet(url)
 
     info = inspect_dataset(url, ["image"], "label")
-    assert info.is_petastorm and info.features[0].codec_field is not None
+    assert info.is_petastorm and info.infos["image"].codec_field is not None
     spec = DataSpec(batch_size=8, seed=2)
     out = {}
     for name in ("petastorm", "arrow"):
-        out[name] = [list(reader_from_name(name).read_pass(info, spec, rank, 2, 0)) for rank in range(2)]
+        out[name] = [pairs(reader_from_name(name).read_pass(info, spec, rank, 2, 0)) for rank in range(2)]
     for rank in range(2):
         arrow = np.concatenate([f for f, _ in out["arrow"][rank]])
         petastorm = np.concatenate([f for f, _ in out["petastorm"][rank]])

@@ -14,11 +14,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from sparkdl._validation import validation_batches, validation_source
+from tests.models import pairs
+from sparkdl._validation import validation_source
+from sparkdl.data.batching import validation_batches
 from sparkdl.data import selection
-from sparkdl.data.arrow_reader import ArrowReader
+from sparkdl.data.readers.arrow import ArrowReader
 from sparkdl.data.dataset import inspect_dataset
-from sparkdl.data.reader import DataSpec, PetastormReader, ValidationSpec, batches, reader_from_name
+from sparkdl.data.batching import DataSpec, ValidationSpec, batches
+from sparkdl.data.readers import reader_from_name
+from sparkdl.data.readers.petastorm import PetastormReader
 from sparkdl.data.selection import holdout_mask, shard_rows
 from sparkdl.errors import ConfigError, DataError
 
@@ -68,7 +72,7 @@ def ids_of(chunks) -> List[int]:
 
 
 def one_pass(reader_name, info, spec, rank, world_size, pass_index=0):
-    return list(reader_from_name(reader_name).read_pass(info, spec, rank, world_size, pass_index))
+    return pairs(reader_from_name(reader_name).read_pass(info, spec, rank, world_size, pass_index))
 
 
 CONFIGS = {

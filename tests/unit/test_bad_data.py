@@ -10,9 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sparkdl.api import prepare_data
+from tests.models import pairs
+from sparkdl.data.prepare import prepare_data
 from sparkdl.data.dataset import inspect_dataset
-from sparkdl.data.reader import DataSpec, reader_from_name
+from sparkdl.data.batching import DataSpec
+from sparkdl.data.readers import reader_from_name
 from sparkdl.errors import ConfigError, DataError
 
 READERS = ["petastorm", "arrow"]
@@ -30,7 +32,7 @@ def vectors(rows, width=4, value=1.0):
 
 def read_all(reader_name, path, features=("f",), label="label", filters=None):
     info = inspect_dataset(path, list(features), label, filters=filters)
-    return list(reader_from_name(reader_name).read_pass(info, DataSpec(batch_size=8, filters=filters), 0, 1, 0))
+    return pairs(reader_from_name(reader_name).read_pass(info, DataSpec(batch_size=8, filters=filters), 0, 1, 0))
 
 
 def test_a_column_with_another_type_in_one_file_names_the_column_and_both_files(tmp_path):
@@ -88,7 +90,7 @@ def test_nan_features_name_the_column(tmp_path, reader_name):
     x = np.ones((32, 4), dtype=np.float32)
     x[20, 1] = np.nan
     write(tmp_path, "part-0.parquet", f=pa.array(list(x), type=pa.list_(pa.float32())), label=np.zeros(32, dtype=np.int64))
-    expected = "row group 1 of file .*part-0.parquet" if reader_name == "arrow" else "dataset"
+    expected = "row group 1 of file .*part-0.parquet"  # both readers know where each row came from
     with pytest.raises(DataError, match=f"feature column\\(s\\) f contain NaN or null values in {expected}"):
         read_all(reader_name, str(tmp_path))
 

@@ -152,9 +152,8 @@ def test_inspect_describes_a_run_and_a_model(tmp_path, capsys):
     assert "60, 40" in text  # each rank's samples/s of epoch 1
 
     module = torch.nn.Linear(3, 2)
-    from sparkdl.data.dataset import ColumnInfo
 
-    model = sparkdl.TorchModel(module, history=_FakeModel.history, feature_cols=["x"], features_info=[ColumnInfo("x", "float", (3,))], output_shape=[2])
+    model = sparkdl.TorchModel(module, history=_FakeModel.history, feature_cols=["x"], output_shape=[2])
     model.save(str(tmp_path / "model"))
     assert cli.sparkdl_main(["inspect", str(tmp_path / "model")]) == 0
     text = capsys.readouterr().out
@@ -175,3 +174,23 @@ def test_package_zips_sparkdl_reproducibly_without_bytecode(tmp_path):
                for d, _, files in os.walk(os.path.dirname(sparkdl.__file__)) for f in files if f.endswith(".py")}
     assert {s for s in sources} <= set(names)  # every module of the package is in the zip
     assert "connectors/__init__.py" not in zipfile.ZipFile(cli.package(str(tmp_path / "c.zip"), connectors=False)["output"]).namelist()
+
+
+def test_input_arguments_become_input_specs():
+    import sparkdl
+
+    inputs = cli.parse_inputs([
+        "image=image:jpeg_bytes:224x224x3:flip:crop=4", "gray=image:png:28x28x1", "tokens=sequence:token_ids:128:-1",
+        "dense=dense:age,income", "user=user_id",
+    ])
+    assert inputs["image"] == sparkdl.Image("jpeg_bytes", size=(224, 224), channels=3, random_flip=True, random_crop=4)
+    assert inputs["gray"] == sparkdl.Image("png", size=(28, 28), channels=1)
+    assert inputs["tokens"] == sparkdl.Sequence("token_ids", max_length=128, pad_value=-1, lengths_input="tokens_lengths")
+    assert inputs["dense"] == ["age", "income"] and inputs["user"] == "user_id"
+    for bad, message in [("image", "expected NAME=SPEC"), ("x=image:c:224", "HxW or HxWxC"), ("x=image:c:8x8:blur", "unknown image option"),
+                         ("x=sequence:c", "sequence:COLUMN:MAX_LENGTH"), ("x=a,b", "SPEC must be"), ("x=sequence:c:many", "invalid literal")]:
+        with pytest.raises(cli.UsageError, match=message):
+            cli.parse_inputs([bad])
+    with pytest.raises(cli.UsageError, match="given twice"):
+        cli.parse_inputs(["a=x", "a=y"])
+    assert "image:COLUMN:HxW" in cli.build_parser().format_help()

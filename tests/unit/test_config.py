@@ -5,7 +5,7 @@ import torch
 
 import sparkdl
 from sparkdl._launcher import LaunchConfig, _failure_from_spark
-from sparkdl.data.reader import DataSpec, steps_per_epoch
+from sparkdl.data.batching import DataSpec, steps_per_epoch
 from sparkdl.errors import ConfigError
 from sparkdl.strategies import registered_strategies, strategy_from_name
 

@@ -12,9 +12,11 @@ import pytest
 from deltalake import DeltaTable, write_deltalake
 
 import connectors
-from sparkdl.api import prepare_data, prepare_dataset
+from tests.models import pairs
+from sparkdl.data.prepare import prepare_data, prepare_dataset
 from sparkdl.data.dataset import ParquetFiles, inspect_dataset
-from sparkdl.data.reader import DataSpec, reader_from_name
+from sparkdl.data.batching import DataSpec
+from sparkdl.data.readers import reader_from_name
 from sparkdl.errors import ConfigError, DataError
 
 
@@ -32,7 +34,7 @@ def ids_table(start, count):
 def read_ids(info, reader_name="arrow", world_size=1):
     ids = []
     for rank in range(world_size):
-        for features, _ in reader_from_name(reader_name).read_pass(info, DataSpec(batch_size=8, shuffle=False), rank, world_size, 0):
+        for features, _ in pairs(reader_from_name(reader_name).read_pass(info, DataSpec(batch_size=8, shuffle=False), rank, world_size, 0)):
             ids += features[:, 0].astype(int).tolist()
     return sorted(ids)
 
@@ -52,7 +54,7 @@ def test_parquet_source_directory_file_list_and_glob(tmp_path):
 
     january = connectors.ParquetSource(f"{tmp_path}/2024-01-*/part-*.parquet").resolve()
     assert january.files == (f"file://{tmp_path}/2024-01-01/part-0.parquet", f"file://{tmp_path}/2024-01-02/part-0.parquet")
-    info = prepare_dataset(connectors.ParquetSource(f"{tmp_path}/2024-01-*/part-*.parquet"), ["features"], "label", num_workers=2)
+    info = prepare_dataset(connectors.ParquetSource(f"{tmp_path}/2024-01-*/part-*.parquet"), ["features"], num_workers=2, label_col="label")
     assert info.explicit_files and read_ids(info, "petastorm", world_size=2) == list(range(20))
 
     listed = connectors.ParquetSource([f"{tmp_path}/2024-02-01/part-0.parquet", f"{tmp_path}/2024-01-01/notes.parquet"])
@@ -88,7 +90,7 @@ def test_delta_latest_version_and_time_travel_by_version(delta_table):
     assert latest.description == f"Delta table {delta_table} version 2"
     assert read_ids(inspect_dataset(latest, ["features"], "label")) == list(range(500, 520))
 
-    first = prepare_dataset(connectors.DeltaSource(delta_table, version=0), ["features"], "label", num_workers=2)
+    first = prepare_dataset(connectors.DeltaSource(delta_table, version=0), ["features"], num_workers=2, label_col="label")
     assert first.num_rows == 100 and read_ids(first, world_size=2) == list(range(100))
     second = inspect_dataset(connectors.DeltaSource(delta_table, version=1).resolve(), ["features"], "label")
     assert second.num_rows == 150 and read_ids(second, "petastorm") == list(range(150))

@@ -20,7 +20,8 @@ from sparkdl._rendezvous import rendezvous, teardown
 from sparkdl._training import FitLoop
 from sparkdl.context import TrainContext
 from sparkdl.data.dataset import inspect_dataset
-from sparkdl.data.reader import DataSpec, reader_from_name
+from sparkdl.data.batching import DataSpec
+from sparkdl.data.readers import reader_from_name
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.allreduce import AllReduce
 from sparkdl.strategies.averaging import _SyncingOptimizer

@@ -7,13 +7,25 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from sparkdl.data.batching import DataSpec, batches
 from sparkdl.data.dataset import ColumnInfo, DatasetInfo, inspect_dataset
-from sparkdl.data.reader import Chunk, DataReader, DataSpec, batches, to_arrays
+from sparkdl.data.inputs import InputPlan
+from sparkdl.data.readers import Chunk, DataReader
 from sparkdl.errors import DataError
 
-FEATURES = (ColumnInfo("x", "float", ()),)
-LABEL = ColumnInfo("y", "int", ())
-DATASET = DatasetInfo("memory://", 100, 4, False, FEATURES, LABEL)
+PLAN = InputPlan.from_feature_cols(["x"], "y")
+INFOS = {"x": ColumnInfo("x", "float", ()), "y": ColumnInfo("y", "int", ())}
+DATASET = DatasetInfo("memory://", 100, 4, False, PLAN, tuple(INFOS.values()))
+
+
+def to_arrays(columns, label, infos, label_info, source):
+    """(features, labels) of numpy columns, through the feature_cols plan's first step."""
+    plan = InputPlan.from_feature_cols([i.name for i in infos], label_info.name if label_info else None)
+    named = {i.name: c for i, c in zip(infos, columns)}
+    if label_info is not None:
+        named[label_info.name] = label
+    arrays = plan.extract(named, {i.name: i for i in list(infos) + ([label_info] if label_info else [])}, source)
+    return plan.finish(arrays, None, lambda position: source)
 
 
 class _Chunks(DataReader):
@@ -22,12 +34,15 @@ class _Chunks(DataReader):
     def __init__(self):
         self.closed = False
 
+    def read_pass(self, dataset, spec, rank, world_size, pass_index) -> Iterator[Chunk]:
+        raise AssertionError("batches() reads chunks()")
+
     def chunks(self, dataset, spec, rank, world_size) -> Iterator[Chunk]:
         try:
             while True:
                 for start, size in ((0, 37), (37, 5), (42, 58)):
                     ids = np.arange(start, start + size, dtype=np.float32)
-                    yield ids[:, None], ids.astype(np.int64)
+                    yield PLAN.extract({"x": ids, "y": ids.astype(np.int64)}, INFOS, "test")
         finally:
             self.closed = True
 
@@ -67,7 +82,7 @@ def test_to_arrays_concatenates_columns_in_order():
     a = np.array([1.0, 2.0])
     vec = np.array([np.array([10.0, 11.0]), np.array([20.0, 21.0])], dtype=object)
     info = (ColumnInfo("a", "float", ()), ColumnInfo("vec", "float", (None,)))
-    features, labels = to_arrays([a, vec], np.array([1, 0]), info, LABEL, "test")
+    features, labels = to_arrays([a, vec], np.array([1, 0]), info, INFOS["y"], "test")
     np.testing.assert_array_equal(features, [[1, 10, 11], [2, 20, 21]])
     assert features.dtype == np.float32 and labels.dtype == np.int64
 
@@ -80,7 +95,7 @@ def test_one_tensor_column_keeps_its_shape():
 
 def test_ragged_arrays_and_nan_are_named():
     ragged = np.array([np.zeros(2), np.zeros(3)], dtype=object)
-    with pytest.raises(DataError, match="column 'vec' holds arrays of different lengths"):
+    with pytest.raises(DataError, match="feature column 'vec' holds arrays of different lengths"):
         to_arrays([ragged], None, (ColumnInfo("vec", "float", (None,)),), None, "test")
     with pytest.raises(DataError, match="feature column\\(s\\) a contain NaN or null values in test"):
         to_arrays([np.array([1.0, np.nan])], None, (ColumnInfo("a", "float", ()),), None, "test")
@@ -92,7 +107,7 @@ def test_inspect_dataset_reads_only_metadata_and_checks_columns(tmp_path):
     info = inspect_dataset(str(tmp_path), ["x"], "y")
     assert (info.num_rows, info.num_row_groups, info.is_petastorm) == (10, 4, False)
     assert info.url == f"file://{tmp_path}"
-    assert info.features[0].shape == (None,) and info.label.kind == "int"
+    assert info.infos["x"].shape == (None,) and info.infos["y"].kind == "int"
     with pytest.raises(DataError, match="feature column 'name' has type string, which is not numeric"):
         inspect_dataset(str(tmp_path), ["name"], "y")
     with pytest.raises(DataError, match="label column 'z' is not in dataset .*its columns are: x, name, y"):

@@ -1,0 +1,375 @@
+"""Batches: a rank's shard as an endless stream of fixed-size batches, and the one place where
+rows become model inputs (for training, validation and ``TorchModel.transform`` alike).
+
+Pipeline of a task (readers: :mod:`sparkdl.data.readers`; inputs: :mod:`sparkdl.data.inputs`)::
+
+    reader thread        row groups -> named columns -> InputPlan.extract -> chunk (row-aligned arrays)
+    prefetch thread      chunks -> shuffle buffer -> batches of batch_size rows
+    decode threads       batch -> InputPlan.finish (decode images, pad sequences) -> transform_fn
+    prefetch thread      -> tensors (pinned on CUDA), a bounded queue the training step takes from
+
+Sharding and balance rules (the same for every reader):
+
+* The shard unit is the Parquet row group: rank ``r`` of ``n`` reads row groups ``r, r+n, ...``
+  (Petastorm's ``cur_shard``/``shard_count``). A dataset with fewer row groups than ranks falls
+  back to row striding: every rank reads every row group and keeps rows ``r, r+n, ...``.
+* Each rank's reader cycles over its shard forever (a fresh reader pass per pass, seeded
+  ``seed + pass``); an epoch is a fixed number of steps computed
+  on the driver (:func:`steps_per_epoch`), identical on every rank, so no rank runs out first and
+  blocks the others in a collective. Rows past the last full step of an epoch are not dropped:
+  the stream simply goes on, and they open the next epoch. A rank with a smaller shard wraps
+  around sooner, so its rows may appear once more per epoch than a larger shard's.
+* With ``shuffle`` on, row-group order is shuffled each pass and rows are mixed in a bounded
+  in-memory buffer (``shuffle_buffer_batches`` batches), seeded per rank: reproducible, never the
+  whole dataset in memory.
+* Which row groups and rows a rank reads (order, filters, the validation hold-out) is decided in
+  :mod:`sparkdl.data.selection`, identically for every reader: the Petastorm and Arrow readers
+  give the same batches for the same seed.
+* Decoding runs on ``decode_threads`` threads (Pillow and numpy release the GIL while they
+  work) with at most ``2 * decode_threads`` batches in flight, in stream order; random
+  augmentations are seeded by (seed, rank, batch index), so they do not depend on which thread
+  ran a batch, and a resumed run that skips ``n`` batches skips them undecoded.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+
+import numpy as np
+
+from sparkdl.data.dataset import DatasetInfo
+from sparkdl.data.inputs import LABEL_KEY, POSITION_KEY, InputPlan
+from sparkdl.data.readers.base import Chunk, DataReader, chunk_rows
+from sparkdl.errors import ConfigError, DataError
+
+#: Model inputs of a batch: one array (``feature_cols``) or a dict of named arrays (``inputs=``).
+Inputs = Union[np.ndarray, Dict[str, np.ndarray]]
+#: A finished batch: (inputs, labels).
+Batch = Tuple[Inputs, Optional[np.ndarray]]
+#: ``transform_fn(features, labels) -> (features, labels)``: numpy in, numpy out, same row count
+#: (``features`` is the dict of named inputs with ``inputs=``).
+TransformFn = Callable[[Inputs, Optional[np.ndarray]], Tuple[Inputs, Optional[np.ndarray]]]
+#: ``metric(output, label) -> scalar``: the mean over a batch's rows (a tensor or a number).
+MetricFn = Callable[[Any, Any], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidationSpec:
+    """What the per-epoch validation pass reads and computes.
+
+    Args:
+        dataset: a separate validation dataset; None reads the rows ``DataSpec.holdout`` holds
+            out of the training data.
+        metrics: ``(name, fn)`` pairs; each ``fn(output, label)`` is a batch mean, reported as
+            ``val_<name>`` averaged over every validation row of every rank.
+    """
+
+    dataset: Optional[DatasetInfo] = None
+    metrics: Tuple[Tuple[str, MetricFn], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """How a task turns its shard into batches.
+
+    Args:
+        batch_size: rows per batch on each rank.
+        shuffle: shuffle row-group order and rows (seeded).
+        seed: base seed; rank ``r`` uses ``seed + r`` for its row shuffle.
+        shuffle_buffer_batches: rows are shuffled within a buffer of this many batches.
+        reader_threads: Petastorm decoding threads per task. One keeps the order of row groups,
+            and so the whole run, reproducible for a fixed seed; more read faster but in an
+            order that varies between runs.
+        filters: rows to keep: pyarrow's DNF list of ``(column, op, value)`` tuples or a
+            ``pyarrow.compute`` expression; row groups whose statistics rule it out are skipped.
+        transform_fn: ``(features, labels) -> (features, labels)`` on numpy arrays (with
+            ``inputs=``, ``features`` is the dict of named inputs), applied to every batch on the
+            executor (on the decode threads); must keep the row count.
+        holdout: fraction of rows held out of training for validation (by row position).
+        part: ``"train"`` reads the rows not held out, ``"holdout"`` only the held-out ones.
+        validation: the validation pass, or None for none.
+        prefetch_row_groups: row groups the Arrow reader reads ahead in the background.
+        decode_threads: threads that finish batches (decode images, apply ``transform_fn``)
+            ahead of the training step; None uses the task's cores (``spark.task.cpus``). Runs
+            without images or ``transform_fn`` finish batches inline: there is nothing to decode.
+    """
+
+    batch_size: int
+    shuffle: bool = True
+    seed: int = 0
+    shuffle_buffer_batches: int = 8
+    reader_threads: int = 1
+    filters: Any = None
+    transform_fn: Optional[TransformFn] = None
+    holdout: float = 0.0
+    part: str = "train"
+    validation: Optional[ValidationSpec] = None
+    prefetch_row_groups: int = 2
+    decode_threads: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
+            raise ConfigError(f"batch_size={self.batch_size!r} must be a positive integer")
+        if self.shuffle_buffer_batches < 1:
+            raise ConfigError(f"shuffle_buffer_batches={self.shuffle_buffer_batches!r} must be >= 1")
+        if self.reader_threads < 1:
+            raise ConfigError(f"reader_threads={self.reader_threads!r} must be >= 1")
+        if not 0.0 <= self.holdout < 1.0:
+            raise ConfigError(f"holdout={self.holdout!r} must be a fraction in [0, 1)")
+        if self.part not in ("train", "holdout"):
+            raise ConfigError(f"part={self.part!r} must be 'train' or 'holdout'")
+        if self.transform_fn is not None and not callable(self.transform_fn):
+            raise ConfigError(f"transform_fn={self.transform_fn!r} is not callable")
+        if self.prefetch_row_groups < 1:
+            raise ConfigError(f"prefetch_row_groups={self.prefetch_row_groups!r} must be >= 1")
+        if self.decode_threads is not None and (not isinstance(self.decode_threads, int) or isinstance(self.decode_threads, bool) or self.decode_threads < 1):
+            raise ConfigError(f"decode_threads={self.decode_threads!r} must be a positive integer or None (the task's cores)")
+
+
+def steps_per_epoch(num_rows: int, batch_size: int, world_size: int) -> int:
+    """Steps every rank runs per epoch: one pass over the rows, split evenly, full batches only."""
+    steps = num_rows // (batch_size * world_size)
+    if steps < 1:
+        raise ConfigError(
+            f"the dataset has {num_rows} rows, fewer than num_workers * batch_size = "
+            f"{world_size} * {batch_size} = {world_size * batch_size}: lower batch_size or num_workers"
+        )
+    return steps
+
+
+def decode_threads(spec: DataSpec) -> int:
+    """The decode threads of a task: ``spec.decode_threads``, else the task's cores."""
+    if spec.decode_threads is not None:
+        return spec.decode_threads
+    import torch
+
+    # The launcher sets torch's threads to the task's cores (spark.task.cpus).
+    return max(1, torch.get_num_threads())
+
+
+def batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, skip: int = 0) -> Iterator[Batch]:
+    """Endless finished batches of exactly ``spec.batch_size`` rows from this rank's shard.
+
+    The first ``skip`` batches are cut but not finished (a resumed run's replay to its
+    checkpoint's position costs reading, not decoding).
+    """
+    plan = dataset.plan
+    rng = np.random.default_rng(spec.seed + rank)
+    target = spec.batch_size * (spec.shuffle_buffer_batches if spec.shuffle else 1)
+    pending: List[Chunk] = []
+    pending_rows = 0
+    source = reader.chunks(dataset, spec, rank, world_size)
+
+    def cut() -> Iterator[Chunk]:
+        nonlocal pending, pending_rows
+        for chunk in source:
+            pending.append(chunk)
+            pending_rows += chunk_rows(chunk)
+            if pending_rows < target:
+                continue
+            if spec.shuffle and len(pending) == 1:
+                merged = pending[0]  # the shuffle's gather below copies it anyway
+            else:
+                # Also copies a lone chunk: readers may hand out read-only views of Arrow buffers.
+                merged = _concatenate(pending)
+            rows = chunk_rows(merged)
+            if spec.shuffle:
+                order = rng.permutation(rows)
+                merged = {key: values[order] for key, values in merged.items()}
+            full = (rows // spec.batch_size) * spec.batch_size
+            for start in range(0, full, spec.batch_size):
+                yield {key: values[start:start + spec.batch_size] for key, values in merged.items()}
+            pending = [{key: values[full:] for key, values in merged.items()}] if full < rows else []
+            pending_rows = rows - full
+
+    def finish(index: int, arrays: Chunk) -> Batch:
+        # Training batches may be augmented, seeded by their place in the stream.
+        return finish_batch(plan, arrays, np.random.default_rng([spec.seed, rank, index]), spec.transform_fn, dataset.locate)
+
+    cuts = cut()
+    try:
+        for _ in range(skip):
+            next(cuts)
+        yield from _finish_in_order(cuts, finish, skip, _threads_for(plan, spec))
+    finally:
+        cuts.close()
+        source.close()
+
+
+def validation_batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int) -> Iterator[Batch]:
+    """One pass over this rank's validation rows in batches of ``spec.batch_size`` (the last
+    one may be smaller), finished without augmentation, ``spec.transform_fn`` applied."""
+    plan = dataset.plan
+    pending: List[Chunk] = []
+    pending_rows = 0
+    source = reader.read_pass(dataset, spec, rank, world_size, 0)
+
+    def cut() -> Iterator[Chunk]:
+        nonlocal pending, pending_rows
+        for chunk in source:
+            pending.append(chunk)
+            pending_rows += chunk_rows(chunk)
+            if pending_rows >= spec.batch_size:
+                merged = _concatenate(pending)
+                full = (pending_rows // spec.batch_size) * spec.batch_size
+                for start in range(0, full, spec.batch_size):
+                    yield {key: values[start:start + spec.batch_size] for key, values in merged.items()}
+                pending = [{key: values[full:] for key, values in merged.items()}]
+                pending_rows -= full
+        if pending_rows:
+            yield _concatenate(pending)
+
+    def finish(index: int, arrays: Chunk) -> Batch:
+        return finish_batch(plan, arrays, None, spec.transform_fn, dataset.locate)
+
+    cuts = cut()
+    try:
+        yield from _finish_in_order(cuts, finish, 0, _threads_for(plan, spec))
+    finally:
+        cuts.close()
+        source.close()
+
+
+def finish_batch(
+    plan: InputPlan,
+    arrays: Chunk,
+    augment: Optional[np.random.Generator],
+    transform_fn: Optional[TransformFn],
+    locate: Callable[[int], str],
+) -> Batch:
+    """One batch's model inputs and labels: the plan's second step, then ``transform_fn``."""
+    inputs, labels = plan.finish(arrays, augment, locate)
+    if transform_fn is not None:
+        inputs, labels = apply_transform(transform_fn, inputs, labels, plan)
+    check_tensorable(inputs, plan)
+    return inputs, labels
+
+
+def _threads_for(plan: InputPlan, spec: DataSpec) -> int:
+    """0 finishes inline: dense-only batches without a transform have nothing worth a thread."""
+    if not plan.expensive and spec.transform_fn is None:
+        return 0
+    return decode_threads(spec)
+
+
+def _finish_in_order(cuts: Iterator[Chunk], finish: Callable[[int, Chunk], Batch], first_index: int, threads: int) -> Iterator[Batch]:
+    """``finish`` over the cut batches, in order, on ``threads`` threads (0: inline) with at most
+    ``2 * threads`` batches in flight, so memory stays bounded."""
+    if threads == 0:
+        for index, arrays in enumerate(cuts, start=first_index):
+            yield finish(index, arrays)
+        return
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="sparkdl-decode")
+    in_flight: Deque[concurrent.futures.Future] = collections.deque()
+    index = first_index
+    try:
+        for arrays in cuts:
+            in_flight.append(pool.submit(finish, index, arrays))
+            index += 1
+            if len(in_flight) >= 2 * threads:
+                yield in_flight.popleft().result()
+        while in_flight:
+            yield in_flight.popleft().result()
+    finally:
+        for future in in_flight:
+            future.cancel()
+        pool.shutdown(wait=True)
+
+
+def _concatenate(chunks: List[Chunk]) -> Chunk:
+    if len(chunks) == 1:
+        return {key: np.array(values, copy=True) if values.dtype != object else values.copy() for key, values in chunks[0].items()}
+    return {key: np.concatenate([c[key] for c in chunks]) for key in chunks[0]}
+
+
+def apply_transform(transform_fn: TransformFn, features: Inputs, labels: Optional[np.ndarray], plan: Optional[InputPlan] = None) -> Batch:
+    """Runs the user's per-batch transform and checks what it returns."""
+    named = isinstance(features, dict)
+    rows = len(next(iter(features.values()))) if named else len(features)
+    result = transform_fn(features, labels)
+    what = "(inputs dict, labels)" if named else "(features, labels)"
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise ConfigError(f"transform_fn must return a {what} tuple of numpy arrays, got {type(result).__name__}")
+    new_features, new_labels = result
+    if new_labels is not None and not isinstance(new_labels, np.ndarray):
+        raise ConfigError(f"transform_fn must return numpy labels, got {type(new_labels).__name__}")
+    if named:
+        if not isinstance(new_features, dict) or not all(isinstance(v, np.ndarray) for v in new_features.values()):
+            raise ConfigError(f"with inputs=, transform_fn must return a dict of named numpy arrays, got {type(new_features).__name__}")
+        sizes = {name: len(v) for name, v in new_features.items()}
+        wrong = {name: n for name, n in sizes.items() if n != rows}
+        if wrong or (new_labels is not None and len(new_labels) != rows):
+            raise ConfigError(
+                f"transform_fn must keep the batch's {rows} rows, returned {wrong or sizes}"
+                + (f" and {len(new_labels)} labels" if new_labels is not None else "") + "; use filters= to drop rows"
+            )
+        out = {name: np.ascontiguousarray(v) if v.dtype != object else v for name, v in new_features.items()}
+    else:
+        if not isinstance(new_features, np.ndarray):
+            raise ConfigError(
+                f"transform_fn must return numpy arrays, got ({type(new_features).__name__}, {type(new_labels).__name__})"
+            )
+        if len(new_features) != rows or (new_labels is not None and len(new_labels) != rows):
+            raise ConfigError(
+                f"transform_fn must keep the batch's {rows} rows, returned {len(new_features)} features"
+                + (f" and {len(new_labels)} labels" if new_labels is not None else "")
+                + "; use filters= to drop rows"
+            )
+        out = np.ascontiguousarray(new_features)
+    return out, (np.ascontiguousarray(new_labels) if new_labels is not None else None)
+
+
+def check_tensorable(inputs: Inputs, plan: InputPlan) -> None:
+    """Strings and bytes cannot become tensors: name the input that still holds them."""
+    items = inputs.items() if isinstance(inputs, dict) else [("features", inputs)]
+    for name, values in items:
+        if values.dtype == object or values.dtype.kind in "SU":
+            sample = values.flat[0] if values.size else None
+            what = "strings or bytes" if values.dtype.kind in "SU" or isinstance(sample, (str, bytes)) else "Python objects"
+            raise DataError(
+                f"model input {name!r} holds {what} "
+                f"(column {_column_of(plan, name)!r}); turn it into numbers in transform_fn (e.g. tokenize it)"
+            )
+
+
+def _column_of(plan: InputPlan, name: str) -> str:
+    for key, spec in plan.inputs:
+        if key == name:
+            return ", ".join(spec.source_columns())
+    return name
+
+
+def to_tensors(batch: Batch, pin: bool = False) -> Tuple[Any, Any]:
+    """A finished batch as torch tensors (pinned for a CUDA copy when ``pin``)."""
+    import torch
+
+    def tensor(array: np.ndarray) -> "torch.Tensor":
+        out = torch.from_numpy(array)
+        return out.pin_memory() if pin else out
+
+    inputs, labels = batch
+    converted = {name: tensor(v) for name, v in inputs.items()} if isinstance(inputs, dict) else tensor(inputs)
+    return converted, (tensor(labels) if labels is not None else None)
+
+
+def batch_rows(inputs: Inputs) -> int:
+    """Rows of a batch's inputs (an array or a dict of arrays/tensors)."""
+    return len(next(iter(inputs.values()))) if isinstance(inputs, dict) else len(inputs)
+
+
+def call_model(model: Any, inputs: Any) -> Any:
+    """``model(**inputs)`` for named inputs, ``model(inputs)`` for ``feature_cols``."""
+    return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+
+
+def frame_batch(plan: InputPlan, columns: Mapping[str, Any], infos: Mapping[str, Any], source: str) -> Inputs:
+    """Model inputs of rows given as named columns (``TorchModel.transform``'s pandas batches):
+    both steps, no augmentation, no label."""
+    unlabeled = plan.without_label()
+    arrays = unlabeled.extract(columns, infos, source)
+    inputs, _ = unlabeled.finish(arrays, None, lambda position: source if position is None else f"row {position} of {source}")
+    check_tensorable(inputs, unlabeled)
+    return inputs

@@ -1,0 +1,249 @@
+"""Driver-side data preparation: everything the tasks need to read data, checked before launch.
+
+A DataFrame is materialized to Parquet once (:mod:`sparkdl.data.cache`), a URL or connector
+source is read in place; either way the columns are checked against the run's
+:class:`~sparkdl.data.inputs.InputPlan` from the Parquet footers alone
+(:func:`~sparkdl.data.dataset.inspect_dataset`), shard sizes are computed, and empty shards fail
+here, on the driver, in terms of the user's data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional, Sequence, Tuple, Union
+
+from sparkdl.data.batching import DataSpec, MetricFn, TransformFn, ValidationSpec, steps_per_epoch
+from sparkdl.data.cache import materialize
+from sparkdl.data.dataset import ColumnInfo, DatasetInfo, Filters, ParquetFiles, inspect_dataset, referenced_columns
+from sparkdl.data.inputs import Column, InputPlan
+from sparkdl.data.readers.base import DataReader, reader_from_name
+from sparkdl.errors import ConfigError, DataError
+
+DataSource = Union[str, Any]  # a dataset URL/path, a pyspark.sql.DataFrame, ParquetFiles, or a connector source
+#: The reader used when none is named (see docs/data.md for the measurements behind it).
+DEFAULT_READER = "arrow"
+
+
+def prepare_data(
+    data: DataSource,
+    *,
+    feature_cols: Optional[Sequence[str]],
+    label_col: Any,
+    num_workers: int,
+    inputs: Optional[Mapping[str, Any]] = None,
+    decode_threads: Optional[int] = None,
+    batch_size: int,
+    shuffle: bool = True,
+    seed: int = 0,
+    reader: str = DEFAULT_READER,
+    filters: Filters = None,
+    transform_fn: Optional[TransformFn] = None,
+    validation: Optional[Union[float, DataSource]] = None,
+    metrics: Optional[Mapping[str, MetricFn]] = None,
+    spark: Any = None,
+    cache_dir: Optional[str] = None,
+) -> Tuple[DatasetInfo, DataSpec, DataReader, int]:
+    """Everything the tasks need to read data, checked on the driver before launch.
+
+    ``feature_cols`` (one positional input) or ``inputs`` (named model inputs, see
+    :mod:`sparkdl.data.inputs`) say what the batches hold; ``label_col`` is a column name, a
+    :class:`~sparkdl.Sequence` (token tagging) or None.
+
+    Returns the training dataset, the data spec (with the validation plan), the reader, and the
+    steps per epoch (from the rows that pass the filter and are not held out).
+
+    Raises:
+        ConfigError: bad arguments (validation fraction, metrics without validation, ...).
+        DataError: bad data, or a rank whose shard holds no rows.
+    """
+    from sparkdl.data.selection import shard_rows
+
+    plan = InputPlan.build(feature_cols, inputs, label_col)
+    data_reader = reader_from_name(reader)
+    holdout, validation_data = 0.0, None
+    if metrics is not None and (not isinstance(metrics, Mapping) or not all(callable(f) for f in metrics.values())):
+        raise ConfigError(f"metrics={metrics!r} must map names to functions fn(output, label) -> scalar")
+    if validation is None:
+        if metrics:
+            raise ConfigError("metrics= are computed on validation data: pass validation= as well")
+    elif isinstance(validation, float):
+        if not 0.0 < validation < 1.0:
+            raise ConfigError(f"validation={validation!r}: a fraction of the rows must be in (0, 1)")
+        holdout = validation
+    elif isinstance(validation, (bool, int)):
+        raise ConfigError(f"validation={validation!r} must be a fraction in (0, 1) or validation data")
+    spec = DataSpec(
+        batch_size=batch_size, shuffle=shuffle, seed=seed, filters=filters, transform_fn=transform_fn, holdout=holdout,
+        decode_threads=decode_threads,
+    )
+    dataset = prepare_dataset(data, plan, num_workers, spark, cache_dir, filters=filters, transform_fn=transform_fn)
+    if validation is not None and not holdout:
+        validation_data = prepare_dataset(validation, plan, num_workers, spark, cache_dir, filters=filters, transform_fn=transform_fn)
+    if validation is not None:
+        spec = dataclasses.replace(spec, validation=ValidationSpec(validation_data, tuple(sorted((metrics or {}).items()))))
+
+    data_reader.check(dataset)
+    if validation_data is not None:
+        data_reader.check(validation_data)
+    conditions = [text for text, on in (("pass the filters", filters is not None), ("are not held out for validation", holdout)) if on]
+    narrowed = " that " + " and ".join(conditions) if conditions else ""
+    counts = shard_rows(dataset, num_workers, holdout, "train", filters)
+    empty = [rank for rank, rows in enumerate(counts) if rows == 0]
+    if empty:
+        raise DataError(
+            f"the shard of rank(s) {', '.join(map(str, empty))} in dataset {dataset.url!r} holds no rows{narrowed} "
+            f"(rows per rank: {counts}); use fewer workers, more row groups, or a wider filter"
+        )
+    steps = steps_per_epoch(sum(counts), spec.batch_size, num_workers)
+    if validation is not None:
+        source = validation_data or dataset
+        held = shard_rows(source, num_workers, 0.0 if validation_data else holdout, "train" if validation_data else "holdout", filters)
+        if sum(held) == 0:
+            raise DataError(f"the validation data ({source.url!r}) holds no rows{' that pass the filters' if filters is not None else ''}")
+    return dataset, spec, data_reader, steps
+
+
+def prepare_dataset(
+    data: DataSource,
+    plan: Union[InputPlan, Sequence[str]],
+    num_workers: int,
+    spark: Any = None,
+    cache_dir: Optional[str] = None,
+    filters: Filters = None,
+    transform_fn: Optional[TransformFn] = None,
+    label_col: Optional[str] = None,
+) -> DatasetInfo:
+    """Validates the columns and turns a DataFrame, URL or connector source into a dataset the
+    tasks can stream (a DataFrame is materialized with the columns to train on and filter by).
+    ``plan`` may also be a list of feature columns (with ``label_col``)."""
+    if not isinstance(plan, InputPlan):
+        plan = InputPlan.from_feature_cols(plan, label_col)
+    columns = plan.columns
+    if isinstance(data, (str, ParquetFiles)):
+        return _inspect(data, plan, filters, transform_fn)
+    from pyspark.sql import DataFrame, SparkSession
+
+    if not isinstance(data, DataFrame) and callable(getattr(data, "resolve", None)):
+        # A connector source: Parquet files to read in place, or a DataFrame to materialize.
+        data = data.resolve(spark or SparkSession.getActiveSession(), columns)
+        if isinstance(data, ParquetFiles):
+            return _inspect(data, plan, filters, transform_fn)
+    if not isinstance(data, DataFrame):
+        raise DataError(
+            f"data must be a Spark DataFrame, a dataset URL string or a connector source, got {type(data).__name__}"
+        )
+    missing = [c for c in columns if c not in data.columns]
+    if missing:
+        raise DataError(f"column(s) {', '.join(map(repr, missing))} not in the DataFrame; its columns are: {', '.join(data.columns)}")
+    _check_spark_types(data, plan)
+    if filters is not None:
+        columns += [c for c in referenced_columns(filters, _arrow_schema(data), "the DataFrame") if c not in columns]
+    url = materialize(data, columns, num_workers, cache_dir)
+    return _inspect(url, plan, filters, transform_fn)
+
+
+def _inspect(data: Any, plan: InputPlan, filters: Filters, transform_fn: Optional[TransformFn]) -> DatasetInfo:
+    dataset = inspect_dataset(data, plan, filters=filters)
+    if transform_fn is None:
+        # Strings and bytes read as they are can only become tensors through transform_fn.
+        for key, spec in plan.inputs:
+            info = dataset.infos.get(spec.source_columns()[0])
+            if isinstance(spec, Column) and info is not None and info.kind in ("string", "binary"):
+                raise ConfigError(
+                    f"input {key!r} reads {info.kind} column {info.name!r} as it is, which cannot become a tensor: "
+                    f"tokenize or encode it in transform_fn=, or use sparkdl.Image for encoded images"
+                )
+    return dataset
+
+
+def _arrow_schema(df: Any) -> Any:
+    """The DataFrame's columns that Arrow can represent, as an Arrow schema."""
+    import pyarrow as pa
+    from pyspark.sql.pandas.types import to_arrow_type
+
+    fields = []
+    for field in df.schema.fields:
+        try:
+            fields.append(pa.field(field.name, to_arrow_type(field.dataType)))
+        except Exception:  # noqa: BLE001 - a type Arrow lacks cannot be filtered on anyway
+            continue
+    return pa.schema(fields)
+
+
+def _check_spark_types(df: Any, plan: InputPlan) -> None:
+    """Rejects columns an input cannot use before anything is written."""
+    from pyspark.sql import types as T
+
+    def numeric(data_type: Any) -> bool:
+        if isinstance(data_type, T.ArrayType):
+            return numeric(data_type.elementType)
+        return isinstance(data_type, (T.NumericType, T.BooleanType))
+
+    def integers(data_type: Any) -> bool:
+        return isinstance(data_type, T.ArrayType) and isinstance(data_type.elementType, T.IntegralType)
+
+    def image(data_type: Any) -> bool:
+        if isinstance(data_type, T.BinaryType):
+            return True
+        return isinstance(data_type, T.StructType) and {"height", "width", "nChannels", "data"} <= set(data_type.fieldNames())
+
+    types = {f.name: f.dataType for f in df.schema.fields}
+    checks = []
+    for key, spec in plan.inputs:
+        role = plan.role(key)
+        kind = type(spec).__name__
+        for column in spec.source_columns():
+            checks.append((role, column, kind))
+    if plan.label is not None:
+        checks.append(("label", plan.label_column, type(plan.label).__name__))
+    for role, name, kind in checks:
+        data_type = types[name]
+        if kind == "Image" and not image(data_type):
+            raise DataError(
+                f"{role} column {name!r} has type {data_type.simpleString()}; sparkdl.Image needs a binary column of encoded "
+                f"images or a spark.read.format('image') struct"
+            )
+        if kind == "Sequence" and not integers(data_type):
+            raise DataError(
+                f"{role} column {name!r} has type {data_type.simpleString()}; sparkdl.Sequence needs arrays of integers "
+                f"(token ids), e.g. array<int>"
+            )
+        if kind == "Dense" and not numeric(data_type):
+            plural = "features" if role == "feature" else "inputs"
+            raise DataError(
+                f"{role} column {name!r} has type {data_type.simpleString()}, which is not numeric; "
+                f"{plural} must be numbers or arrays of numbers"
+            )
+        if kind == "Column" and not (numeric(data_type) or isinstance(data_type, (T.StringType, T.BinaryType))):
+            raise DataError(f"{role} column {name!r} has type {data_type.simpleString()}, which is not numeric")
+
+
+def spark_column_infos(df: Any, plan: InputPlan) -> dict:
+    """What each column of a DataFrame holds, as :class:`ColumnInfo` (``TorchModel.transform``
+    reads the DataFrame's own types: they may differ from the training data's storage)."""
+    from pyspark.sql import types as T
+
+    def kind(data_type: Any) -> str:
+        if isinstance(data_type, (T.FloatType, T.DoubleType, T.DecimalType)):
+            return "float"
+        if isinstance(data_type, (T.IntegralType, T.BooleanType)):
+            return "int"
+        if isinstance(data_type, T.BinaryType):
+            return "binary"
+        if isinstance(data_type, T.StringType):
+            return "string"
+        if isinstance(data_type, T.StructType) and {"height", "width", "nChannels", "data"} <= set(data_type.fieldNames()):
+            return "image_struct"
+        return "other"
+
+    types = {f.name: f.dataType for f in df.schema.fields}
+    infos = {}
+    for column in plan.columns:
+        data_type = types[column]
+        if isinstance(data_type, T.ArrayType):
+            element = kind(data_type.elementType)
+            infos[column] = ColumnInfo(column, element if element in ("float", "int") else "other", (None,), type_name=data_type.simpleString())
+        else:
+            infos[column] = ColumnInfo(column, kind(data_type), (), type_name=data_type.simpleString())
+    plan.check(infos, "the DataFrame to transform")
+    return infos

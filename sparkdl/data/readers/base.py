@@ -1,0 +1,93 @@
+"""The data-reader plug-in point: how a task turns its shard of Parquet into named columns.
+
+A reader implements :meth:`DataReader.read_pass` — one pass over a rank's shard, honouring the
+shared selection rules of :mod:`sparkdl.data.selection` (row groups per rank and their order,
+filters, the validation hold-out) — and yields :data:`Chunk`\\ s: the named columns it read, run
+through :meth:`InputPlan.extract <sparkdl.data.inputs.InputPlan.extract>` (the one place that
+knows how columns become arrays), with each row's position in the dataset. Everything after
+that (shuffle, batches, decoding, transforms, tensors) is :mod:`sparkdl.data.batching`, the same
+for every reader.
+
+A new reader subclasses :class:`DataReader`, sets ``name`` and is registered by being imported
+from :mod:`sparkdl.data.readers`; it joins the reader contract test
+(``tests/unit/test_reader_contract.py``) by adding its name there.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+from typing import TYPE_CHECKING, ClassVar, Dict, Iterator, List, Type
+
+import numpy as np
+
+from sparkdl.data.dataset import DatasetInfo
+from sparkdl.errors import ConfigError, DataError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sparkdl.data.batching import DataSpec
+
+#: Row-aligned arrays of some rows of a shard, as :meth:`InputPlan.extract` makes them.
+Chunk = Dict[str, np.ndarray]
+
+_READERS: Dict[str, Type["DataReader"]] = {}
+
+
+class DataReader(abc.ABC):
+    """Plug-in point for turning a shard of Parquet into chunks of named columns.
+
+    Subclasses set ``name`` (``reader="name"`` then selects them) and implement
+    :meth:`read_pass` — one pass over the rank's shard, which also serves the validation pass.
+    """
+
+    name: ClassVar[str] = ""
+    #: One line for ``--help`` and error messages.
+    description: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.name:
+            _READERS[cls.name] = cls
+
+    @abc.abstractmethod
+    def read_pass(self, dataset: DatasetInfo, spec: "DataSpec", rank: int, world_size: int, pass_index: int) -> Iterator[Chunk]:
+        """One pass over this rank's shard (seeded ``spec.seed + pass_index``), honouring
+        ``spec``'s filters and hold-out part. Must close its resources when closed."""
+
+    def check(self, dataset: DatasetInfo) -> None:
+        """Raises ConfigError, on the driver before launch, when this reader cannot read what
+        the dataset's input plan needs."""
+
+    def chunks(self, dataset: DatasetInfo, spec: "DataSpec", rank: int, world_size: int) -> Iterator[Chunk]:
+        """Endless chunks of this rank's shard: :meth:`read_pass` for pass 0, 1, 2, ...
+        Must close its resources when the generator is closed."""
+        for pass_index in itertools.count():
+            rows = 0
+            for chunk in self.read_pass(dataset, spec, rank, world_size, pass_index):
+                rows += chunk_rows(chunk)
+                yield chunk
+            if rows == 0:
+                narrowed = " after filters and the validation hold-out" if spec.filters is not None or spec.holdout else ""
+                raise DataError(f"rank {rank} read no rows from its shard of dataset {dataset.url!r}{narrowed}")
+
+
+def chunk_rows(chunk: Chunk) -> int:
+    return len(next(iter(chunk.values()))) if chunk else 0
+
+
+def registered_readers() -> List[str]:
+    """Names of the readers ``reader=`` accepts."""
+    _register_builtin()
+    return sorted(_READERS)
+
+
+def reader_from_name(name: str) -> DataReader:
+    _register_builtin()
+    try:
+        return _READERS[name]()
+    except KeyError:
+        raise ConfigError(f"reader={name!r} is unknown; valid: {', '.join(sorted(_READERS))}") from None
+
+
+def _register_builtin() -> None:
+    from sparkdl.data.readers import arrow, petastorm  # noqa: F401 - registers "arrow" and "petastorm"

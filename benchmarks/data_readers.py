@@ -1,7 +1,7 @@
 """Reader throughput: Petastorm vs the native Arrow reader vs in-memory tensors.
 
 What one training task does with its shard, in one process: the reader's chunks, rebatched and
-shuffled by ``sparkdl.data.reader.batches``, turned into tensors by the TrainContext prefetch
+shuffled by ``sparkdl.data.batching.batches``, turned into tensors by the TrainContext prefetch
 thread, fed to a tiny model (one linear layer) so that the data path dominates. The in-memory
 baseline runs the same training loop over batches sliced from tensors already in memory.
 
@@ -29,7 +29,8 @@ import torch
 
 from sparkdl.context import _Prefetcher
 from sparkdl.data.dataset import inspect_dataset
-from sparkdl.data.reader import DataSpec, batches, reader_from_name, steps_per_epoch
+from sparkdl.data.batching import DataSpec, batches, steps_per_epoch
+from sparkdl.data.readers import reader_from_name
 
 FEATURES = 64  # --width sets it
 CLASSES = 10

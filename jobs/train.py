@@ -4,6 +4,9 @@
         --features features --label label --strategy allreduce --num-workers 2 --epochs 3 \
         --batch-size 32 --output DIR
 
+Named model inputs instead of ``--features`` (images as bytes, token ids, ids, dense columns):
+``--input image=image:jpeg_bytes:224x224x3 --input tokens=sequence:token_ids:128 --input dense=dense:age,income``.
+
 Run ``jobs/train.py --help`` for every option. Same code as the ``sparkdl-train`` command.
 """
 

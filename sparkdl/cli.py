@@ -586,7 +586,12 @@ def format_description(doc: Dict[str, Any]) -> str:
         lines += [f"  {json.dumps(row, default=str)}" for row in doc["head"]]
     elif kind == "model":
         lines.append(f"model {doc['path']}: sparkdl {doc.get('sparkdl_version')}, torch {doc.get('torch_version')}")
-        lines.append(f"  features: {', '.join(doc.get('feature_cols', []))} -> {doc.get('prediction_col')} (output shape {doc.get('output_shape')})")
+        plan = doc.get("inputs") or {}
+        if plan and not plan.get("positional"):
+            named = ", ".join(f"{key}={spec.get('type')}({', '.join(f'{k}={v}' for k, v in spec.items() if k != 'type' and v not in (None, 0, False))})" for key, spec in plan["inputs"])
+            lines.append(f"  inputs: {named} -> {doc.get('prediction_col')} (output shape {doc.get('output_shape')})")
+        else:
+            lines.append(f"  features: {', '.join(doc.get('feature_cols', []))} -> {doc.get('prediction_col')} (output shape {doc.get('output_shape')})")
         run = doc.get("run_info") or {}
         if run:
             lines.append(f"  trained: {run.get('num_workers')} worker(s), {run.get('epochs')} epoch(s), strategy {(run.get('strategy') or {}).get('name')}")

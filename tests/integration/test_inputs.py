@@ -272,9 +272,10 @@ def _image_sums(ctx):
 
 
 def test_petastorm_unischema_image_fields_map_onto_image_inputs(spark, tmp_path):
-    """A uint8 NdarrayCodec image field reads as sparkdl.Image the same through both readers.
-    (Petastorm cannot even build a CompressedImageCodec without OpenCV, which is not installed.)"""
-    from petastorm.codecs import NdarrayCodec, ScalarCodec
+    """uint8 NdarrayCodec and CompressedImageCodec (PNG) image fields read as sparkdl.Image, the
+    same through both readers: Petastorm decodes with its codec (OpenCV), the Arrow reader hands the
+    stored PNG bytes to sparkdl's own decoder."""
+    from petastorm.codecs import CompressedImageCodec, NdarrayCodec, ScalarCodec
     from petastorm.etl.dataset_metadata import materialize_dataset
     from petastorm.unischema import Unischema, UnischemaField
     from pyspark.sql.types import BinaryType, LongType, StructField, StructType
@@ -284,6 +285,7 @@ def test_petastorm_unischema_image_fields_map_onto_image_inputs(spark, tmp_path)
     spark_schema = StructType([StructField("picture", BinaryType()), StructField("label", LongType())])
     for name, codec, encode in [
         ("ndarray", NdarrayCodec(), lambda p: NdarrayCodec().encode(UnischemaField("picture", np.uint8, (5, 5, 3), NdarrayCodec(), False), p)),
+        ("png", CompressedImageCodec("png"), lambda p: CompressedImageCodec("png").encode(UnischemaField("picture", np.uint8, (5, 5, 3), CompressedImageCodec("png"), False), p)),
     ]:
         schema = Unischema("Pictures", [
             UnischemaField("picture", np.uint8, (5, 5, 3), codec, False),

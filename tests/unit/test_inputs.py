@@ -177,3 +177,15 @@ def test_plans_refuse_bad_inputs_with_the_name_to_fix():
         InputPlan.from_inputs({"x": "y"}, "y")
     plan = InputPlan.from_inputs({"i": sparkdl.Image("c", size=(2, 3), mean=(0.1, 0.2, 0.3), std=0.5), "d": ["a", "b"], "u": "u"}, sparkdl.Sequence("l", 4, -100))
     assert InputPlan.from_json(plan.to_json()) == plan
+
+
+def test_null_images_and_unconvertible_channel_counts_are_named(tmp_path):
+    good = png_bytes(np.zeros((4, 4), np.uint8))
+    path = _write(tmp_path, row_group_size=4, image=pa.array([good] * 5 + [None] + [good] * 2, pa.binary()), label=np.arange(8))
+    with pytest.raises(DataError, match=r"input 'img' column 'image' has 1 null values in file .*part-0.parquet.* \(row group 1\)"):
+        inspect_dataset(path, _plan({"img": sparkdl.Image("image", size=(4, 4))}))
+    plan = _plan({"img": sparkdl.Image("image", size=(4, 4))}, None)
+    two_channels = np.empty(2, dtype=object)
+    two_channels[0], two_channels[1] = np.zeros((4, 4, 3), np.uint8), np.zeros((4, 4, 2), np.uint8)
+    with pytest.raises(DataError, match="input 'img' column 'image': cannot decode an image .*has 2 channels\\), in row 11 of somewhere"):
+        plan.finish({"img": two_channels, "\x00position": np.array([10, 11])}, None, lambda p: f"row {p} of somewhere")

@@ -28,10 +28,13 @@ import time
 import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import cloudpickle
+
 from sparkdl._channel import ChannelClient, ChannelError, ChannelServer, new_secret
 from sparkdl._device import check_gpu_request, task_device
 from sparkdl._precision import Precision
 from sparkdl._progress import ProgressDisplay
+from sparkdl._session import Session
 from sparkdl.checkpoint import CheckpointConfig, CheckpointStore
 from sparkdl.data.dataset import DatasetInfo
 from sparkdl.data.batching import DataSpec
@@ -179,10 +182,36 @@ class _JobMonitor:
                 self.finished.add(rank)
                 self._cond.notify_all()
 
+    #: Set when the barrier stage's tasks did not all start within the slot wait (Connect).
+    slots_missing: Optional[InsufficientSlotsError] = None
+
+    def watch_start(self, wait_s: float, stop: threading.Event) -> None:
+        """Cancels the stage when not every rank has started within ``wait_s``: the cluster has
+        fewer free task slots than ranks (a barrier stage starts all its tasks or none)."""
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while len(self._progress) < self.num_workers and not stop.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(min(remaining, 0.5))
+            started = len(self._progress)
+            if started >= self.num_workers or stop.is_set() or self._cancelled:
+                return
+            self._cancelled = True
+            self.slots_missing = InsufficientSlotsError(
+                f"num_workers={self.num_workers} needs {self.num_workers} concurrent task slots, but {started} of the barrier "
+                f"stage's tasks started within {wait_s:g}s: the cluster has fewer free slots than that (slots = executor "
+                f"cores / spark.task.cpus). Lower num_workers, or add executors or cores"
+            )
+        logger.error("%s; cancelling the Spark job", self.slots_missing)
+        self._cancel()
+
     def on_connect(self, rank: int) -> None:
         with self._cond:
             self.connected.add(rank)
             self._progress[rank] = (-1, time.monotonic())
+            self._cond.notify_all()
 
     def watch(self, timeout_s: float, stop: threading.Event) -> None:
         """Fails the run when a rank's progress stands still for ``timeout_s`` (a hang)."""
@@ -303,8 +332,8 @@ def launch(
     spark = spark or SparkSession.getActiveSession()
     if spark is None:
         raise ConfigError("no active SparkSession: create one (SparkSession.builder...getOrCreate()) or pass spark=")
-    sc = spark.sparkContext
-    check_gpu_request(sc.getConf().get, config.use_gpu)  # fail now, not after executors start
+    session = Session(spark)
+    check_gpu_request(session.conf, config.use_gpu)  # fail now, not after executors start
     display = display or ProgressDisplay(enabled=config.progress)
     store = CheckpointStore(checkpoint.url, checkpoint.keep) if checkpoint else None
     if store is not None:
@@ -318,11 +347,12 @@ def launch(
     policy = FailurePolicy(config.max_failures)
     attempts: List[Dict[str, Any]] = []
     for attempt in itertools.count(1):
-        check_slots(sc, config.num_workers, config.slot_wait_s)
+        if not session.connect:
+            check_slots(spark.sparkContext, config.num_workers, config.slot_wait_s)
         started = time.time()
         try:
             value = _launch_once(
-                sc, train_fn, config, strategy, display,
+                session, train_fn, config, strategy, display,
                 dataset=dataset, data_spec=data_spec, reader=reader, steps_per_epoch=steps_per_epoch,
                 checkpoint=checkpoint, attempt=attempt,
             )
@@ -364,7 +394,7 @@ class _AttemptFailed(Exception):
 
 
 def _launch_once(
-    sc: Any,
+    session: Session,
     train_fn: Callable[[Any], Any],
     config: LaunchConfig,
     strategy: Strategy,
@@ -373,8 +403,8 @@ def _launch_once(
 ) -> Any:
     """One barrier stage; raises :class:`_AttemptFailed` carrying the run's ``TrainingError``."""
     tag = f"sparkdl-{uuid.uuid4().hex[:12]}"
-    monitor = _JobMonitor(config.num_workers, lambda: sc.cancelJobsWithTag(tag), display)
-    host = sc.getConf().get("spark.driver.host")
+    monitor = _JobMonitor(config.num_workers, lambda: session.cancel(tag), display)
+    host = session.channel_host()
     secret = new_secret()
     server = ChannelServer(host, secret, _with_connect(monitor), monitor.on_disconnect)
     payload = _TaskPayload(
@@ -386,38 +416,47 @@ def _launch_once(
         **payload_fields,
     )
 
-    def run_partition(_rows):
-        return _task_main(payload)
+    def run_tasks() -> List[Tuple[int, bytes]]:
+        return [(rank, cloudpickle.dumps(value)) for rank, value in _task_main(payload)]
 
     stop_watchdog = threading.Event()
     if config.watchdog_timeout_s:
         threading.Thread(
             target=monitor.watch, args=(config.watchdog_timeout_s, stop_watchdog), name="sparkdl-watchdog", daemon=True
         ).start()
-    sc.addJobTag(tag)
-    sc.setInterruptOnCancel(True)
+    if session.connect:
+        # A Connect client cannot ask the scheduler for free slots: a barrier stage whose tasks do
+        # not all start within slot_wait_s is one the cluster cannot run.
+        threading.Thread(
+            target=monitor.watch_start, args=(config.slot_wait_s, stop_watchdog), name="sparkdl-slot-watch", daemon=True
+        ).start()
+    session.add_tag(tag)
     try:
-        sc.setJobDescription(f"sparkdl: train on {config.num_workers} barrier tasks ({strategy.name})")
-        results = sc.parallelize(range(config.num_workers), config.num_workers).barrier().mapPartitions(run_partition).collect()
+        results = session.run_barrier(
+            config.num_workers, run_tasks, tag, f"sparkdl: train on {config.num_workers} barrier tasks ({strategy.name})"
+        )
     except KeyboardInterrupt:
         # A notebook user interrupted the kernel: stop the tasks too, not just the driver's wait.
-        sc.cancelJobsWithTag(tag)
+        session.cancel(tag)
         raise
     except Exception as exc:
         # The job failed or was cancelled; give the ranks' own reports a moment to arrive.
         monitor.wait_disconnected(timeout=15.0)
         monitor._cancel_now()  # settles the root-cause order now that every rank has hung up
+        if monitor.slots_missing is not None:
+            raise monitor.slots_missing from None
         if monitor.failures:
             raise _AttemptFailed(TrainingError(monitor.failures)) from None
         raise _AttemptFailed(TrainingError([_failure_from_spark(exc)])) from exc
     finally:
         stop_watchdog.set()
-        sc.removeJobTag(tag)
-        sc.setJobDescription(None)
+        session.remove_tag(tag)
         server.close()
     if monitor.failures:  # a rank failed but the stage still returned (should not happen)
         raise _AttemptFailed(TrainingError(monitor.failures))
-    return dict(results).get(0)
+    # Our own tasks' results, through Spark's result path (as mapPartitions' pickles were).
+    values = {rank: cloudpickle.loads(value) for rank, value in results}
+    return values.get(0)
 
 
 def _with_connect(monitor: _JobMonitor) -> Callable[[int, Dict[str, Any]], None]:

@@ -303,16 +303,21 @@ def _config(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _versions(pyspark_version: str) -> Dict[str, str]:
-    import petastorm
     import pyarrow
 
     import sparkdl
 
+    try:
+        import petastorm
+
+        petastorm_version = petastorm.__version__
+    except ImportError:
+        petastorm_version = "not installed"
     return {
         "sparkdl": sparkdl.__version__,
         "torch": torch.__version__,
         "pyspark": pyspark_version,
-        "petastorm": petastorm.__version__,
+        "petastorm": petastorm_version,
         "pyarrow": pyarrow.__version__,
         "python": platform.python_version(),
     }

@@ -18,6 +18,7 @@ from pyspark.ml.param import Param, Params, TypeConverters
 from sparkdl import __version__
 from sparkdl._launcher import LaunchConfig, launch
 from sparkdl._progress import ProgressCallback, ProgressDisplay
+from sparkdl._session import is_connect
 from sparkdl.checkpoint import CheckpointConfig
 from sparkdl._training import FitLoop, LossFn, ModelFactory, OptimizerFactory, default_optimizer
 from sparkdl.data.batching import DataSpec, MetricFn, TransformFn, call_model, frame_batch
@@ -381,9 +382,10 @@ class TorchModel(Model, _TorchParams):
         return_type = DoubleType() if scalar else ArrayType(DoubleType())
         buffer = io.BytesIO()
         torch.save(self.module.state_dict(), buffer)
-        model_blob = dataset.sparkSession.sparkContext.broadcast(
-            (cloudpickle.dumps(self.model_fn or _FixedModule(self.module)), buffer.getvalue())
-        )
+        blob = (cloudpickle.dumps(self.model_fn or _FixedModule(self.module)), buffer.getvalue())
+        # Classic sessions ship the weights once per job as a broadcast; a Spark Connect client has
+        # no SparkContext, so there they travel inside the UDF, with the plan.
+        model_blob = _Inline(blob) if is_connect(dataset.sparkSession) else dataset.sparkSession.sparkContext.broadcast(blob)
         def predict_batches(batches: Iterator[Tuple[Any, ...]]) -> Iterator[pd.Series]:
             module = _load_for_inference(*model_blob.value)
             for batch in batches:
@@ -477,6 +479,13 @@ class TorchModel(Model, _TorchParams):
             model_fn=model_fn,
             run_info=metadata.get("run_info"),
         )
+
+
+class _Inline:
+    """A value with a broadcast's ``.value``, carried in the closure itself."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
 
 
 class _FixedModule:

@@ -1,7 +1,8 @@
 """Materializes a Spark DataFrame to Parquet once, so every task can stream its own shard.
 
 Same idea as Petastorm's ``make_spark_converter`` cache: an entry is reused when the DataFrame's
-analyzed plan gives the same result as a cached one (Spark's ``sameResult``), so fitting the same
+analyzed plan gives the same result as a cached one (``DataFrame.sameSemantics``, Spark's
+``sameResult``, which classic sessions and Spark Connect both answer), so fitting the same
 DataFrame again (another epoch count, another strategy) writes nothing. Entries are deleted by
 :func:`clear_cache` and when the driver process exits.
 """
@@ -34,7 +35,7 @@ CACHE_DIR_CONF = "spark.sparkdl.cacheDir"
 ROW_GROUP_BYTES = 32 * 1024 * 1024
 
 _lock = threading.Lock()
-_entries: List[Tuple[object, str]] = []  # (analyzed JVM plan, dataset URL)
+_entries: List[Tuple["DataFrame", str]] = []  # (the prepared DataFrame, dataset URL)
 
 
 def materialize(df: "DataFrame", columns: Sequence[str], num_workers: int, cache_dir: str | None = None) -> str:
@@ -58,16 +59,19 @@ def materialize(df: "DataFrame", columns: Sequence[str], num_workers: int, cache
             casts.append(F.col(field.name))
     prepared = selected.select(*casts)
 
-    plan = prepared._jdf.queryExecution().analyzed()
     with _lock:
-        for cached_plan, url in _entries:
-            if cached_plan.sameResult(plan):
-                logger.info("reusing materialized DataFrame at %s", url)
-                return url
+        entries = list(_entries)
+    for cached, url in entries:
+        if _same_result(cached, prepared):
+            logger.info("reusing materialized DataFrame at %s", url)
+            return url
 
     root = normalize_url(cache_dir or _default_cache_dir(df))
     url = f"{root.rstrip('/')}/df-{uuid.uuid4().hex[:12]}"
-    partitions = max(1, df.rdd.getNumPartitions())
+    from sparkdl._session import is_connect
+
+    # A Connect client cannot see the partitioning (no RDD): one file per rank, sharded by row group.
+    partitions = num_workers if is_connect(df.sparkSession) else max(1, df.rdd.getNumPartitions())
     num_files = num_workers * max(1, math.ceil(min(partitions, 256) / num_workers))
     (
         prepared.repartition(num_files)
@@ -76,9 +80,18 @@ def materialize(df: "DataFrame", columns: Sequence[str], num_workers: int, cache
         .parquet(url)
     )
     with _lock:
-        _entries.append((plan, url))
+        _entries.append((prepared, url))
     logger.info("materialized DataFrame to %s (%d files)", url, num_files)
     return url
+
+
+def _same_result(cached: "DataFrame", candidate: "DataFrame") -> bool:
+    if type(cached) is not type(candidate) or cached.sparkSession is not candidate.sparkSession:
+        return False  # plans of another session (or a stopped one) cannot be compared
+    try:
+        return bool(cached.sameSemantics(candidate))
+    except Exception:  # noqa: BLE001 - a session that went away: never reuse its entries
+        return False
 
 
 def cached_urls() -> List[str]:
@@ -112,7 +125,9 @@ def _default_cache_dir(df: "DataFrame") -> str:
     configured = spark.conf.get(CACHE_DIR_CONF, None)
     if configured:
         return configured
-    master = spark.sparkContext.master
+    from sparkdl._session import Session
+
+    master = Session(spark).master
     if not master.startswith(("local", "spark://127.", "spark://localhost")):
         logger.warning(
             "materializing the DataFrame on the driver's local disk; executors on other hosts cannot "

@@ -120,6 +120,7 @@ def test_fit_is_deterministic_for_a_fixed_seed(spark, tmp_path):
         assert torch.equal(value, b.module.state_dict()[key]), key
 
 
+@pytest.mark.petastorm
 def test_petastorm_unischema_dataset_is_read_with_make_reader(spark, tmp_path):
     """An image-like ndarray field stored with Petastorm's codec keeps its shape in the batches."""
     from petastorm.codecs import NdarrayCodec, ScalarCodec

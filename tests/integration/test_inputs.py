@@ -176,6 +176,7 @@ def mixed_dataset(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.petastorm
 def test_both_readers_hand_out_the_same_dict_batches(spark, mixed_dataset):
     inputs = {"image": sparkdl.Image("image", size=(6, 6), channels=3, random_flip=True, random_crop=1), "user": "user"}
     runs = {
@@ -271,6 +272,7 @@ def _image_sums(ctx):
     return sorted(x for part in gathered for x in part)
 
 
+@pytest.mark.petastorm
 def test_petastorm_unischema_image_fields_map_onto_image_inputs(spark, tmp_path):
     """uint8 NdarrayCodec and CompressedImageCodec (PNG) image fields read as sparkdl.Image, the
     same through both readers: Petastorm decodes with its codec (OpenCV), the Arrow reader hands the

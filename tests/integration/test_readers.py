@@ -41,6 +41,7 @@ def _record_ids(ctx):
     return gathered
 
 
+@pytest.mark.petastorm
 def test_both_readers_hand_every_rank_the_same_batches(spark, tmp_path):
     path = _write_ids(tmp_path / "ids", [[120, 40, 17], [100, 23]])
     runs = {
@@ -82,7 +83,7 @@ def _max_label(output, label):
     return label.max()
 
 
-@pytest.mark.parametrize("reader", ["arrow", "petastorm"])
+@pytest.mark.parametrize("reader", ["arrow", pytest.param("petastorm", marks=pytest.mark.petastorm)])
 def test_fit_with_validation_metrics_filters_and_transform(spark, tmp_path, reader):
     path = _digits_raw(tmp_path / "digits")
     filters = [("label", "!=", 109)]  # no nines, in training or validation
@@ -130,6 +131,7 @@ def test_custom_loop_validates_on_a_separate_dataframe(spark, digits_df, digits_
     assert result["val_accuracy"] >= 0.9 and all(s <= 32 for s in sizes)
 
 
+@pytest.mark.petastorm
 def test_petastorm_codec_dataset_reads_identically_with_both_readers(spark, tmp_path):
     """A Unischema dataset whose images are stored with NdarrayCodec: the Arrow reader decodes the
     codec itself and hands out the same batches as Petastorm's make_reader."""

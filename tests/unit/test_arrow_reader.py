@@ -26,7 +26,7 @@ from sparkdl.data.readers.petastorm import PetastormReader
 from sparkdl.data.selection import holdout_mask, shard_rows
 from sparkdl.errors import ConfigError, DataError
 
-READERS = ["petastorm", "arrow"]
+READERS = [pytest.param("petastorm", marks=pytest.mark.petastorm), "arrow"]
 UNEVEN = [[300, 40, 17, 5], [100], [64, 64]]  # 7 row groups, 590 rows
 
 
@@ -85,6 +85,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.petastorm
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 @pytest.mark.parametrize("world_size", [1, 2, 3, 8])
 def test_both_readers_give_identical_batches_for_the_same_shard_and_seed(uneven, config, world_size):
@@ -95,7 +96,7 @@ def test_both_readers_give_identical_batches_for_the_same_shard_and_seed(uneven,
     spec = DataSpec(batch_size=16, seed=11, shuffle_buffer_batches=2, **kwargs)
     for rank in sorted({0, world_size - 1}):
         streams = {}
-        for name in READERS:
+        for name in ("petastorm", "arrow"):
             stream = batches(reader_from_name(name), info, spec, rank, world_size)
             streams[name] = list(itertools.islice(stream, 60))  # several passes over the shard
             stream.close()
@@ -309,6 +310,7 @@ def test_local_files_through_an_fsspec_url(tmp_path, reader_name):
     assert ids_of(chunks) == list(range(40, 80))
 
 
+@pytest.mark.petastorm
 def test_reader_registry_names_both_readers():
     assert isinstance(reader_from_name("arrow"), ArrowReader)
     assert isinstance(reader_from_name("petastorm"), PetastormReader)

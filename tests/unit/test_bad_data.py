@@ -17,7 +17,7 @@ from sparkdl.data.batching import DataSpec
 from sparkdl.data.readers import reader_from_name
 from sparkdl.errors import ConfigError, DataError
 
-READERS = ["petastorm", "arrow"]
+READERS = [pytest.param("petastorm", marks=pytest.mark.petastorm), "arrow"]
 
 
 def write(path, file_name, **columns):

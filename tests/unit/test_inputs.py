@@ -19,7 +19,7 @@ from sparkdl.data.readers import reader_from_name
 from sparkdl.errors import ConfigError, DataError
 from tests.models import png_bytes
 
-READERS = ["arrow", "petastorm"]
+READERS = ["arrow", pytest.param("petastorm", marks=pytest.mark.petastorm)]
 
 
 def _write(path, row_group_size=10, **columns):
@@ -189,3 +189,16 @@ def test_null_images_and_unconvertible_channel_counts_are_named(tmp_path):
     two_channels[0], two_channels[1] = np.zeros((4, 4, 3), np.uint8), np.zeros((4, 4, 2), np.uint8)
     with pytest.raises(DataError, match="input 'img' column 'image': cannot decode an image .*has 2 channels\\), in row 11 of somewhere"):
         plan.finish({"img": two_channels, "\x00position": np.array([10, 11])}, None, lambda p: f"row {p} of somewhere")
+
+
+def test_the_petastorm_reader_says_what_to_install_where_it_cannot_run():
+    from sparkdl.data.readers.petastorm import PetastormReader, petastorm_problem
+
+    problem = petastorm_problem()
+    if problem:  # the latest stack: no Petastorm, pyarrow >= 15
+        with pytest.raises(ConfigError, match=r"reader='petastorm' cannot run here: .*pip install 'sparkdl\[petastorm\]'.*reader='arrow'"):
+            reader_from_name("petastorm")
+        with pytest.raises(ConfigError, match="reader='petastorm' cannot run here"):
+            sparkdl.TorchEstimator(model=lambda: None.__class__, reader="petastorm")
+    else:  # the Petastorm stack
+        assert isinstance(reader_from_name("petastorm"), PetastormReader)

@@ -35,6 +35,15 @@ class PetastormReader(DataReader):
     name = "petastorm"
     description = "Petastorm's make_batch_reader / make_reader (needs petastorm and pyarrow < 15)"
 
+    def __init__(self) -> None:
+        problem = petastorm_problem()
+        if problem:
+            raise ConfigError(
+                f"reader='petastorm' cannot run here: {problem}. Install it with pip install 'sparkdl[petastorm]': Petastorm 0.12 "
+                f"needs pyarrow's legacy API (pyarrow < 15), so it runs beside PySpark 3.5 or 4.0 with pyarrow 14, numpy 1 "
+                f"and pandas 2. The default reader='arrow' needs none of this and reads the same data"
+            )
+
     def check(self, dataset: DatasetInfo) -> None:
         from sparkdl.data.inputs import Sequence
 
@@ -120,6 +129,18 @@ class PetastormReader(DataReader):
                 cur_shard=None if striding else rank,
                 shard_count=None if striding else world_size,
             )
+
+
+def petastorm_problem() -> str:
+    """Why Petastorm cannot run in this environment, or "" when it can."""
+    import importlib.util
+
+    if importlib.util.find_spec("petastorm") is None:
+        return "petastorm is not installed"
+    major = int(pa.__version__.split(".")[0])
+    if major >= 15:
+        return f"pyarrow {pa.__version__} has no legacy ParquetDataset, which Petastorm 0.12 calls"
+    return ""
 
 
 def _legacy_filesystem(url: str):

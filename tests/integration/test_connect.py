@@ -1,0 +1,157 @@
+"""sparkdl from a Spark Connect client: a real Connect server (SparkConnectServer, started with the
+real spark-submit over local-cluster[2,1,1024]) and a client session with no SparkContext.
+
+Runs in its own pytest process (marker ``connect``; scripts/test runs it apart), because a Connect
+session switches PySpark's process-wide mode."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import sparkdl
+from tests.conftest import REPO_ROOT
+from tests.models import accuracy, digits_mlp
+
+pytestmark = [pytest.mark.spark, pytest.mark.connect]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_for_port(port: int, server: subprocess.Popen, log: str, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the Spark Connect server exited with {server.returncode}:\n{open(log).read()[-3000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(0.5)  # polling a port that has no readiness event; bounded by the deadline
+    raise RuntimeError(f"the Spark Connect server did not listen on {port} within {timeout_s}s:\n{open(log).read()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def connect(tmp_path_factory):
+    """A Connect client session on a fresh Connect server; the server is stopped afterwards."""
+    from pyspark.sql import SparkSession
+
+    port = _free_port()
+    work = tmp_path_factory.mktemp("connect")
+    log = str(work / "server.log")
+    spark_submit = os.path.join(os.path.dirname(sys.executable), "spark-submit")
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
+    command = [
+        spark_submit, "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
+        "--master", "local-cluster[2,1,1024]",
+        "--conf", f"spark.connect.grpc.binding.port={port}", "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
+        "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.driver.bindAddress=127.0.0.1",
+        "--conf", "spark.ui.enabled=false", "--conf", "spark.sql.shuffle.partitions=4",
+        "--conf", f"spark.executorEnv.PYTHONPATH={REPO_ROOT}{os.pathsep}{os.path.join(REPO_ROOT, 'tests')}",
+        "--conf", f"spark.sparkdl.cacheDir={work / 'cache'}",
+        "spark-internal",
+    ]
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        _wait_for_port(port, server, log)
+        session = SparkSession.builder.remote(f"sc://127.0.0.1:{port}").getOrCreate()
+        yield session
+        session.stop()
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def connect_digits(connect, digits_split):
+    (train_x, train_y), (test_x, test_y) = digits_split
+    schema = "features array<double>, label long"
+    train = connect.createDataFrame([(x.astype(float).tolist(), int(y)) for x, y in zip(train_x, train_y)], schema)
+    test = connect.createDataFrame([(x.astype(float).tolist(), int(y)) for x, y in zip(test_x, test_y)], schema)
+    return train, test, test_x, test_y
+
+
+def test_the_client_has_no_spark_context(connect):
+    from sparkdl._session import Session
+
+    session = Session(connect)
+    assert session.connect and session.channel_host() == "127.0.0.1"
+    with pytest.raises(Exception):
+        connect.sparkContext  # noqa: B018 - what makes Connect different
+
+
+def test_fit_and_transform_from_a_connect_client_with_live_progress(connect_digits):
+    train, test, test_x, test_y = connect_digits
+    records = []
+    model = sparkdl.TorchEstimator(
+        model=digits_mlp, optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), num_workers=2, batch_size=32,
+        epochs=6, progress=records.append,
+    ).fit(train)
+    assert [r["epoch"] for r in records] == list(range(1, 7))  # each epoch reached the client while fit ran
+    assert accuracy(model.module, test_x, test_y) >= 0.9
+    predictions = np.array([r["prediction"] for r in model.transform(test).collect()])
+    expected = model.module(torch.from_numpy(test_x)).detach().numpy()
+    np.testing.assert_allclose(predictions, expected, rtol=1e-4, atol=1e-5)
+
+
+def _rank_sum(ctx):
+    total = torch.tensor([float(ctx.rank + 1)])
+    torch.distributed.all_reduce(total)
+    rows = sum(len(x) for _ in range(1) for x, _ in ctx.epoch_batches())
+    return {"sum": total.item(), "rows": rows, "world": ctx.world_size}
+
+
+def test_run_from_a_connect_client(connect, connect_digits):
+    train, _, _, _ = connect_digits
+    result = sparkdl.run(_rank_sum, num_workers=2, data=train, feature_cols=["features"], label_col="label", batch_size=32,
+                         spark=connect, progress=False)
+    assert result == {"sum": 3.0, "rows": (1437 // 64) * 32, "world": 2}
+
+
+def _fail_on_rank_1(ctx):
+    if ctx.rank == 1:
+        raise ValueError("rank 1 refuses")
+    torch.distributed.barrier()
+
+
+def test_a_failing_rank_is_named_on_the_client(connect):
+    with pytest.raises(sparkdl.TrainingError, match=r"rank 1.*ValueError: rank 1 refuses"):
+        sparkdl.run(_fail_on_rank_1, num_workers=2, spark=connect, progress=False)
+
+
+def test_too_few_slots_fail_fast_from_a_connect_client(connect):
+    from sparkdl._launcher import LaunchConfig  # noqa: F401 - the setting named in the message
+
+    started = time.monotonic()
+    with pytest.raises(sparkdl.InsufficientSlotsError, match="num_workers=3 needs 3 concurrent task slots"):
+        sparkdl.run(_rank_sum, num_workers=3, spark=connect, progress=False)
+    assert time.monotonic() - started < 120
+
+
+def test_checkpoints_and_recovery_from_a_connect_client(connect_digits, tmp_path):
+    from tests.integration.test_recovery import _KillOnce
+
+    train, _, _, _ = connect_digits
+    killer = _KillOnce(str(tmp_path / "killed-once"), at=27)
+    model = sparkdl.TorchEstimator(
+        model=digits_mlp, optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), loss=killer, num_workers=2,
+        batch_size=32, epochs=2, progress=False, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=8, max_failures=1,
+    ).fit(train)
+    assert len(model.run_info["attempts"]) == 2 and model.run_info["steps"]["resumed_at"] == 24
+    assert [r["epoch"] for r in model.history] == [1, 2]

@@ -21,6 +21,7 @@ from sparkdl.errors import (
     DataError,
     InsufficientSlotsError,
     NonFiniteLossError,
+    PeerLostError,
     SparkdlError,
     TrainingError,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "ModelAveraging",
     "NonFiniteLossError",
     "ParameterServer",
+    "PeerLostError",
     "Sequence",
     "SparkdlError",
     "Strategy",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -12,7 +12,15 @@ import torch.distributed as dist
 
 @dataclasses.dataclass(frozen=True)
 class DistEnv:
-    """Where this task sits in the job."""
+    """Where this task sits in the job, and what strategies may use of the barrier stage.
+
+    Attributes:
+        peer_addresses: every task's ``host:port``, by rank (``BarrierTaskContext.getTaskInfos()``);
+            empty outside a barrier task (tests build a DistEnv by hand).
+        all_gather: the barrier's ``allGather`` (one string from every rank, in rank order; every
+            rank must call it at the same point); None outside a barrier task. Strategies that
+            need the barrier use these two instead of importing pyspark.
+    """
 
     rank: int
     world_size: int
@@ -20,6 +28,8 @@ class DistEnv:
     backend: str
     master_addr: str
     master_port: int
+    peer_addresses: Tuple[str, ...] = ()
+    all_gather: Optional[Callable[[str], Sequence[str]]] = dataclasses.field(default=None, compare=False, repr=False)
 
 
 def rendezvous(
@@ -57,7 +67,16 @@ def rendezvous(
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    return DistEnv(rank=rank, world_size=world_size, device=device, backend=backend, master_addr=host, master_port=port)
+    return DistEnv(
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        backend=backend,
+        master_addr=host,
+        master_port=port,
+        peer_addresses=tuple(task_addresses),
+        all_gather=all_gather,
+    )
 
 
 def teardown() -> None:

@@ -33,6 +33,15 @@ class NonFiniteLossError(SparkdlError, FloatingPointError):
     """The loss became NaN or infinite on some rank."""
 
 
+class PeerLostError(SparkdlError):
+    """Raised by a rank when a peer it depends on is gone (its process died, its connection
+    broke, or it stopped answering).
+
+    The error is a consequence, not a cause: the launcher reports the lost peer (when it sees
+    that peer vanish) before the ranks that complained about it.
+    """
+
+
 @dataclasses.dataclass(frozen=True)
 class RankFailure:
     """What one rank reported about its failure (or what the driver observed about it)."""
@@ -42,6 +51,8 @@ class RankFailure:
     message: str
     traceback: str
     phase: str = ""
+    #: The exception was a :class:`PeerLostError`: this rank lost a peer, which is the likelier cause.
+    peer_loss: bool = False
 
     @classmethod
     def from_exception(cls, rank: int, exc: BaseException, phase: str = "") -> "RankFailure":
@@ -51,6 +62,7 @@ class RankFailure:
             message=str(exc),
             traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
             phase=phase,
+            peer_loss=isinstance(exc, PeerLostError),
         )
 
     def to_json(self) -> dict:
@@ -64,6 +76,7 @@ class RankFailure:
             message=str(data.get("message", "")),
             traceback=str(data.get("traceback", "")),
             phase=str(data.get("phase", "")),
+            peer_loss=bool(data.get("peer_loss", False)),
         )
 
 

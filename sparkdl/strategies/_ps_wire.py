@@ -58,6 +58,7 @@ import torch
 from sparkdl._channel import _recv_exact
 from sparkdl._tcpserver import ThreadedServer
 from sparkdl._tcpserver import close_quietly as _close_quietly
+from sparkdl.errors import PeerLostError
 
 logger = logging.getLogger("sparkdl.parameter_server")
 
@@ -100,8 +101,11 @@ class WireError(Exception):
     """A peer broke the protocol; the server drops its connection and logs why."""
 
 
-class ParameterServerError(RuntimeError):
+class ParameterServerError(PeerLostError, RuntimeError):
     """Training cannot go on: a peer rank was lost, or a wait for it timed out.
+
+    A :class:`~sparkdl.errors.PeerLostError` (the launcher then looks for the lost rank as the
+    root cause) and, as before, a ``RuntimeError``.
 
     Attributes:
         peer_rank: the rank that was lost or waited for (None when not one rank's fault).

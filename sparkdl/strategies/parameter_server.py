@@ -146,14 +146,17 @@ class ParameterServer(Strategy):
             raise ConfigError(f"ParameterServer.layout={self.layout!r} must be one of {', '.join(map(repr, LAYOUTS))}")
 
     def create_runtime(self, env: "DistEnv") -> StrategyRuntime:
-        from pyspark import BarrierTaskContext
-
-        barrier = BarrierTaskContext.get()
-        address = barrier.getTaskInfos()[env.rank].address
+        if env.all_gather is None or len(env.peer_addresses) != env.world_size:
+            raise RuntimeError(
+                "ParameterServer needs the barrier stage's task addresses and allGather (DistEnv.peer_addresses "
+                f"and DistEnv.all_gather, which the launcher's rendezvous fills in); this one has "
+                f"{len(env.peer_addresses)} address(es) for {env.world_size} ranks and all_gather={env.all_gather!r}"
+            )
+        address = env.peer_addresses[env.rank]
         host = address.rsplit(":", 1)[0].strip("[]")  # "[::1]:port" for IPv6
         # Every rank calls create_runtime at the same point (after rendezvous), so this
         # allGather pairs up across ranks like the rendezvous one does.
-        return _ParameterServerRuntime(self, env, barrier.allGather, host)
+        return _ParameterServerRuntime(self, env, env.all_gather, host)
 
 
 # --------------------------------------------------------------------------------------------
@@ -740,8 +743,8 @@ class _ParameterServerRuntime(StrategyRuntime):
         Args:
             config: the strategy.
             env: this rank's place in the process group.
-            all_gather: ``BarrierTaskContext.allGather`` (or an equivalent in tests): carries each
-                rank's port and rank 0's secret.
+            all_gather: ``env.all_gather`` (the barrier's ``allGather``) or an equivalent in tests:
+                carries each rank's port and rank 0's secret.
             host: the address this rank's server binds to and the others connect to.
         """
         if sys.byteorder != "little":

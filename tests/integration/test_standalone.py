@@ -129,7 +129,7 @@ def test_docker_compose_file_is_valid_and_describes_the_cluster(docker_compose, 
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
     services = config["services"]
-    assert set(services) == {"spark-master", "spark-worker-1", "spark-worker-2", "client"}
+    assert set(services) == {"spark-master", "spark-worker-1", "spark-worker-2", "spark-connect", "client"}
     for name, service in services.items():
         assert service["image"] == "sparkdl:local" and service["build"]["dockerfile"] == "Dockerfile", name
         assert any(v.startswith("sparkdl-data:/data") for v in service["volumes"]), name  # shared storage
@@ -140,6 +140,9 @@ def test_docker_compose_file_is_valid_and_describes_the_cluster(docker_compose, 
         command = services[worker]["command"]
         assert command[:2] == ["spark-class", "org.apache.spark.deploy.worker.Worker"] and command[-1] == "spark://spark-master:7077"
         assert services[worker]["depends_on"]["spark-master"]["condition"] == "service_healthy"
+    connect = services["spark-connect"]
+    assert connect["command"][:3] == ["spark-submit", "--class", "org.apache.spark.sql.connect.service.SparkConnectServer"]
+    assert "spark://spark-master:7077" in connect["command"] and all(str(p).startswith("127.0.0.1:") for p in connect["ports"])
     # The parser really validates: a misspelled key is rejected.
     broken = tmp_path / "docker-compose.yml"
     broken.write_text(open(compose_file).read().replace("    hostname: client", "    hostnme: client"))
@@ -147,12 +150,12 @@ def test_docker_compose_file_is_valid_and_describes_the_cluster(docker_compose, 
     assert rejected.returncode != 0 and "hostnme" in rejected.stderr
 
 
-def test_dockerfile_installs_the_pinned_stack():
+def test_dockerfile_installs_the_newest_tested_stack():
     dockerfile = open(os.path.join(REPO_ROOT, "Dockerfile")).read()
-    pyproject = open(os.path.join(REPO_ROOT, "pyproject.toml")).read()
-    torch_pin = re.search(r'"torch==([^"]+)"', pyproject).group(1)
+    stack = open(os.path.join(REPO_ROOT, "scripts", "stacks", "latest.txt")).read()
+    torch_pin = re.search(r"^torch==(\S+)", stack, re.M).group(1)
     assert f"torch=={torch_pin} --index-url https://download.pytorch.org/whl/cpu" in dockerfile
-    assert re.search(r"^FROM python:3\.11-", dockerfile, re.M)  # the Python the stack is pinned for
-    assert "pip install --no-cache-dir . " in dockerfile  # sparkdl's own pins from pyproject.toml
+    assert re.search(r"^FROM python:3\.11-", dockerfile, re.M)  # the Python the stacks are tested on
+    assert "--constraint scripts/stacks/latest.txt" in dockerfile  # the versions CI tests
     ignored = open(os.path.join(REPO_ROOT, ".dockerignore")).read().split()
     assert ".venv" in ignored and ".git" in ignored

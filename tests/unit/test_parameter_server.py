@@ -11,6 +11,7 @@ every gradient either rank pushed times the learning rate in force for its group
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import socket
@@ -490,3 +491,24 @@ def test_a_rank_that_dies_fails_the_other_with_an_error_naming_it(recordings):
     assert "rank 1" in survivor["error"]
     # Bulk-synchronous: the survivor could not have run more than one step past the loss.
     assert survivor["step"] <= 3
+
+
+# ---- what the strategy takes from DistEnv (no pyspark) --------------------------------------
+
+
+def test_create_runtime_takes_its_address_and_all_gather_from_the_env():
+    sent: List[Dict[str, Any]] = []
+
+    def gather(message: str) -> List[str]:
+        sent.append(json.loads(message))
+        return [message]  # one rank: everyone's messages are its own
+
+    env = DistEnv(0, 1, torch.device("cpu"), "gloo", "127.0.0.1", 1, peer_addresses=("127.0.0.1:40000",), all_gather=gather)
+    runtime = ParameterServer(timeout_s=10).create_runtime(env)
+    try:
+        assert sent[0]["host"] == "127.0.0.1" and len(bytes.fromhex(sent[0]["secret"])) == 32
+    finally:
+        runtime.close()
+    bare = DistEnv(0, 1, torch.device("cpu"), "gloo", "127.0.0.1", 1)
+    with pytest.raises(RuntimeError, match="DistEnv.peer_addresses and DistEnv.all_gather"):
+        ParameterServer().create_runtime(bare)

@@ -1,0 +1,37 @@
+"""Runs a training function on N Spark barrier tasks and brings back rank 0's result.
+
+Layout, one concern per module:
+
+* :mod:`~sparkdl._launcher.config` — :class:`LaunchConfig` (how the stage runs),
+  :class:`FailurePolicy` and :class:`Decision` (whether a failed attempt is relaunched),
+  :class:`LaunchOutcome` (what :func:`launch` returns). Plain data.
+* :mod:`~sparkdl._launcher.driver` — :func:`launch` and one attempt of it: check slots
+  (:func:`check_slots`), open the progress channel, run the barrier stage, turn what went wrong
+  into one :class:`~sparkdl.errors.TrainingError` (:func:`_failure_from_spark` when the job died
+  before any rank reported).
+* :mod:`~sparkdl._launcher.monitor` — :class:`~sparkdl._launcher.monitor.JobMonitor`, the
+  driver-side state of a running job (the channel's messages and disconnects, the watchdog, the
+  slot watch, when to cancel and which failure is the root cause). No Spark: unit-tested alone.
+* :mod:`~sparkdl._launcher.task` — what each barrier task runs (``_task_main``): channel, rank
+  prefixed output, threads, device, rendezvous, the user's function, the report. The stage's
+  pickled closure refers to it, so the executors import it; it imports nothing of the driver
+  side itself (importing it still runs this ``__init__``, as the one-module launcher did).
+
+This package re-exports the names the rest of sparkdl and the tests use.
+"""
+
+from sparkdl._launcher.config import Decision, FailurePolicy, LaunchConfig, LaunchOutcome
+from sparkdl._launcher.driver import _expected_executors, _failure_from_spark, check_slots, launch
+from sparkdl._launcher.monitor import JobMonitor
+
+__all__ = [
+    "Decision",
+    "FailurePolicy",
+    "JobMonitor",
+    "LaunchConfig",
+    "LaunchOutcome",
+    "_expected_executors",
+    "_failure_from_spark",
+    "check_slots",
+    "launch",
+]

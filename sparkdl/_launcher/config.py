@@ -1,0 +1,97 @@
+"""What a launch is configured with, how its failures are judged, and what it returns.
+
+Plain data, no Spark: :class:`LaunchConfig` also travels to the tasks inside their payload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Dict, List, Optional, Tuple
+
+from sparkdl._precision import Precision
+from sparkdl.errors import ConfigError, TrainingError
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """How the barrier stage runs.
+
+    Args:
+        num_workers: number of barrier tasks (ranks); each needs one task slot.
+        timeout_s: bound on rendezvous and on every collective; a rank stuck longer fails the run.
+        slot_wait_s: how long to wait for executors to register before giving up on slots.
+        use_gpu: True to require GPUs, False for CPU, None to use GPUs when Spark gives tasks some
+            (see :mod:`sparkdl._device`).
+        precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"`` (see :mod:`sparkdl._precision`).
+        progress: print (or display in a notebook) per-epoch progress on the driver.
+        max_failures: relaunch the stage up to this many times after a failure, resuming from
+            the newest checkpoint when there is a checkpoint directory.
+        watchdog_timeout_s: fail the run when a rank makes no progress (no batch, no phase
+            change) for this long; None disables the watchdog.
+    """
+
+    num_workers: int
+    timeout_s: float = 600.0
+    slot_wait_s: float = 30.0
+    use_gpu: Optional[bool] = None
+    progress: bool = True
+    precision: str = "32"
+    max_failures: int = 0
+    watchdog_timeout_s: Optional[float] = 600.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_workers, int) or isinstance(self.num_workers, bool) or self.num_workers < 1:
+            raise ConfigError(f"num_workers={self.num_workers!r} must be a positive integer")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"timeout_s={self.timeout_s!r} must be > 0 seconds")
+        if self.use_gpu is not None and not isinstance(self.use_gpu, bool):
+            raise ConfigError(f"use_gpu={self.use_gpu!r} must be True, False or None (use GPUs when Spark assigns them)")
+        object.__setattr__(self, "precision", Precision(self.precision).value)  # normalized: 32 -> "32"
+        if self.slot_wait_s < 0:
+            raise ConfigError(f"slot_wait_s={self.slot_wait_s!r} must be >= 0 seconds")
+        if not isinstance(self.max_failures, int) or isinstance(self.max_failures, bool) or self.max_failures < 0:
+            raise ConfigError(f"max_failures={self.max_failures!r} must be an integer >= 0")
+        if self.watchdog_timeout_s is not None and not self.watchdog_timeout_s > 0:
+            raise ConfigError(f"watchdog_timeout_s={self.watchdog_timeout_s!r} must be > 0 seconds, or None to disable it")
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """Often enough that the watchdog sees a stall within a fifth of its timeout."""
+        return min(2.0, self.watchdog_timeout_s / 5) if self.watchdog_timeout_s else 2.0
+
+
+class Decision(enum.Enum):
+    RETRY = "retry"
+    RAISE = "raise"
+
+
+@dataclasses.dataclass(frozen=True)
+class FailurePolicy:
+    """Whether a failed attempt is relaunched.
+
+    Failures that would only repeat — bad settings or data, a NaN loss, code the executors
+    cannot import — are raised at once; anything else (a lost executor, a killed process, a
+    hang, a network error, an exception in user code) is retried up to ``max_failures`` times.
+    """
+
+    max_failures: int = 0
+    deterministic: Tuple[str, ...] = ("ConfigError", "DataError", "NonFiniteLossError", "InsufficientSlotsError")
+
+    def decide(self, error: TrainingError, failures_so_far: int) -> Decision:
+        if failures_so_far > self.max_failures:
+            return Decision.RAISE
+        first = error.failures[0] if error.failures else None
+        if first is not None and (first.exc_type in self.deterministic or "No module named" in first.message):
+            return Decision.RAISE
+        return Decision.RETRY
+
+
+@dataclasses.dataclass
+class LaunchOutcome:
+    """Rank 0's return value plus how the run got there."""
+
+    value: Any
+    attempts: List[Dict[str, Any]]
+    from_finished_checkpoint: bool = False
+

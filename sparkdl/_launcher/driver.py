@@ -1,0 +1,235 @@
+"""Driver side of a launch: check slots, open the progress channel, run one barrier stage, watch it.
+
+The first failure that reaches the driver (an error a rank reported, a rank whose process
+vanished, or a rank the watchdog found stuck) cancels the Spark job at once — Spark would
+otherwise wait for the remaining tasks — and is raised as one
+:class:`~sparkdl.errors.TrainingError`, unless the :class:`~sparkdl._launcher.config.FailurePolicy`
+relaunches the stage (which then resumes from the newest checkpoint).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import threading
+import time
+import uuid
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import cloudpickle
+
+from sparkdl._channel import ChannelServer, new_secret
+from sparkdl._device import check_gpu_request
+from sparkdl._launcher.config import Decision, FailurePolicy, LaunchConfig, LaunchOutcome
+from sparkdl._launcher.monitor import JobMonitor
+from sparkdl._launcher.task import _task_main, _TaskPayload
+from sparkdl._progress import ProgressDisplay
+from sparkdl._session import Session
+from sparkdl.checkpoint import CheckpointConfig, CheckpointStore
+from sparkdl.data.batching import DataSpec
+from sparkdl.data.dataset import DatasetInfo
+from sparkdl.data.readers.base import DataReader
+from sparkdl.errors import ConfigError, InsufficientSlotsError, RankFailure, TrainingError
+from sparkdl.strategies.base import Strategy
+
+logger = logging.getLogger("sparkdl")
+
+
+def launch(
+    train_fn: Callable[[Any], Any],
+    config: LaunchConfig,
+    strategy: Strategy,
+    spark: Any = None,
+    dataset: Optional[DatasetInfo] = None,
+    data_spec: Optional[DataSpec] = None,
+    reader: Optional[DataReader] = None,
+    steps_per_epoch: Optional[int] = None,
+    display: Optional[ProgressDisplay] = None,
+    checkpoint: Optional[CheckpointConfig] = None,
+) -> LaunchOutcome:
+    """Runs ``train_fn(ctx)`` on ``config.num_workers`` barrier tasks; returns rank 0's value.
+
+    A failed attempt is relaunched (up to ``config.max_failures`` times, see
+    :class:`FailurePolicy`); with a checkpoint directory each attempt resumes from the newest
+    checkpoint, and a directory that holds a finished run returns its stored result at once.
+    """
+    from pyspark.sql import SparkSession
+
+    spark = spark or SparkSession.getActiveSession()
+    if spark is None:
+        raise ConfigError("no active SparkSession: create one (SparkSession.builder...getOrCreate()) or pass spark=")
+    session = Session(spark)
+    check_gpu_request(session.conf, config.use_gpu)  # fail now, not after executors start
+    display = display or ProgressDisplay(enabled=config.progress)
+    store = CheckpointStore(checkpoint.url, checkpoint.keep) if checkpoint else None
+    if store is not None:
+        if not checkpoint.resume:
+            store.clear()
+        else:
+            finished, result = store.load_finished()
+            if finished:
+                logger.warning("%s holds a finished run: returning its result without training (resume=False trains again)", store.url)
+                return LaunchOutcome(result, [], from_finished_checkpoint=True)
+    policy = FailurePolicy(config.max_failures)
+    attempts: List[Dict[str, Any]] = []
+    for attempt in itertools.count(1):
+        if not session.connect:
+            check_slots(spark.sparkContext, config.num_workers, config.slot_wait_s)
+        started = time.time()
+        try:
+            value = _launch_once(
+                session, train_fn, config, strategy, display,
+                dataset=dataset, data_spec=data_spec, reader=reader, steps_per_epoch=steps_per_epoch,
+                checkpoint=checkpoint, attempt=attempt,
+            )
+        except _AttemptFailed as failed:
+            error = failed.error
+            attempts.append({"attempt": attempt, "seconds": time.time() - started, "error": str(error).splitlines()[0]})
+            decision = policy.decide(error, attempt)
+            if decision is Decision.RAISE:
+                if attempt > 1:
+                    raise TrainingError(error.failures, hint=f"(attempt {attempt}; max_failures={config.max_failures})") from None
+                raise error from None
+            where = "the newest checkpoint" if store is not None else "scratch (no checkpoint_dir)"
+            message = f"[sparkdl] attempt {attempt} failed: {str(error).splitlines()[0]}; relaunching from {where} ({attempt}/{config.max_failures} retries)"
+            logger.warning(message)
+            if config.progress:
+                print(message, flush=True)
+            continue
+        attempts.append({"attempt": attempt, "seconds": time.time() - started, "error": None})
+        break
+    if store is not None:
+        store.save_finished(value)
+    return LaunchOutcome(value, attempts)
+
+
+class _AttemptFailed(Exception):
+    def __init__(self, error: TrainingError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _launch_once(
+    session: Session,
+    train_fn: Callable[[Any], Any],
+    config: LaunchConfig,
+    strategy: Strategy,
+    display: ProgressDisplay,
+    **payload_fields: Any,
+) -> Any:
+    """One barrier stage; raises :class:`_AttemptFailed` carrying the run's ``TrainingError``."""
+    tag = f"sparkdl-{uuid.uuid4().hex[:12]}"
+    monitor = JobMonitor(config.num_workers, lambda: session.cancel(tag), display)
+    host = session.channel_host()
+    secret = new_secret()
+    server = ChannelServer(host, secret, monitor.on_message, monitor.on_disconnect)
+    payload = _TaskPayload(
+        train_fn=train_fn,
+        strategy=strategy,
+        config=config,
+        channel_address=server.address,
+        secret=secret,
+        **payload_fields,
+    )
+
+    def run_tasks() -> List[Tuple[int, bytes]]:
+        return [(rank, cloudpickle.dumps(value)) for rank, value in _task_main(payload)]
+
+    stop_watchdog = threading.Event()
+    if config.watchdog_timeout_s:
+        threading.Thread(
+            target=monitor.watch, args=(config.watchdog_timeout_s, stop_watchdog), name="sparkdl-watchdog", daemon=True
+        ).start()
+    if session.connect:
+        # A Connect client cannot ask the scheduler for free slots: a barrier stage whose tasks do
+        # not all start within slot_wait_s is one the cluster cannot run.
+        threading.Thread(
+            target=monitor.watch_start, args=(config.slot_wait_s, stop_watchdog), name="sparkdl-slot-watch", daemon=True
+        ).start()
+    session.add_tag(tag)
+    try:
+        results = session.run_barrier(
+            config.num_workers, run_tasks, tag, f"sparkdl: train on {config.num_workers} barrier tasks ({strategy.name})"
+        )
+    except KeyboardInterrupt:
+        # A notebook user interrupted the kernel: stop the tasks too, not just the driver's wait.
+        session.cancel(tag)
+        raise
+    except Exception as exc:
+        # The job failed or was cancelled; give the ranks' own reports a moment to arrive.
+        monitor.wait_disconnected(timeout=15.0)
+        monitor.cancel_now()  # settles the root-cause order now that every rank has hung up
+        if monitor.slots_missing is not None:
+            raise monitor.slots_missing from None
+        if monitor.failures:
+            raise _AttemptFailed(TrainingError(monitor.failures)) from None
+        raise _AttemptFailed(TrainingError([_failure_from_spark(exc)])) from exc
+    finally:
+        stop_watchdog.set()
+        session.remove_tag(tag)
+        server.close()
+    if monitor.failures:  # a rank failed but the stage still returned (should not happen)
+        raise _AttemptFailed(TrainingError(monitor.failures))
+    # Our own tasks' results, through Spark's result path (as mapPartitions' pickles were).
+    values = {rank: cloudpickle.loads(value) for rank, value in results}
+    return values.get(0)
+
+
+def _failure_from_spark(exc: BaseException) -> RankFailure:
+    """A failure record for a Spark job that died before any rank reported (e.g. the task could
+    not even unpickle its function because a module is missing on the executors)."""
+    text = str(exc)
+    match = re.search(r"(Traceback \(most recent call last\):.*?)(?:\n\s+at |\n\nDriver stacktrace|\Z)", text, re.S)
+    remote = match.group(1) if match else ""
+    last = [line for line in remote.strip().splitlines() if line.strip()][-1:] if remote else []
+    message = last[0].strip() if last else text.strip().splitlines()[0][:500] if text.strip() else type(exc).__name__
+    hint = ""
+    if "ModuleNotFoundError" in message or "No module named" in message:
+        hint = (
+            " — the executors' Python cannot import it: install sparkdl and your model code there, ship "
+            "them with --py-files / --archives (a packed virtualenv), or point PYSPARK_PYTHON at an "
+            "interpreter that has them"
+        )
+    return RankFailure(rank=-1, exc_type="SparkJobFailed", message=message + hint, traceback=remote, phase="launching")
+
+
+def check_slots(sc: Any, num_workers: int, wait_s: float) -> None:
+    """Fails fast when the cluster cannot run ``num_workers`` tasks at once.
+
+    Spark itself would retry the barrier stage for minutes before giving up
+    (``spark.scheduler.barrier.maxConcurrentTasksCheck.*``). Executors register asynchronously
+    after start-up, so while fewer have registered than were asked for this waits up to
+    ``wait_s``; once they are all there, too few slots is an error at once. When the number
+    to expect is unknown (a standalone or YARN cluster without ``spark.executor.instances``),
+    it waits the whole ``wait_s`` before deciding.
+    """
+    deadline = time.monotonic() + wait_s
+    jsc = sc._jsc.sc()
+    expected = _expected_executors(sc)
+    while True:
+        profile = jsc.resourceProfileManager().defaultResourceProfile()
+        slots = int(jsc.maxNumConcurrentTasks(profile))
+        if slots >= num_workers:
+            return
+        executors = int(jsc.getExecutorIds().size())
+        if (expected is not None and executors >= expected) or time.monotonic() >= deadline:
+            break
+        time.sleep(0.25)  # polling the scheduler: executor registration has no Python-side event
+    task_cpus = sc.getConf().get("spark.task.cpus", "1")
+    raise InsufficientSlotsError(
+        f"num_workers={num_workers} needs {num_workers} concurrent task slots, but the cluster has {slots} "
+        f"({executors} executor(s); slots = executor cores / spark.task.cpus={task_cpus}). "
+        f"Lower num_workers to at most {slots}, or add executors or cores."
+    )
+
+
+def _expected_executors(sc: Any) -> Optional[int]:
+    """How many executors this application will get, when that is known up front."""
+    configured = sc.getConf().get("spark.executor.instances", None)
+    if configured:
+        return int(configured)
+    match = re.match(r"local-cluster\[\s*(\d+)", sc.master)
+    if match:
+        return int(match.group(1))
+    return 1 if sc.master.startswith("local") else None

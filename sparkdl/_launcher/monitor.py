@@ -1,0 +1,198 @@
+"""The driver-side state of a running job: failures, phases, progress, and when to cancel.
+
+:class:`JobMonitor` holds no Spark object: it is fed the channel's messages and disconnects, and
+calls the ``cancel`` it was given, so it is unit-tested on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from sparkdl._progress import ProgressDisplay
+from sparkdl.errors import InsufficientSlotsError, RankFailure
+
+logger = logging.getLogger("sparkdl")
+
+#: torch/gloo's own messages for a connection to a peer that went away. sparkdl's strategies
+#: raise :class:`~sparkdl.errors.PeerLostError` instead (``RankFailure.peer_loss``).
+_PEER_LOSS = re.compile(r"connection (closed|reset|refused|lost)|broken pipe|closed by peer|lost (rank|peer|worker)|peer rank", re.I)
+
+
+def _is_peer_loss(failure: RankFailure) -> bool:
+    """Whether a rank's error reads like the consequence of another rank's death."""
+    return failure.peer_loss or bool(_PEER_LOSS.search(f"{failure.exc_type}: {failure.message}"))
+
+
+class JobMonitor:
+    """Driver-side state of one run, updated from the channel's threads.
+
+    ``on_message`` and ``on_disconnect`` are the channel server's callbacks; ``watch`` (the
+    watchdog) and ``watch_start`` (the slot watch) run on threads of their own. The first failure
+    calls ``cancel`` once, ``settle_s`` later, with the failures sorted root cause first.
+    """
+
+    def __init__(self, num_workers: int, cancel: Callable[[], None], display: ProgressDisplay) -> None:
+        self.num_workers = num_workers
+        self._cancel = cancel
+        self.display = display
+        self.failures: List[RankFailure] = []
+        self.phases: Dict[int, str] = {}
+        self.connected: set = set()
+        self.finished: set = set()
+        self._progress: Dict[int, Tuple[int, float]] = {}  # rank -> (progress counter, when it last moved)
+        self._cond = threading.Condition()
+        self._cancelled = False
+
+    def on_message(self, rank: int, message: Dict[str, Any]) -> None:
+        kind = message.get("kind")
+        if kind == "started":
+            self.on_connect(rank)
+        elif kind == "epoch":
+            self.display.epoch(message.get("record", {}))
+        elif kind == "metrics":
+            self.display.metrics(rank, message.get("metrics", {}))
+        elif kind == "heartbeat":
+            progress = int(message.get("progress", 0))
+            with self._cond:
+                self.phases[rank] = str(message.get("phase", ""))
+                if self._progress.get(rank, (None, 0.0))[0] != progress:
+                    self._progress[rank] = (progress, time.monotonic())
+        elif kind == "log":
+            level = int(message.get("level", logging.INFO))
+            logging.getLogger(f"sparkdl.rank{rank}").log(level, "[rank %d] %s", rank, message.get("message", ""))
+        elif kind == "error":
+            self._fail(RankFailure.from_json({**message.get("failure", {}), "rank": rank}))
+        elif kind == "done":
+            with self._cond:
+                self.finished.add(rank)
+                self._cond.notify_all()
+
+    #: Set when the barrier stage's tasks did not all start within the slot wait (Connect).
+    slots_missing: Optional[InsufficientSlotsError] = None
+
+    def watch_start(self, wait_s: float, stop: threading.Event) -> None:
+        """Cancels the stage when not every rank has started within ``wait_s``: the cluster has
+        fewer free task slots than ranks (a barrier stage starts all its tasks or none)."""
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while len(self._progress) < self.num_workers and not stop.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(min(remaining, 0.5))
+            started = len(self._progress)
+            if started >= self.num_workers or stop.is_set() or self._cancelled:
+                return
+            self._cancelled = True
+            self.slots_missing = InsufficientSlotsError(
+                f"num_workers={self.num_workers} needs {self.num_workers} concurrent task slots, but {started} of the barrier "
+                f"stage's tasks started within {wait_s:g}s: the cluster has fewer free slots than that (slots = executor "
+                f"cores / spark.task.cpus). Lower num_workers, or add executors or cores"
+            )
+        logger.error("%s; cancelling the Spark job", self.slots_missing)
+        self._cancel()
+
+    def on_connect(self, rank: int) -> None:
+        with self._cond:
+            self.connected.add(rank)
+            self._progress[rank] = (-1, time.monotonic())
+            self._cond.notify_all()
+
+    def watch(self, timeout_s: float, stop: threading.Event) -> None:
+        """Fails the run when a rank's progress stands still for ``timeout_s`` (a hang)."""
+        while not stop.wait(min(1.0, timeout_s / 10)):
+            now = time.monotonic()
+            with self._cond:
+                stalled = [
+                    (since, rank) for rank, (_, since) in self._progress.items()
+                    if now - since > timeout_s and rank not in self.finished and rank in self.connected
+                ]
+                if not stalled or self._cancelled:
+                    continue
+                since, rank = min(stalled)
+                phase = self.phases.get(rank, "")
+            self._fail(
+                RankFailure(
+                    rank=rank,
+                    exc_type="WatchdogTimeout",
+                    message=(
+                        f"rank {rank} made no progress for {now - since:.0f}s (watchdog_timeout_s={timeout_s:g}); "
+                        f"it is stuck or much slower than expected. If this phase legitimately takes longer, "
+                        f"raise watchdog_timeout_s"
+                    ),
+                    traceback="",
+                    phase=phase,
+                )
+            )
+            return
+
+    def on_disconnect(self, rank: int, clean: bool) -> None:
+        with self._cond:
+            self.connected.discard(rank)
+            self._cond.notify_all()
+            reported = any(f.rank == rank for f in self.failures)
+            # Once a rank has failed on its own, Spark kills the others: their dropped connections
+            # are consequences. Only while every report so far is a peer complaining that it lost
+            # someone is a silent disconnect the likelier cause.
+            lost = (
+                not clean and rank not in self.finished and not reported and not self._cancelled
+                and all(_is_peer_loss(f) for f in self.failures)
+            )
+            phase = self.phases.get(rank, "")
+        if lost:
+            self._fail(
+                RankFailure(
+                    rank=rank,
+                    exc_type="WorkerLost",
+                    message=(
+                        "the task's Python process exited without reporting an error (killed by the OS "
+                        "or the cluster manager, e.g. out of memory, or it called os._exit); see the "
+                        "executor's logs for this rank"
+                    ),
+                    traceback="",
+                    phase=phase,
+                )
+            )
+
+    #: How long the first failure waits for related ones before the job is cancelled. When a
+    #: process dies, its peers often report "connection lost" before the driver sees the dead
+    #: one's socket close; waiting a moment lets the dead rank be named as the root cause.
+    settle_s = 1.0
+
+    def _fail(self, failure: RankFailure) -> None:
+        with self._cond:
+            if self._cancelled:
+                self.failures.append(failure)
+                return
+            self.failures.append(failure)
+            first = len(self.failures) == 1
+            self._cond.notify_all()
+        if first:
+            threading.Timer(self.settle_s, self.cancel_now).start()
+
+    def cancel_now(self) -> None:
+        with self._cond:
+            if self._cancelled:
+                return
+            self._cancelled = True
+            # A rank that vanished without a word is the likeliest cause of its peers' errors.
+            self.failures.sort(key=lambda f: f.exc_type != "WorkerLost")
+            root = self.failures[0] if self.failures else None  # none when the job died before any rank reported
+            self._cond.notify_all()
+        if root is not None:
+            logger.error("rank %d failed (%s: %s); cancelling the Spark job", root.rank, root.exc_type, root.message)
+        self._cancel()
+
+    def wait_disconnected(self, timeout: float) -> None:
+        """Waits (bounded) until every task has hung up, so late error reports are not lost."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.connected:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self._cond.wait(remaining)

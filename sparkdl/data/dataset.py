@@ -411,6 +411,14 @@ def _petastorm_schema(url: str, fs: pafs.FileSystem, path: str):
         metadata = pq.read_schema(handle).metadata or {}
     if not any(key.startswith(b"dataset-toolkit.unischema") for key in metadata):
         return None
+    from sparkdl.data.readers.petastorm import petastorm_problem
+
+    problem = petastorm_problem()
+    if problem:
+        raise DataError(
+            f"dataset {url!r} is a Petastorm dataset (its Unischema says how fields are encoded), and reading it needs "
+            f"Petastorm, but {problem}: pip install 'sparkdl[petastorm]' (PySpark 3.5 or 4.0 with pyarrow 14)"
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Petastorm's legacy pyarrow calls warn on every use
         from petastorm.etl.dataset_metadata import get_schema_from_dataset_url

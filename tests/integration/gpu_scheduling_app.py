@@ -61,8 +61,14 @@ def report(ctx: Any) -> List[Dict[str, Any]]:
     return everyone
 
 
-def worker_env(_rows: Any) -> List[Dict[str, Any]]:
-    return [{"pid": os.getpid(), "env": os.environ.get("CUDA_VISIBLE_DEVICES")}]
+def worker_env(batches: Any) -> Any:
+    """Arrow batches of (pid, CUDA_VISIBLE_DEVICES): run the way sparkdl's own stage runs
+    (mapInArrow), so it lands on the same pool of Python workers."""
+    import pyarrow as pa
+
+    for _ in batches:
+        pass
+    yield pa.RecordBatch.from_pydict({"pid": [os.getpid()], "env": [os.environ.get("CUDA_VISIBLE_DEVICES")]})
 
 
 class Collect(logging.Handler):
@@ -103,7 +109,8 @@ def main(discovery_script: str, output: str) -> None:
         results["auto"] = sparkdl.run(report, num_workers=2, use_gpu=None, progress=False, spark=spark, timeout_s=120)
         results["auto_logs"] = list(collect.messages)
         # Right away, while the same Python workers sit idle: what does the next task see?
-        results["after"] = spark.sparkContext.parallelize(range(2), 2).barrier().mapPartitions(worker_env).collect()
+        after = spark.range(0, 2, 1, 2).mapInArrow(worker_env, "pid long, env string", barrier=True).collect()
+        results["after"] = [row.asDict() for row in after]
         try:
             sparkdl.run(report, num_workers=2, use_gpu=True, progress=False, spark=spark, timeout_s=120, max_failures=2)
             results["required"] = None

@@ -30,7 +30,7 @@ BIN = os.path.dirname(sys.executable)
 
 @pytest.fixture(scope="module")
 def executor_python(tmp_path_factory):
-    """A Python with torch, pyspark, petastorm... but no sparkdl, and checked to be so."""
+    """A Python with torch, pyspark, pyarrow... but no sparkdl, and checked to be so."""
     root = tmp_path_factory.mktemp("executor-venv")
     venv.EnvBuilder(with_pip=False).create(str(root))
     site = subprocess.run(
@@ -41,7 +41,7 @@ def executor_python(tmp_path_factory):
         handle.write(sysconfig.get_paths()["purelib"] + "\n")  # .venv's site-packages, as a plain path
     python = str(root / "bin" / "python")
     probe = subprocess.run(
-        [python, "-c", "import torch, pyspark, petastorm\ntry:\n import sparkdl\nexcept ImportError:\n print('no sparkdl')"],
+        [python, "-c", "import torch, pyspark, pyarrow\ntry:\n import sparkdl\nexcept ImportError:\n print('no sparkdl')"],
         capture_output=True, text=True, cwd=str(root), env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
     )
     assert probe.returncode == 0 and probe.stdout.strip() == "no sparkdl", probe.stdout + probe.stderr

@@ -5,8 +5,8 @@ Everything that differs between the two lives here, so the launcher, the DataFra
 
 * **Launch.** Both run the barrier stage as ``spark.range(n, numPartitions=n).mapInArrow(fn,
   barrier=True)`` (as PySpark's TorchDistributor does); each task returns its result as Arrow
-  bytes. Job tags cancel it (``SparkSession.addTag``/``interruptTag`` on Connect and PySpark >= 4,
-  ``SparkContext`` job tags on a classic 3.5 session).
+  bytes. Job tags cancel it (``SparkSession.addTag``/``interruptTag`` on Connect, ``SparkContext``
+  job tags with interrupt-on-cancel on a classic session).
 * **Where the tasks reach the client.** The progress and error channel is a server in *this*
   process. On a classic session that is the Spark driver (``spark.driver.host``). A Connect client
   is not the driver: the channel binds to the address this machine uses to reach the Connect
@@ -103,9 +103,9 @@ class Session:
             self.spark.sparkContext.removeJobTag(tag)
 
     def _session_tags(self) -> bool:
-        import pyspark
-
-        return self.connect or int(pyspark.__version__.split(".")[0]) >= 4
+        # Classic sessions keep SparkContext's job tags with interrupt-on-cancel: a session tag's
+        # interrupt does not kill a task blocked in Python (a hung rank the watchdog cancels).
+        return self.connect
 
     def _set_description(self, description: Optional[str]) -> None:
         if not self.connect:

@@ -180,9 +180,11 @@ def _failure_from_spark(exc: BaseException) -> RankFailure:
     """A failure record for a Spark job that died before any rank reported (e.g. the task could
     not even unpickle its function because a module is missing on the executors)."""
     text = str(exc)
-    match = re.search(r"(Traceback \(most recent call last\):.*?)(?:\n\s+at |\n\nDriver stacktrace|\Z)", text, re.S)
+    match = re.search(r"(Traceback \(most recent call last\):.*?)(?:\n\s+at |\n\nDriver stacktrace|\nJVM stacktrace|\Z)", text, re.S)
     remote = match.group(1) if match else ""
-    last = [line for line in remote.strip().splitlines() if line.strip()][-1:] if remote else []
+    # SQL-side failures (the mapInArrow stage) end their Python traceback with an SQLSTATE line.
+    lines = [line for line in remote.strip().splitlines() if line.strip() and not line.strip().startswith("SQLSTATE:")]
+    last = lines[-1:] if remote else []
     message = last[0].strip() if last else text.strip().splitlines()[0][:500] if text.strip() else type(exc).__name__
     hint = ""
     if "ModuleNotFoundError" in message or "No module named" in message:

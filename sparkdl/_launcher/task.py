@@ -128,7 +128,15 @@ class _Heartbeat:
             try:
                 self._client.send({"kind": "heartbeat", "progress": self._liveness.progress, "phase": self._liveness.phase})
             except ChannelError:
-                return  # the driver is gone; the task will learn it from Spark
+                if self._stop.is_set():
+                    return
+                # The run's channel is gone: the driver (or Connect client) cancelled the run or
+                # died. A rank blocked in user code would never notice, and a cancel does not
+                # always kill a task stuck in Python (Spark Connect's interrupt does not), so the
+                # rank ends its process rather than hold its task slot for good.
+                sys.stderr.write("[sparkdl] the driver's channel closed while this rank was running: exiting\n")
+                sys.stderr.flush()
+                os._exit(70)
             if self._stop.wait(self._interval_s):
                 return
 

@@ -155,3 +155,23 @@ def test_checkpoints_and_recovery_from_a_connect_client(connect_digits, tmp_path
     ).fit(train)
     assert len(model.run_info["attempts"]) == 2 and model.run_info["steps"]["resumed_at"] == 24
     assert [r["epoch"] for r in model.history] == [1, 2]
+
+
+def _block_rank_1(ctx):
+    import threading
+
+    if ctx.rank == 1:
+        ctx.set_phase("waiting on purpose")
+        threading.Event().wait()  # no progress, heartbeats go on
+    for i in range(100_000):
+        ctx.set_phase(f"polling {i}")
+        time.sleep(0.05)
+
+
+def test_the_watchdog_cancels_a_hung_rank_from_a_connect_client(connect):
+    started = time.monotonic()
+    with pytest.raises(sparkdl.TrainingError) as info:
+        sparkdl.run(_block_rank_1, num_workers=2, spark=connect, progress=False, watchdog_timeout_s=3)
+    assert time.monotonic() - started < 90
+    assert info.value.rank == 1 and info.value.exc_type == "WatchdogTimeout"
+    assert sparkdl.run(lambda ctx: ctx.rank, num_workers=2, spark=connect, progress=False) == 0  # the cluster is free again

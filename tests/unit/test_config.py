@@ -64,3 +64,15 @@ def test_spark_failure_without_a_rank_report_keeps_the_python_traceback():
     assert failure.message.startswith("ModuleNotFoundError: No module named 'models'")
     assert "--py-files" in failure.message
     assert failure.traceback.startswith("Traceback (most recent call last):")
+
+
+def test_a_failed_mapinarrow_stage_is_named_by_its_python_error_not_its_sqlstate():
+    text = (
+        "[PYTHON_EXCEPTION] An exception was thrown from the Python worker.\n"
+        "Traceback (most recent call last):\n"
+        '  File "worker.py", line 1, in main\n'
+        "ModuleNotFoundError: No module named 'sparkdl'\n"
+        " SQLSTATE: 38000\n\nJVM stacktrace:\norg.apache.spark.SparkException: Job aborted\n"
+    )
+    failure = _failure_from_spark(RuntimeError(text))
+    assert failure.message.startswith("ModuleNotFoundError: No module named 'sparkdl'") and "--py-files" in failure.message

@@ -202,3 +202,14 @@ def test_the_petastorm_reader_says_what_to_install_where_it_cannot_run():
             sparkdl.TorchEstimator(model=lambda: None.__class__, reader="petastorm")
     else:  # the Petastorm stack
         assert isinstance(reader_from_name("petastorm"), PetastormReader)
+
+
+def test_a_sequence_label_pads_like_its_tokens_for_token_tagging(tmp_path):
+    tokens = [[5, 6, 7], [1], [9, 9]]
+    tags = [[1, 0, 2], [3], [0, 0]]
+    path = _write(tmp_path, tokens=pa.array(tokens, pa.list_(pa.int32())), tags=pa.array(tags, pa.list_(pa.int64())))
+    (batch,) = _take(path, {"tokens": sparkdl.Sequence("tokens", max_length=4)}, 1, label=sparkdl.Sequence("tags", 4, pad_value=-100), batch_size=3)
+    inputs, labels = batch
+    np.testing.assert_array_equal(inputs["tokens"], [[5, 6, 7], [1, 0, 0], [9, 9, 0]])
+    np.testing.assert_array_equal(labels, [[1, 0, 2], [3, -100, -100], [0, 0, -100]])
+    assert labels.dtype == np.int64 and labels.shape == inputs["tokens"].shape

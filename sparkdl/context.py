@@ -134,7 +134,7 @@ class TrainContext:
         Each batch is ``(inputs, labels)``: ``inputs`` is one float tensor with ``feature_cols=``
         and a dict of named tensors (call the model as ``model(**inputs)``) with ``inputs=``;
         ``labels`` is None for unlabeled data. Call once per epoch; the underlying stream continues across epochs (see
-        :mod:`sparkdl.data.reader` for what that means for the remainder rows). After resuming
+        :mod:`sparkdl.data.batching` for what that means for the remainder rows). After resuming
         from a checkpoint taken mid-epoch, pass ``skip`` = the steps of this epoch already done:
         the stream itself is already positioned after them.
         """

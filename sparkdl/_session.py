@@ -62,7 +62,7 @@ class Session:
             return self.conf("spark.driver.host") or "127.0.0.1"
         return _route_to(_connect_server(self.spark))
 
-    def run_barrier(self, num_workers: int, task: Callable[[], List[Tuple[int, bytes]]], tag: str, description: str) -> List[Tuple[int, bytes]]:
+    def run_barrier(self, num_workers: int, task: Callable[[], List[Tuple[int, bytes]]], description: str) -> List[Tuple[int, bytes]]:
         """Runs ``task`` on ``num_workers`` barrier tasks; returns every (rank, bytes) they returned."""
         import pyarrow as pa
 

@@ -150,7 +150,7 @@ def _launch_once(
     session.add_tag(tag)
     try:
         results = session.run_barrier(
-            config.num_workers, run_tasks, tag, f"sparkdl: train on {config.num_workers} barrier tasks ({strategy.name})"
+            config.num_workers, run_tasks, f"sparkdl: train on {config.num_workers} barrier tasks ({strategy.name})"
         )
     except KeyboardInterrupt:
         # A notebook user interrupted the kernel: stop the tasks too, not just the driver's wait.

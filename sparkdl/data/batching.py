@@ -41,7 +41,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional
 import numpy as np
 
 from sparkdl.data.dataset import DatasetInfo
-from sparkdl.data.inputs import LABEL_KEY, POSITION_KEY, InputPlan
+from sparkdl.data.inputs import InputPlan
 from sparkdl.data.readers.base import Chunk, DataReader, chunk_rows
 from sparkdl.errors import ConfigError, DataError
 
@@ -159,12 +159,11 @@ def batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int,
     plan = dataset.plan
     rng = np.random.default_rng(spec.seed + rank)
     target = spec.batch_size * (spec.shuffle_buffer_batches if spec.shuffle else 1)
-    pending: List[Chunk] = []
-    pending_rows = 0
     source = reader.chunks(dataset, spec, rank, world_size)
 
     def cut() -> Iterator[Chunk]:
-        nonlocal pending, pending_rows
+        pending: List[Chunk] = []
+        pending_rows = 0
         for chunk in source:
             pending.append(chunk)
             pending_rows += chunk_rows(chunk)
@@ -186,8 +185,10 @@ def batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int,
             pending_rows = rows - full
 
     def finish(index: int, arrays: Chunk) -> Batch:
-        # Training batches may be augmented, seeded by their place in the stream.
-        return finish_batch(plan, arrays, np.random.default_rng([spec.seed, rank, index]), spec.transform_fn, dataset.locate)
+        # Augmented training batches are seeded by their place in the stream; plans without
+        # augmentation build no generator per step.
+        augment = np.random.default_rng([spec.seed, rank, index]) if plan.augments else None
+        return finish_batch(plan, arrays, augment, spec.transform_fn, dataset.locate)
 
     cuts = cut()
     try:
@@ -203,12 +204,11 @@ def validation_batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec,
     """One pass over this rank's validation rows in batches of ``spec.batch_size`` (the last
     one may be smaller), finished without augmentation, ``spec.transform_fn`` applied."""
     plan = dataset.plan
-    pending: List[Chunk] = []
-    pending_rows = 0
     source = reader.read_pass(dataset, spec, rank, world_size, 0)
 
     def cut() -> Iterator[Chunk]:
-        nonlocal pending, pending_rows
+        pending: List[Chunk] = []
+        pending_rows = 0
         for chunk in source:
             pending.append(chunk)
             pending_rows += chunk_rows(chunk)
@@ -281,7 +281,7 @@ def _finish_in_order(cuts: Iterator[Chunk], finish: Callable[[int, Chunk], Batch
 
 def _concatenate(chunks: List[Chunk]) -> Chunk:
     if len(chunks) == 1:
-        return {key: np.array(values, copy=True) if values.dtype != object else values.copy() for key, values in chunks[0].items()}
+        return {key: values.copy() for key, values in chunks[0].items()}
     return {key: np.concatenate([c[key] for c in chunks]) for key in chunks[0]}
 
 

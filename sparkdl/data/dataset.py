@@ -93,16 +93,25 @@ class DatasetInfo:
         return {c.name: c for c in self.column_info}
 
     def locate(self, position: Optional[int]) -> str:
-        """Where the row at ``position`` (in the dataset's file order) is: file and row group."""
+        """Where the row at ``position`` (in the dataset's file order) is: row, row group, file."""
+        found = self._find(position)
+        return f"row {found[0]} of row group {found[1]} of file {found[2]!r}" if found else f"dataset {self.url!r}"
+
+    def row_group_of(self, position: int) -> str:
+        """The row group and file that hold the row at ``position``."""
+        found = self._find(position)
+        return f"row group {found[1]} of file {found[2]!r}" if found else f"dataset {self.url!r}"
+
+    def _find(self, position: Optional[int]) -> Optional[Tuple[int, int, str]]:
         if position is None:
-            return f"dataset {self.url!r}"
+            return None
         start = 0
         for file in self.files:
             for group, rows in enumerate(file.row_groups):
                 if position < start + rows:
-                    return f"row {position - start} of row group {group} of file {file.url!r}"
+                    return position - start, group, file.url
                 start += rows
-        return f"dataset {self.url!r}"
+        return None
 
     @property
     def row_group_rows(self) -> List[int]:

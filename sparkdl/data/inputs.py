@@ -446,6 +446,11 @@ class InputPlan:
     def expensive(self) -> bool:
         return any(spec.expensive for _, spec in self.inputs) or bool(self.label and self.label.expensive)
 
+    @property
+    def augments(self) -> bool:
+        """Whether training batches draw random augmentations (and so need a seeded generator)."""
+        return any(isinstance(spec, Image) and (spec.random_crop or spec.random_flip) for _, spec in self.inputs)
+
     def model_input_names(self) -> t.List[str]:
         return [n for key, spec in self.inputs for n in spec.output_names(key)]
 
@@ -478,7 +483,8 @@ class InputPlan:
             out.update(spec.extract(key, self.role(key), columns, infos, source))
         if self.label is not None:
             out.update(self.label.extract(LABEL_KEY, "label", columns, infos, source))
-        if positions is not None:
+        if positions is not None and self.expensive:
+            # Only a decoding step can fail on one row after the shuffle: it names the row from this.
             out[POSITION_KEY] = positions
         return out
 
@@ -647,14 +653,15 @@ def _object_values(values: ColumnData, role: str, column: str, source: str) -> n
 def _binary_values(values: ColumnData, role: str, column: str, source: str) -> np.ndarray:
     items = _object_values(values, role, column, source)
     if items.dtype != object:  # a 2-D uint8 stack (Petastorm's stacked ndarrays)
-        items = _as_object_rows(items)
+        items = object_rows(items)
     return items
 
 
-def _as_object_rows(array: np.ndarray) -> np.ndarray:
-    out = np.empty(len(array), dtype=object)
-    for i in range(len(array)):
-        out[i] = array[i]
+def object_rows(items: t.Sequence[t.Any]) -> np.ndarray:
+    """A 1-D object array of ``items`` (numpy would stack equal-shaped arrays into one)."""
+    out = np.empty(len(items), dtype=object)
+    for i, item in enumerate(items):
+        out[i] = item
     return out
 
 
@@ -664,7 +671,7 @@ def _codec_images(values: ColumnData, info: ColumnInfo, role: str, column: str, 
     array = _arrow(values)
     if array is None:
         items = _to_numpy(values)
-        return items if items.dtype == object else _as_object_rows(items)
+        return items if items.dtype == object else object_rows(items)
     if array.null_count:
         raise DataError(f"{role} column {column!r} has {array.null_count} null values in {source}")
     field = info.codec_field
@@ -673,14 +680,7 @@ def _codec_images(values: ColumnData, info: ColumnInfo, role: str, column: str, 
     raw = array.to_numpy(zero_copy_only=False)
     if isinstance(field.codec, CompressedImageCodec):
         return raw
-    return _as_object_rows_list([field.codec.decode(field, value) for value in raw])
-
-
-def _as_object_rows_list(items: t.List[t.Any]) -> np.ndarray:
-    out = np.empty(len(items), dtype=object)
-    for i, item in enumerate(items):
-        out[i] = item
-    return out
+    return object_rows([field.codec.decode(field, value) for value in raw])
 
 
 def _spark_image_structs(values: ColumnData, role: str, column: str, source: str) -> np.ndarray:

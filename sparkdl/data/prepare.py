@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 from sparkdl.data.batching import DataSpec, MetricFn, TransformFn, ValidationSpec, steps_per_epoch
 from sparkdl.data.cache import materialize
 from sparkdl.data.dataset import ColumnInfo, DatasetInfo, Filters, ParquetFiles, inspect_dataset, referenced_columns
-from sparkdl.data.inputs import Column, InputPlan
+from sparkdl.data.inputs import Column, Dense, Image, InputPlan, Sequence as SequenceInput
 from sparkdl.data.readers.base import DataReader, reader_from_name
 from sparkdl.errors import ConfigError, DataError
 
@@ -188,33 +188,28 @@ def _check_spark_types(df: Any, plan: InputPlan) -> None:
         return isinstance(data_type, T.StructType) and {"height", "width", "nChannels", "data"} <= set(data_type.fieldNames())
 
     types = {f.name: f.dataType for f in df.schema.fields}
-    checks = []
-    for key, spec in plan.inputs:
-        role = plan.role(key)
-        kind = type(spec).__name__
-        for column in spec.source_columns():
-            checks.append((role, column, kind))
+    checks = [(plan.role(key), column, spec) for key, spec in plan.inputs for column in spec.source_columns()]
     if plan.label is not None:
-        checks.append(("label", plan.label_column, type(plan.label).__name__))
-    for role, name, kind in checks:
+        checks.append(("label", plan.label_column, plan.label))
+    for role, name, spec in checks:
         data_type = types[name]
-        if kind == "Image" and not image(data_type):
+        if isinstance(spec, Image) and not image(data_type):
             raise DataError(
                 f"{role} column {name!r} has type {data_type.simpleString()}; sparkdl.Image needs a binary column of encoded "
                 f"images or a spark.read.format('image') struct"
             )
-        if kind == "Sequence" and not integers(data_type):
+        if isinstance(spec, SequenceInput) and not integers(data_type):
             raise DataError(
                 f"{role} column {name!r} has type {data_type.simpleString()}; sparkdl.Sequence needs arrays of integers "
                 f"(token ids), e.g. array<int>"
             )
-        if kind == "Dense" and not numeric(data_type):
+        if isinstance(spec, Dense) and not numeric(data_type):
             plural = "features" if role == "feature" else "inputs"
             raise DataError(
                 f"{role} column {name!r} has type {data_type.simpleString()}, which is not numeric; "
                 f"{plural} must be numbers or arrays of numbers"
             )
-        if kind == "Column" and not (numeric(data_type) or isinstance(data_type, (T.StringType, T.BinaryType))):
+        if isinstance(spec, Column) and not (numeric(data_type) or isinstance(data_type, (T.StringType, T.BinaryType))):
             raise DataError(f"{role} column {name!r} has type {data_type.simpleString()}, which is not numeric")
 
 

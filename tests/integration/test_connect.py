@@ -136,8 +136,6 @@ def test_a_failing_rank_is_named_on_the_client(connect):
 
 
 def test_too_few_slots_fail_fast_from_a_connect_client(connect):
-    from sparkdl._launcher import LaunchConfig  # noqa: F401 - the setting named in the message
-
     started = time.monotonic()
     with pytest.raises(sparkdl.InsufficientSlotsError, match="num_workers=3 needs 3 concurrent task slots"):
         sparkdl.run(_rank_sum, num_workers=3, spark=connect, progress=False)

@@ -96,7 +96,7 @@ class PetastormReader(DataReader):
                         continue
                     columns = {name: values[keep] for name, values in columns.items()}
                     positions = positions[keep] if positions is not None else None
-                where = dataset.locate(int(positions[0])).split(" of ", 1)[1] if positions is not None and len(positions) else source
+                where = dataset.row_group_of(int(positions[0])) if positions is not None and len(positions) else source
                 yield dataset.plan.extract(columns, infos, where, positions)
         finally:
             reader.stop()
@@ -199,10 +199,9 @@ def _stack_rows(rows) -> _Columns:
 def _stack(values: List[object]) -> np.ndarray:
     """Values of one field as one array; an object array when shapes differ (images of
     several sizes, variable-length sequences)."""
+    from sparkdl.data.inputs import object_rows
+
     try:
         return np.stack(values)
     except ValueError:
-        out = np.empty(len(values), dtype=object)
-        for i, value in enumerate(values):
-            out[i] = value
-        return out
+        return object_rows(values)

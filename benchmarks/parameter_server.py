@@ -131,7 +131,7 @@ def _wire_worker(rank: int, port: int, jobs: List[Dict[str, Any]], out: Any) -> 
     import torch.distributed as dist
 
     from sparkdl._rendezvous import DistEnv
-    from sparkdl.strategies.parameter_server import _ParameterServerRuntime
+    from sparkdl.strategies.parameter_server.runtime import ParameterServerRuntime as _ParameterServerRuntime
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300))
@@ -260,7 +260,8 @@ def busiest_server_ms(model: torch.nn.Module, ranks: int, layout: str, repeats: 
     """Milliseconds the busiest of ``ranks`` servers needs to apply one Adam update to its shard
     (the real ``_Shard.push``, one thread, no network): the pace-setter of every step. Each
     shard's time is the minimum over ``repeats`` updates, which filters out other jobs' noise."""
-    from sparkdl.strategies.parameter_server import _Shard, _TableSpec, make_layout
+    from sparkdl.strategies.parameter_server.layout import TableSpec as _TableSpec, make_layout
+    from sparkdl.strategies.parameter_server.shard import Shard as _Shard
 
     params = list(model.parameters())
     sizes = [p.numel() for p in params]

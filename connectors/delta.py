@@ -12,7 +12,8 @@ import datetime
 from typing import Any, Dict, Optional, Sequence, Union
 
 from connectors.base import Source
-from sparkdl.data.dataset import ParquetFiles, normalize_url
+from sparkdl.filesystem import normalize_url
+from sparkdl.data.dataset import ParquetFiles
 from sparkdl.errors import ConfigError, DataError
 
 #: Reader features that change what the Parquet files mean: deleted rows still in the files

@@ -8,7 +8,8 @@ from typing import Any, List, Sequence, Union
 import pyarrow.fs as pafs
 
 from connectors.base import Source
-from sparkdl.data.dataset import ParquetFiles, child_url, filesystem_and_path, normalize_url
+from sparkdl.filesystem import child_url, filesystem_and_path, normalize_url
+from sparkdl.data.dataset import ParquetFiles
 from sparkdl.errors import DataError
 
 _GLOB_CHARS = "*?["

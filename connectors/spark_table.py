@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any, Dict, Sequence, Union
 
 from connectors.base import Source, _require_spark
-from sparkdl.data.dataset import ParquetFiles, normalize_url
+from sparkdl.filesystem import normalize_url
+from sparkdl.data.dataset import ParquetFiles
 from sparkdl.errors import ConfigError, DataError
 
 

@@ -12,7 +12,7 @@ Public surface::
 
 __version__ = "0.1.0"
 
-from sparkdl.api import run
+from sparkdl.custom_loop import run
 from sparkdl.context import TrainContext
 from sparkdl.data.cache import clear_cache
 from sparkdl.data.inputs import Image, Sequence
@@ -25,7 +25,8 @@ from sparkdl.errors import (
     SparkdlError,
     TrainingError,
 )
-from sparkdl.estimator import TorchEstimator, TorchModel
+from sparkdl.estimator import TorchEstimator
+from sparkdl.model import TorchModel
 from sparkdl.strategies import AllReduce, ElasticAveraging, ModelAveraging, ParameterServer, Strategy
 
 __all__ = [

@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from sparkdl._tcpserver import ThreadedServer
+from sparkdl._tcpserver import ThreadedServer, checked_secret
 from sparkdl._tcpserver import close_quietly as _close_quietly
 from sparkdl._tcpserver import shutdown_quietly as _shutdown_quietly
 
@@ -145,11 +145,9 @@ class ChannelServer(ThreadedServer):
             ValueError: if ``secret`` is empty or a limit is not positive.
             OSError: if ``host`` cannot be bound.
         """
-        if not secret:
-            raise ValueError("secret must be non-empty")
+        self._secret = checked_secret(secret)
         if max_message_bytes <= 0 or handshake_timeout <= 0:
             raise ValueError("max_message_bytes and handshake_timeout must be positive")
-        self._secret = bytes(secret)
         self._on_message = on_message
         self._on_disconnect = on_disconnect
         self._max_message_bytes = max_message_bytes

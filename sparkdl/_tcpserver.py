@@ -19,6 +19,13 @@ ACCEPT_POLL_S = 0.5
 JOIN_TIMEOUT_S = 5.0
 
 
+def checked_secret(secret: bytes) -> bytes:
+    """The per-job secret a server authenticates peers with; an empty one would admit anyone."""
+    if not secret:
+        raise ValueError("secret must be non-empty")
+    return bytes(secret)
+
+
 def shutdown_quietly(sock: socket.socket) -> None:
     try:
         sock.shutdown(socket.SHUT_RDWR)

@@ -11,11 +11,11 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import numpy as np
 import torch
 
-from sparkdl._device import DeviceAssignment, DeviceFeed, move_batch, pin_thread_to
+from sparkdl._device import DeviceAssignment
+from sparkdl._device_feed import DeviceFeed, move_batch, pin_thread_to
 from sparkdl._precision import Precision, PrecisionRuntime
 from sparkdl._rendezvous import DistEnv
-from sparkdl.checkpoint import CheckpointStore, to_cpu
-from sparkdl.errors import ConfigError
+from sparkdl.checkpoint import Checkpoint, CheckpointStore, RankState
 from sparkdl.data.dataset import DatasetInfo
 from sparkdl.data.batching import DataSpec, batches, to_tensors, validation_batches
 from sparkdl.data.readers.base import DataReader
@@ -213,21 +213,18 @@ class TrainContext:
         previous = self.phase
         started = time.perf_counter()
         self.set_phase(f"checkpointing step {step}")
-        part = to_cpu(
-            {
-                "user": state,
-                "replicated": replicated if self.rank == 0 else None,
-                "strategy": self._runtime.state_dict(),
-                "torch_rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
-                "grad_scaler": self._amp.state_dict(),
-                "batches_taken": self._batches_taken,
-            }
+        part = RankState.capture(
+            user=state,
+            replicated=replicated if self.rank == 0 else None,
+            strategy=self._runtime.state_dict(),
+            grad_scaler=self._amp.state_dict(),
+            batches_taken=self._batches_taken,
+            device=self.device,
         )
         parts = [None] * self.world_size if self.rank == 0 else None
         torch.distributed.gather_object(part, parts, dst=0)
         if self.rank == 0:
-            self._store.save(step, {"format": 1, "step": step, "world_size": self.world_size, "ranks": parts})
+            self._store.save(Checkpoint(step, self.world_size, parts))
         # Nobody runs ahead of a checkpoint that is not on disk yet.
         torch.distributed.barrier()
         self.checkpoint_stats["count"] += 1
@@ -244,24 +241,16 @@ class TrainContext:
         if self._store is None:
             return None
         self.set_phase("loading checkpoint")
-        found = self._store.load_latest()
-        if found is None:
+        checkpoint = self._store.load_latest()
+        if checkpoint is None:
             return None
-        step, checkpoint = found
-        if checkpoint["world_size"] != self.world_size:
-            raise ConfigError(
-                f"the checkpoint at step {step} in {self._store.url} was written by {checkpoint['world_size']} "
-                f"workers but this run has num_workers={self.world_size}; use the same num_workers or a new checkpoint_dir"
-            )
-        part = checkpoint["ranks"][self.rank]
-        self._runtime.load_state_dict(part["strategy"])
-        torch.set_rng_state(part["torch_rng"])
-        if part.get("cuda_rng") is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(part["cuda_rng"], self.device)
-        self._amp.load_state_dict(part.get("grad_scaler"))
-        self._batches_taken = int(part["batches_taken"])
-        self.logger.info("resumed from checkpoint step %d", step)
-        return {**(checkpoint["ranks"][0].get("replicated") or {}), **part["user"]}
+        part = checkpoint.rank_state(self.rank, self.world_size, self._store.url)
+        self._runtime.load_state_dict(part.strategy)
+        part.restore_rng(self.device)
+        self._amp.load_state_dict(part.grad_scaler)
+        self._batches_taken = int(part.batches_taken)
+        self.logger.info("resumed from checkpoint step %d", checkpoint.step)
+        return checkpoint.user_state(self.rank)
 
     def report_epoch(self, record: Dict[str, Any]) -> None:
         """Sends one epoch's summary (``epoch``, ``loss``, ...) to the driver's progress display.
@@ -335,28 +324,23 @@ class _Prefetcher:
             if self._pin:
                 pin_thread_to(self._device)  # else pinning puts a CUDA context on GPU 0
             for batch in self._source:
-                item = to_tensors(batch, self._pin)
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.5)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if not self._put(to_tensors(batch, self._pin)):
                     return
-            self._put_final(StopIteration("the data stream ended"))
+            self._put(StopIteration("the data stream ended"))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer thread
-            self._put_final(exc)
+            self._put(exc)
         finally:
             self._source.close()
 
-    def _put_final(self, item: Any) -> None:
+    def _put(self, item: Any) -> bool:
+        """Waits for room in the queue, unless the consumer stopped; False when it did."""
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=0.5)
-                return
+                return True
             except queue.Full:
                 continue
+        return False
 
     def next(self) -> Batch:
         while True:

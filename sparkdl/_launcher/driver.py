@@ -26,7 +26,7 @@ from sparkdl._launcher.monitor import JobMonitor
 from sparkdl._launcher.task import _task_main, _TaskPayload
 from sparkdl._progress import ProgressDisplay
 from sparkdl._session import Session
-from sparkdl.checkpoint import CheckpointConfig, CheckpointStore
+from sparkdl.checkpoint import CheckpointConfig, open_store
 from sparkdl.data.batching import DataSpec
 from sparkdl.data.dataset import DatasetInfo
 from sparkdl.data.readers.base import DataReader
@@ -62,7 +62,7 @@ def launch(
     session = Session(spark)
     check_gpu_request(session.conf, config.use_gpu)  # fail now, not after executors start
     display = display or ProgressDisplay(enabled=config.progress)
-    store = CheckpointStore(checkpoint.url, checkpoint.keep) if checkpoint else None
+    store = open_store(checkpoint) if checkpoint else None
     if store is not None:
         if not checkpoint.resume:
             store.clear()
@@ -81,7 +81,7 @@ def launch(
             value = _launch_once(
                 session, train_fn, config, strategy, display,
                 dataset=dataset, data_spec=data_spec, reader=reader, steps_per_epoch=steps_per_epoch,
-                checkpoint=checkpoint, attempt=attempt,
+                store=store, attempt=attempt,
             )
         except _AttemptFailed as failed:
             error = failed.error

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
 from sparkdl._channel import ChannelClient, ChannelError
 from sparkdl._device import task_device
-from sparkdl.checkpoint import CheckpointConfig, CheckpointStore
+from sparkdl.checkpoint import CheckpointStore
 from sparkdl.errors import RankFailure
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -43,7 +43,7 @@ class _TaskPayload:
     data_spec: Optional[DataSpec]
     reader: Optional[DataReader]
     steps_per_epoch: Optional[int]
-    checkpoint: Optional[CheckpointConfig] = None
+    store: Optional[CheckpointStore] = None
     attempt: int = 1
 
 
@@ -83,7 +83,7 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
                 data_spec=payload.data_spec,
                 reader=payload.reader,
                 steps_per_epoch=payload.steps_per_epoch,
-                store=CheckpointStore(payload.checkpoint.url, payload.checkpoint.keep) if payload.checkpoint else None,
+                store=payload.store,
                 liveness=liveness,
                 assignment=assignment,
                 precision=payload.config.precision,

@@ -41,7 +41,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional
 import numpy as np
 
 from sparkdl.data.dataset import DatasetInfo
-from sparkdl.data.inputs import InputPlan
+from sparkdl.data.plan import InputPlan
 from sparkdl.data.readers.base import Chunk, DataReader, chunk_rows
 from sparkdl.errors import ConfigError, DataError
 
@@ -161,28 +161,16 @@ def batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int,
     target = spec.batch_size * (spec.shuffle_buffer_batches if spec.shuffle else 1)
     source = reader.chunks(dataset, spec, rank, world_size)
 
-    def cut() -> Iterator[Chunk]:
-        pending: List[Chunk] = []
-        pending_rows = 0
-        for chunk in source:
-            pending.append(chunk)
-            pending_rows += chunk_rows(chunk)
-            if pending_rows < target:
-                continue
-            if spec.shuffle and len(pending) == 1:
-                merged = pending[0]  # the shuffle's gather below copies it anyway
-            else:
-                # Also copies a lone chunk: readers may hand out read-only views of Arrow buffers.
-                merged = _concatenate(pending)
-            rows = chunk_rows(merged)
-            if spec.shuffle:
-                order = rng.permutation(rows)
-                merged = {key: values[order] for key, values in merged.items()}
-            full = (rows // spec.batch_size) * spec.batch_size
-            for start in range(0, full, spec.batch_size):
-                yield {key: values[start:start + spec.batch_size] for key, values in merged.items()}
-            pending = [{key: values[full:] for key, values in merged.items()}] if full < rows else []
-            pending_rows = rows - full
+    def merge(pending: List[Chunk]) -> Chunk:
+        if spec.shuffle and len(pending) == 1:
+            merged = pending[0]  # the shuffle's gather below copies it anyway
+        else:
+            # Also copies a lone chunk: readers may hand out read-only views of Arrow buffers.
+            merged = _concatenate(pending)
+        if spec.shuffle:
+            order = rng.permutation(chunk_rows(merged))
+            merged = {key: values[order] for key, values in merged.items()}
+        return merged
 
     def finish(index: int, arrays: Chunk) -> Batch:
         # Augmented training batches are seeded by their place in the stream; plans without
@@ -190,7 +178,7 @@ def batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int,
         augment = np.random.default_rng([spec.seed, rank, index]) if plan.augments else None
         return finish_batch(plan, arrays, augment, spec.transform_fn, dataset.locate)
 
-    cuts = cut()
+    cuts = _cut_batches(source, spec.batch_size, target, merge, keep_rest=False)
     try:
         for _ in range(skip):
             next(cuts)
@@ -206,31 +194,37 @@ def validation_batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec,
     plan = dataset.plan
     source = reader.read_pass(dataset, spec, rank, world_size, 0)
 
-    def cut() -> Iterator[Chunk]:
-        pending: List[Chunk] = []
-        pending_rows = 0
-        for chunk in source:
-            pending.append(chunk)
-            pending_rows += chunk_rows(chunk)
-            if pending_rows >= spec.batch_size:
-                merged = _concatenate(pending)
-                full = (pending_rows // spec.batch_size) * spec.batch_size
-                for start in range(0, full, spec.batch_size):
-                    yield {key: values[start:start + spec.batch_size] for key, values in merged.items()}
-                pending = [{key: values[full:] for key, values in merged.items()}]
-                pending_rows -= full
-        if pending_rows:
-            yield _concatenate(pending)
-
     def finish(index: int, arrays: Chunk) -> Batch:
         return finish_batch(plan, arrays, None, spec.transform_fn, dataset.locate)
 
-    cuts = cut()
+    cuts = _cut_batches(source, spec.batch_size, spec.batch_size, _concatenate, keep_rest=True)
     try:
         yield from _finish_in_order(cuts, finish, 0, _threads_for(plan, spec))
     finally:
         cuts.close()
         source.close()
+
+
+def _cut_batches(source: Iterator[Chunk], batch_size: int, gather_rows: int, merge: Callable[[List[Chunk]], Chunk], keep_rest: bool) -> Iterator[Chunk]:
+    """Batches of ``batch_size`` rows cut from ``source``'s chunks: whenever at least
+    ``gather_rows`` rows are pending, ``merge`` makes one chunk of them (a copy), its full batches
+    are handed out and the rest stays pending; ``keep_rest`` hands out the rows left when
+    ``source`` ends as one smaller batch."""
+    pending: List[Chunk] = []
+    pending_rows = 0
+    for chunk in source:
+        pending.append(chunk)
+        pending_rows += chunk_rows(chunk)
+        if pending_rows < gather_rows:
+            continue
+        merged = merge(pending)
+        full = (pending_rows // batch_size) * batch_size
+        for start in range(0, full, batch_size):
+            yield {key: values[start:start + batch_size] for key, values in merged.items()}
+        pending = [{key: values[full:] for key, values in merged.items()}] if full < pending_rows else []
+        pending_rows -= full
+    if keep_rest and pending_rows:
+        yield _concatenate(pending)
 
 
 def finish_batch(

@@ -13,15 +13,12 @@ import atexit
 import logging
 import math
 import os
-import shutil
 import tempfile
 import threading
 import uuid
 from typing import TYPE_CHECKING, List, Sequence, Tuple
 
-import pyarrow.fs as pafs
-
-from sparkdl.data.dataset import normalize_url
+from sparkdl.filesystem import delete_tree, normalize_url
 
 if TYPE_CHECKING:  # pragma: no cover
     from pyspark.sql import DataFrame
@@ -66,7 +63,7 @@ def materialize(df: "DataFrame", columns: Sequence[str], num_workers: int, cache
             logger.info("reusing materialized DataFrame at %s", url)
             return url
 
-    root = normalize_url(cache_dir or _default_cache_dir(df))
+    root = normalize_url(cache_dir or _default_cache_dir(df), "cache_dir")
     url = f"{root.rstrip('/')}/df-{uuid.uuid4().hex[:12]}"
     from sparkdl._session import is_connect
 
@@ -111,11 +108,7 @@ def clear_cache() -> None:
 
 def _delete(url: str) -> None:
     try:
-        fs, path = pafs.FileSystem.from_uri(url)
-        if isinstance(fs, pafs.LocalFileSystem):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            fs.delete_dir(path)
+        delete_tree(url)
     except Exception as exc:  # noqa: BLE001 - cleanup at exit must not raise
         logger.warning("could not delete materialized data at %s: %s", url, exc)
 

@@ -8,8 +8,6 @@ picklable and travels to the tasks, which stream the rows themselves.
 from __future__ import annotations
 
 import dataclasses
-import os
-import urllib.parse
 import warnings
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -17,10 +15,11 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 
+from sparkdl.filesystem import child_url, file_paths, normalize_url, open_url
 from sparkdl.errors import DataError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sparkdl.data.inputs import InputPlan
+    from sparkdl.data.plan import InputPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,58 +122,6 @@ class DatasetInfo:
         return [(i, g) for i, f in enumerate(self.files) for g in range(len(f.row_groups))]
 
 
-def normalize_url(url_or_path: str) -> str:
-    """Plain paths become ``file://`` URLs (Petastorm needs a scheme); URLs pass unchanged."""
-    if not isinstance(url_or_path, str) or not url_or_path:
-        raise DataError(f"dataset URL must be a non-empty string, got {url_or_path!r}")
-    if urllib.parse.urlparse(url_or_path).scheme in ("", "file") and not url_or_path.startswith("file://"):
-        # Hadoop writes local URIs as file:/path (one slash): that is a path, not a relative name.
-        path = url_or_path[len("file:"):] if url_or_path.startswith("file:/") else url_or_path
-        return "file://" + os.path.abspath(path)
-    return url_or_path
-
-
-def _filesystem(url: str) -> Tuple[pafs.FileSystem, str]:
-    try:
-        return filesystem_and_path(url)
-    except Exception as exc:  # noqa: BLE001 - pyarrow and fsspec raise several types for bad URLs
-        raise DataError(f"cannot open a filesystem for dataset URL {url!r}: {exc}") from exc
-
-
-def filesystem_and_path(url: str) -> Tuple[pafs.FileSystem, str]:
-    """A pyarrow filesystem and the path in it for ``url``.
-
-    pyarrow's own filesystems (local, HDFS, S3, GCS) come first; any other scheme that an
-    installed fsspec implementation knows (``memory://``, ``abfs://``, ...) is wrapped with
-    ``pyarrow.fs.FSSpecHandler``, so every reader sees one pyarrow filesystem interface.
-    """
-    try:
-        return pafs.FileSystem.from_uri(url)
-    except pa.ArrowInvalid as exc:
-        scheme = urllib.parse.urlparse(url).scheme
-        if not scheme or "Unrecognized filesystem type" not in str(exc):
-            raise
-    import fsspec
-
-    fs, path = fsspec.core.url_to_fs(url)
-    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
-
-
-def file_paths(fs: pafs.FileSystem, urls: Sequence[str]) -> List[str]:
-    """Paths in ``fs`` of file URLs that share one filesystem (one scheme and host)."""
-    if isinstance(fs, pafs.PyFileSystem):
-        handler_fs = fs.handler.fs
-        return [handler_fs._strip_protocol(u) for u in urls]
-    paths = []
-    for url in urls:
-        parsed = urllib.parse.urlparse(url)
-        if parsed.scheme in ("", "file", "hdfs", "viewfs"):
-            paths.append(urllib.parse.unquote(parsed.path))
-        else:  # object stores: the bucket is part of the path
-            paths.append(parsed.netloc + urllib.parse.unquote(parsed.path))
-    return paths
-
-
 Filters = Any  # pyarrow's DNF list of (column, op, value) tuples, or a pyarrow.compute.Expression
 
 
@@ -190,7 +137,7 @@ def inspect_dataset(
         data: a dataset URL or path (a directory of Parquet files, or one file), or the
             :class:`ParquetFiles` a connector resolved.
         feature_cols: feature columns (with ``label_col``), or the run's
-            :class:`~sparkdl.data.inputs.InputPlan`.
+            :class:`~sparkdl.data.plan.InputPlan`.
         label_col: label column, or None (ignored with a plan).
         filters: the row filter the readers will apply; its columns are checked too.
 
@@ -200,14 +147,14 @@ def inspect_dataset(
             (from the footers' statistics), the filter names an unknown column, or the dataset
             has no rows. The message names the path, file, column and input.
     """
-    from sparkdl.data.inputs import InputPlan
+    from sparkdl.data.plan import InputPlan
 
     plan = feature_cols if isinstance(feature_cols, InputPlan) else InputPlan.from_feature_cols(feature_cols, label_col)
     explicit = isinstance(data, ParquetFiles) and bool(data.files)
     url = normalize_url(data.url if isinstance(data, ParquetFiles) else data)
     if explicit:
         file_urls = [normalize_url(f) for f in data.files]
-        fs, _ = _filesystem(file_urls[0])
+        _, fs, _ = open_url(file_urls[0], "dataset URL")
         paths = file_paths(fs, file_urls)
         try:
             dataset = pads.dataset(paths, filesystem=fs, format="parquet")
@@ -215,7 +162,7 @@ def inspect_dataset(
             raise DataError(f"cannot read the Parquet files of {url!r}: {exc}") from exc
         fragments = list(dataset.get_fragments())
     else:
-        fs, path = _filesystem(url)
+        _, fs, path = open_url(url, "dataset URL")
         info = fs.get_file_info(path)
         if info.type == pafs.FileType.NotFound:
             raise DataError(f"no dataset at {url!r}: the path does not exist")
@@ -270,18 +217,6 @@ def inspect_dataset(
         url, num_rows, num_row_groups, unischema is not None, plan, tuple(infos[c] for c in plan.columns),
         files=tuple(files), explicit_files=explicit, filter_columns=tuple(filter_cols),
     )
-
-
-def child_url(root_url: str, root_path: str, file_path: str) -> str:
-    """The URL of a file found under the dataset at ``root_url`` (whose path in its filesystem is
-    ``root_path``): same scheme, host and query, so every reader resolves it the same way."""
-    root = root_path.rstrip("/")
-    if file_path == root_path or not file_path.startswith(root + "/"):
-        return root_url if file_path == root_path else file_path
-    if "?" not in root_url and "#" not in root_url:
-        return root_url.rstrip("/") + file_path[len(root):]
-    parsed = urllib.parse.urlparse(root_url)  # keep a query (e.g. an endpoint) after the path
-    return parsed._replace(path=parsed.path.rstrip("/") + file_path[len(root):]).geturl()
 
 
 def _type_key(arrow_type: pa.DataType) -> str:

@@ -2,7 +2,7 @@
 
 A DataFrame is materialized to Parquet once (:mod:`sparkdl.data.cache`), a URL or connector
 source is read in place; either way the columns are checked against the run's
-:class:`~sparkdl.data.inputs.InputPlan` from the Parquet footers alone
+:class:`~sparkdl.data.plan.InputPlan` from the Parquet footers alone
 (:func:`~sparkdl.data.dataset.inspect_dataset`), shard sizes are computed, and empty shards fail
 here, on the driver, in terms of the user's data.
 """
@@ -10,81 +10,48 @@ here, on the driver, in terms of the user's data.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple, Union
 
-from sparkdl.data.batching import DataSpec, MetricFn, TransformFn, ValidationSpec, steps_per_epoch
+from sparkdl.data.batching import DataSpec, TransformFn, ValidationSpec, steps_per_epoch
 from sparkdl.data.cache import materialize
 from sparkdl.data.dataset import ColumnInfo, DatasetInfo, Filters, ParquetFiles, inspect_dataset, referenced_columns
-from sparkdl.data.inputs import Column, Dense, Image, InputPlan, Sequence as SequenceInput
-from sparkdl.data.readers.base import DataReader, reader_from_name
+from sparkdl.data.inputs import Column, Dense, Image, Sequence as SequenceInput
+from sparkdl.data.plan import InputPlan
+from sparkdl.data.readers.base import DataReader
 from sparkdl.errors import ConfigError, DataError
 
+if TYPE_CHECKING:  # pragma: no cover
+    from sparkdl._settings import DataSettings
+
 DataSource = Union[str, Any]  # a dataset URL/path, a pyspark.sql.DataFrame, ParquetFiles, or a connector source
-#: The reader used when none is named (see docs/data.md for the measurements behind it).
-DEFAULT_READER = "arrow"
 
 
 def prepare_data(
-    data: DataSource,
-    *,
-    feature_cols: Optional[Sequence[str]],
-    label_col: Any,
-    num_workers: int,
-    inputs: Optional[Mapping[str, Any]] = None,
-    decode_threads: Optional[int] = None,
-    batch_size: int,
-    shuffle: bool = True,
-    seed: int = 0,
-    reader: str = DEFAULT_READER,
-    filters: Filters = None,
-    transform_fn: Optional[TransformFn] = None,
-    validation: Optional[Union[float, DataSource]] = None,
-    metrics: Optional[Mapping[str, MetricFn]] = None,
-    spark: Any = None,
-    cache_dir: Optional[str] = None,
+    data: DataSource, settings: "DataSettings", num_workers: int, spark: Any = None
 ) -> Tuple[DatasetInfo, DataSpec, DataReader, int]:
-    """Everything the tasks need to read data, checked on the driver before launch.
-
-    ``feature_cols`` (one positional input) or ``inputs`` (named model inputs, see
-    :mod:`sparkdl.data.inputs`) say what the batches hold; ``label_col`` is a column name, a
-    :class:`~sparkdl.Sequence` (token tagging) or None.
+    """Everything the tasks need to read ``data`` as ``settings`` say, checked on the driver
+    before launch.
 
     Returns the training dataset, the data spec (with the validation plan), the reader, and the
     steps per epoch (from the rows that pass the filter and are not held out).
 
     Raises:
-        ConfigError: bad arguments (validation fraction, metrics without validation, ...).
         DataError: bad data, or a rank whose shard holds no rows.
     """
     from sparkdl.data.selection import shard_rows
 
-    plan = InputPlan.build(feature_cols, inputs, label_col)
-    data_reader = reader_from_name(reader)
-    holdout, validation_data = 0.0, None
-    if metrics is not None and (not isinstance(metrics, Mapping) or not all(callable(f) for f in metrics.values())):
-        raise ConfigError(f"metrics={metrics!r} must map names to functions fn(output, label) -> scalar")
-    if validation is None:
-        if metrics:
-            raise ConfigError("metrics= are computed on validation data: pass validation= as well")
-    elif isinstance(validation, float):
-        if not 0.0 < validation < 1.0:
-            raise ConfigError(f"validation={validation!r}: a fraction of the rows must be in (0, 1)")
-        holdout = validation
-    elif isinstance(validation, (bool, int)):
-        raise ConfigError(f"validation={validation!r} must be a fraction in (0, 1) or validation data")
-    spec = DataSpec(
-        batch_size=batch_size, shuffle=shuffle, seed=seed, filters=filters, transform_fn=transform_fn, holdout=holdout,
-        decode_threads=decode_threads,
-    )
-    dataset = prepare_dataset(data, plan, num_workers, spark, cache_dir, filters=filters, transform_fn=transform_fn)
-    if validation is not None and not holdout:
-        validation_data = prepare_dataset(validation, plan, num_workers, spark, cache_dir, filters=filters, transform_fn=transform_fn)
-    if validation is not None:
-        spec = dataclasses.replace(spec, validation=ValidationSpec(validation_data, tuple(sorted((metrics or {}).items()))))
+    plan, spec, filters, holdout = settings.plan, settings.spec, settings.filters, settings.holdout
+    data_reader = settings.data_reader()
 
-    data_reader.check(dataset)
-    if validation_data is not None:
-        data_reader.check(validation_data)
+    def prepare(source: DataSource) -> DatasetInfo:
+        prepared = prepare_dataset(source, plan, num_workers, spark, settings.cache_dir, filters=filters, transform_fn=settings.transform_fn)
+        data_reader.check(prepared)
+        return prepared
+
+    dataset = prepare(data)
+    validation_data = prepare(settings.validation_data) if settings.validation_data is not None else None
+    if settings.validation is not None:
+        spec = dataclasses.replace(spec, validation=ValidationSpec(validation_data, tuple(sorted((settings.metrics or {}).items()))))
     conditions = [text for text, on in (("pass the filters", filters is not None), ("are not held out for validation", holdout)) if on]
     narrowed = " that " + " and ".join(conditions) if conditions else ""
     counts = shard_rows(dataset, num_workers, holdout, "train", filters)
@@ -95,7 +62,7 @@ def prepare_data(
             f"(rows per rank: {counts}); use fewer workers, more row groups, or a wider filter"
         )
     steps = steps_per_epoch(sum(counts), spec.batch_size, num_workers)
-    if validation is not None:
+    if settings.validation is not None:
         source = validation_data or dataset
         held = shard_rows(source, num_workers, 0.0 if validation_data else holdout, "train" if validation_data else "holdout", filters)
         if sum(held) == 0:

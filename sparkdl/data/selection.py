@@ -26,7 +26,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sparkdl.data.dataset import DatasetInfo, file_paths, filesystem_and_path, to_expression
+from sparkdl.filesystem import file_paths, filesystem_and_path
+from sparkdl.data.dataset import DatasetInfo, to_expression
 from sparkdl.errors import ConfigError, DataError
 
 #: Added to positions before hashing, so the split is not the one other tools derive from

@@ -20,12 +20,21 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from sparkdl.errors import ConfigError
+from sparkdl.strategies._tensors import (
+    SyncingOptimizer,
+    broadcast_from_rank0,
+    by_device_and_dtype,
+    flatten,
+    model_tensors,
+    nbytes,
+    unflatten_into,
+)
 from sparkdl.strategies.base import Strategy, StrategyRuntime
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -161,124 +170,6 @@ class ElasticAveraging(Strategy):
 # --------------------------------------------------------------------------------------------
 
 
-def _model_tensors(module: torch.nn.Module, floating_only: bool) -> List[torch.Tensor]:
-    """Parameters then buffers, in registration order, which is the same on every rank."""
-    tensors = [p for p in module.parameters()]
-    # Integer buffers (BatchNorm's num_batches_tracked) count steps, which every rank takes
-    # equally; averaging them would be meaningless, so only the initial broadcast sends them.
-    tensors += [b for b in module.buffers() if not floating_only or b.is_floating_point() or b.is_complex()]
-    return tensors
-
-
-def _by_device_and_dtype(tensors: List[torch.Tensor]) -> List[List[torch.Tensor]]:
-    """Groups in first-seen order: one flat buffer, so one collective, per group."""
-    groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-    return list(groups.values())
-
-
-def _flatten(tensors: List[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
-
-
-def _unflatten_into(flat: torch.Tensor, tensors: List[torch.Tensor]) -> None:
-    offset = 0
-    for tensor in tensors:
-        count = tensor.numel()
-        tensor.detach().copy_(flat[offset:offset + count].view(tensor.shape))
-        offset += count
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def broadcast_from_rank0(module: torch.nn.Module) -> int:
-    """Overwrites the module's parameters and buffers with rank 0's, one broadcast per
-    (device, dtype); returns the bytes this rank sent (only the root puts bytes on the wire)."""
-    sent = 0
-    with torch.no_grad():
-        for group in _by_device_and_dtype(_model_tensors(module, floating_only=False)):
-            flat = _flatten(group)
-            dist.broadcast(flat, src=0)
-            if dist.get_rank() == 0:
-                sent += _nbytes(flat)
-            _unflatten_into(flat, group)
-    return sent
-
-
-class _SyncingOptimizer(torch.optim.Optimizer):
-    """Runs the wrapped optimizer's ``step()``, then the strategy's ``after_step`` callback.
-
-    Everything else is the wrapped optimizer's: ``param_groups`` is the same list (LR schedulers
-    change the real learning rate), ``state``, ``defaults``, ``state_dict`` and hooks registered
-    through the wrapper (they run inside the wrapped step, so post-step hooks see the parameters
-    before a synchronization). It subclasses ``Optimizer`` because LR schedulers and
-    ``GradScaler`` check ``isinstance(optimizer, torch.optim.Optimizer)``.
-    """
-
-    # GradScaler.step would otherwise hand grad_scale/found_inf to this wrapper (not the fused
-    # optimizer inside), which would then step on scaled gradients; unscale-then-step instead.
-    _step_supports_amp_scaling = False
-
-    def __init__(self, optimizer: torch.optim.Optimizer, after_step: Callable[[], None]) -> None:
-        # Optimizer.__init__ is deliberately not called: the wrapper owns no parameters and no
-        # state of its own; every missing attribute is looked up on the wrapped optimizer.
-        self.__dict__["optimizer"] = optimizer
-        self.__dict__["_after_step"] = after_step
-
-    @property
-    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: List[Dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> Dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
-
-    def step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        loss = self.optimizer.step(*args, **kwargs)
-        self._after_step()
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> Dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
-
-    def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        self.optimizer.add_param_group(param_group)
-
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for attributes the wrapper lacks (hook registries, optimizer-specific
-        # fields, flags such as _step_supports_amp_scaling).
-        optimizer = self.__dict__.get("optimizer")
-        if optimizer is None or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(optimizer, name)
-
-    def __getstate__(self) -> Dict[str, Any]:
-        return dict(self.__dict__)
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.optimizer!r})"
-
-
 class _PeriodicSyncRuntime(StrategyRuntime):
     """Shared task side: initial broadcast, step counting, the wrapper, the final sync.
 
@@ -316,7 +207,7 @@ class _PeriodicSyncRuntime(StrategyRuntime):
                 f"{self.strategy_name}: call ctx.prepare_model(module) before ctx.prepare_optimizer(...), "
                 f"and build the optimizer over the prepared module's parameters"
             )
-        if isinstance(optimizer, _SyncingOptimizer) and optimizer._after_step == self._after_step:
+        if isinstance(optimizer, SyncingOptimizer) and optimizer._after_step == self._after_step:
             return optimizer
         synced = {id(p) for m in self.modules for p in m.parameters()}
         stray = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in synced)
@@ -328,7 +219,7 @@ class _PeriodicSyncRuntime(StrategyRuntime):
                 f"passed to ctx.prepare_model; build the optimizer over the prepared model's parameters"
             )
         self._optimizer_prepared = True
-        return _SyncingOptimizer(optimizer, self._after_step)
+        return SyncingOptimizer(optimizer, self._after_step)
 
     def final_module(self, model: torch.nn.Module) -> torch.nn.Module:
         if not any(m is model for m in self.modules):
@@ -384,14 +275,14 @@ class _ModelAveragingRuntime(_PeriodicSyncRuntime):
     def _sync(self) -> None:
         world_size = self.env.world_size
         for module in self.modules:
-            for group in _by_device_and_dtype(_model_tensors(module, floating_only=True)):
-                flat = _flatten(group)
+            for group in by_device_and_dtype(model_tensors(module, floating_only=True)):
+                flat = flatten(group)
                 # Divide before summing, as DDP's default hook does: no overflow in half
                 # precision. Every rank receives the same reduced bits, so replicas are equal.
                 flat.div_(world_size)
                 dist.all_reduce(flat)
-                self.comm_bytes += _nbytes(flat)
-                _unflatten_into(flat, group)
+                self.comm_bytes += nbytes(flat)
+                unflatten_into(flat, group)
 
 
 class _ElasticAveragingRuntime(_PeriodicSyncRuntime):
@@ -404,11 +295,11 @@ class _ElasticAveragingRuntime(_PeriodicSyncRuntime):
         self.centers: List[List[torch.Tensor]] = []
 
     def _module_prepared(self, module: torch.nn.Module) -> None:
-        groups = _by_device_and_dtype(_model_tensors(module, floating_only=True))
-        self.centers.append([_flatten(group) for group in groups])
+        groups = by_device_and_dtype(model_tensors(module, floating_only=True))
+        self.centers.append([flatten(group) for group in groups])
 
     def _groups(self, index: int) -> List[Tuple[List[torch.Tensor], torch.Tensor]]:
-        groups = _by_device_and_dtype(_model_tensors(self.modules[index], floating_only=True))
+        groups = by_device_and_dtype(model_tensors(self.modules[index], floating_only=True))
         centers = self.centers[index]
         if [sum(t.numel() for t in g) for g in groups] != [c.numel() for c in centers]:
             raise RuntimeError(
@@ -420,12 +311,12 @@ class _ElasticAveragingRuntime(_PeriodicSyncRuntime):
     def _sync(self) -> None:
         for index in range(len(self.modules)):
             for group, center in self._groups(index):
-                local = _flatten(group)
+                local = flatten(group)
                 diff = local - center
                 local.sub_(diff, alpha=self.alpha)
-                _unflatten_into(local, group)
+                unflatten_into(local, group)
                 dist.all_reduce(diff)  # sum over ranks of (x_i - c)
-                self.comm_bytes += _nbytes(diff)
+                self.comm_bytes += nbytes(diff)
                 # Same center and same sum on every rank: the center copies stay identical.
                 center.add_(diff, alpha=self.alpha)
 
@@ -446,7 +337,7 @@ class _ElasticAveragingRuntime(_PeriodicSyncRuntime):
         index = next(i for i, m in enumerate(self.modules) if m is model)
         with torch.no_grad():
             for group, center in self._groups(index):
-                _unflatten_into(center, group)
+                unflatten_into(center, group)
         return model
 
     def close(self) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sparkdl
-from sparkdl.checkpoint import CheckpointStore
+from sparkdl.checkpoint import CheckpointConfig, open_store
 from tests.integration.test_strategy_contract import STRATEGIES
 from tests.models import accuracy, digits_mlp
 
@@ -81,10 +81,8 @@ def test_killed_trainer_resumes_from_the_checkpoint_exactly(spark, digits_df, di
     _, (test_x, test_y) = digits_split
     assert accuracy(resumed.module, test_x, test_y) >= 0.85
     # Under AllReduce every rank holds the same weights: the checkpoint keeps one copy of them.
-    _, checkpoint = CheckpointStore(str(tmp_path / "resumed")).load_latest()
-    copies = sum("model" in part["user"] for part in checkpoint["ranks"]) + sum(
-        "model" in (part.get("replicated") or {}) for part in checkpoint["ranks"]
-    )
+    checkpoint = open_store(CheckpointConfig(str(tmp_path / "resumed"))).load_latest()
+    copies = sum("model" in part.user for part in checkpoint.ranks) + sum("model" in (part.replicated or {}) for part in checkpoint.ranks)
     assert copies == (1 if isinstance(strategy, sparkdl.AllReduce) else 2)
     if getattr(type(strategy), "deterministic", True):
         # Same batches, RNG, optimizer and strategy state after the resume: bit-identical result.
@@ -167,3 +165,22 @@ def test_custom_loop_checkpoints_resume_after_a_kill(spark, tmp_path):
         train_fn, num_workers=2, spark=spark, progress=False, checkpoint_dir=str(tmp_path / "ckpt"), max_failures=1
     )
     assert started_at == 6 and value == sum(range(1, 11))
+
+
+def test_checkpoints_resume_and_models_save_on_a_scheme_only_fsspec_knows(spark, digits_df, tmp_path):
+    from tests.fsspec_only import register
+
+    register(str(tmp_path / "store"))  # sparkdltest://x is <tmp>/store/x; pyarrow has no such scheme
+    killer = _KillOnce(str(tmp_path / "killed-once"), at=KILL_AT_STEP)
+    model = _estimator(sparkdl.AllReduce(), "sparkdltest://runs/one", loss=killer).fit(digits_df)
+    attempts = model.run_info["attempts"]
+    assert len(attempts) == 2 and "WorkerLost" in attempts[0]["error"]
+    assert model.run_info["steps"]["resumed_at"] == 24  # the relaunch read the checkpoint back
+    assert sorted(os.listdir(tmp_path / "store" / "runs" / "one"))[-1] == "finished.pkl"
+
+    model.save("sparkdltest://models/digits")
+    loaded = sparkdl.TorchModel.load("sparkdltest://models/digits")
+    for key, value in model.module.state_dict().items():
+        assert torch.equal(value, loaded.module.state_dict()[key]), key
+    again = _estimator(sparkdl.AllReduce(), "sparkdltest://runs/one").fit(digits_df)
+    assert again.run_info["from_finished_checkpoint"] is True and again.history == model.history

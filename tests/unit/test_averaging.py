@@ -23,7 +23,8 @@ import torch.multiprocessing as mp
 import sparkdl
 from sparkdl._rendezvous import DistEnv
 from sparkdl.errors import ConfigError
-from sparkdl.strategies.averaging import ElasticAveraging, ModelAveraging, _SyncingOptimizer
+from sparkdl.strategies._tensors import SyncingOptimizer
+from sparkdl.strategies.averaging import ElasticAveraging, ModelAveraging
 from sparkdl.strategies.base import strategy_from_name
 
 WORLD = 2
@@ -329,7 +330,7 @@ def test_wrapped_optimizer_behaves_like_the_optimizer_it_wraps():
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     events: List[str] = []
     inner.register_step_post_hook(lambda *_: events.append("inner step"))
-    wrapped = _SyncingOptimizer(inner, lambda: events.append("sync point"))
+    wrapped = SyncingOptimizer(inner, lambda: events.append("sync point"))
     assert isinstance(wrapped, torch.optim.Optimizer)
     assert wrapped.param_groups is inner.param_groups and wrapped.defaults is inner.defaults
     scheduler = torch.optim.lr_scheduler.StepLR(wrapped, step_size=1, gamma=0.5)
@@ -351,7 +352,7 @@ def test_wrapped_optimizer_behaves_like_the_optimizer_it_wraps():
     wrapped.zero_grad()
     assert all(p.grad is None for p in model.parameters())
     other = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
-    _SyncingOptimizer(other, lambda: None).load_state_dict(saved)
+    SyncingOptimizer(other, lambda: None).load_state_dict(saved)
     assert other.param_groups[0]["lr"] == pytest.approx(0.05) and len(other.state) == 2
     extra = torch.nn.Parameter(torch.zeros(1))
     wrapped.add_param_group({"params": [extra]})

@@ -12,6 +12,7 @@ import pytest
 
 from tests.models import pairs
 from sparkdl.data.prepare import prepare_data
+from sparkdl._settings import DataSettings
 from sparkdl.data.dataset import inspect_dataset
 from sparkdl.data.batching import DataSpec
 from sparkdl.data.readers import reader_from_name
@@ -152,26 +153,26 @@ def test_an_empty_shard_fails_before_launch_naming_the_rank(tmp_path):
     # Two row groups; the filter leaves rows only in row group 0, so rank 1 would read nothing.
     write(tmp_path, "part-0.parquet", x=np.arange(32, dtype=np.float64), label=np.zeros(32, dtype=np.int64))
     with pytest.raises(DataError, match="the shard of rank\\(s\\) 1 in dataset .* holds no rows that pass the filters \\(rows per rank: \\[10, 0\\]\\)"):
-        prepare_data(str(tmp_path), feature_cols=["x"], label_col="label", num_workers=2, batch_size=2, filters=[("x", "<", 10)])
+        prepare_data(str(tmp_path), DataSettings(feature_cols=["x"], label_col="label", batch_size=2, filters=[("x", "<", 10)]), num_workers=2)
 
 
 def test_filters_or_validation_that_select_nothing_fail_before_launch(tmp_path):
     write(tmp_path, "part-0.parquet", x=np.arange(32, dtype=np.float64), label=np.zeros(32, dtype=np.int64))
     with pytest.raises(DataError, match="holds no rows that pass the filters"):
-        prepare_data(str(tmp_path), feature_cols=["x"], label_col="label", num_workers=1, batch_size=2, filters=[("x", ">", 99)])
+        prepare_data(str(tmp_path), DataSettings(feature_cols=["x"], label_col="label", batch_size=2, filters=[("x", ">", 99)]), num_workers=1)
     with pytest.raises(DataError, match="the validation data .* holds no rows"):
-        prepare_data(str(tmp_path), feature_cols=["x"], label_col="label", num_workers=1, batch_size=2, validation=0.001)
+        prepare_data(str(tmp_path), DataSettings(feature_cols=["x"], label_col="label", batch_size=2, validation=0.001), num_workers=1)
 
 
 def test_validation_and_metrics_arguments_are_checked(tmp_path):
     path = write(tmp_path, "part-0.parquet", x=np.arange(64, dtype=np.float64), label=np.zeros(64, dtype=np.int64))
-    common = dict(feature_cols=["x"], label_col="label", num_workers=1, batch_size=4)
+    common = dict(feature_cols=["x"], label_col="label", batch_size=4)
     with pytest.raises(ConfigError, match="metrics= are computed on validation data: pass validation= as well"):
-        prepare_data(path, metrics={"acc": lambda o, l: 1.0}, **common)
+        DataSettings(metrics={"acc": lambda o, l: 1.0}, **common)
     with pytest.raises(ConfigError, match="validation=1.5: a fraction of the rows must be in \\(0, 1\\)"):
-        prepare_data(path, validation=1.5, **common)
+        DataSettings(validation=1.5, **common)
     with pytest.raises(ConfigError, match="metrics=.* must map names to functions"):
-        prepare_data(path, validation=0.2, metrics={"acc": 3}, **common)
-    dataset, spec, reader, steps = prepare_data(path, validation=0.25, metrics={"acc": lambda o, l: 1.0}, reader="arrow", **common)
+        DataSettings(validation=0.2, metrics={"acc": 3}, **common)
+    dataset, spec, reader, steps = prepare_data(path, DataSettings(validation=0.25, metrics={"acc": lambda o, l: 1.0}, reader="arrow", **common), num_workers=1)
     assert spec.holdout == 0.25 and [name for name, _ in spec.validation.metrics] == ["acc"]
     assert steps == (64 - sum(__import__("sparkdl.data.selection", fromlist=["x"]).shard_rows(dataset, 1, 0.25, "holdout"))) // 4

@@ -16,6 +16,7 @@ import torch
 
 import sparkdl
 from sparkdl import cli
+from sparkdl.cli import _train
 from tests.conftest import REPO_ROOT
 
 
@@ -34,6 +35,20 @@ def test_console_scripts_are_registered():
     assert 'sparkdl = "sparkdl.cli:sparkdl_main"' in pyproject and 'sparkdl-train = "sparkdl.cli:main"' in pyproject
     result = subprocess.run([os.path.join(os.path.dirname(sys.executable), "sparkdl"), "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "predict" in result.stdout
+
+
+def test_cli_package_keeps_the_one_module_names():
+    """sparkdl/cli/ is one module per command; sparkdl.cli.NAME and ``python -m`` stay as they were."""
+    import pickle
+
+    for name in ("main", "sparkdl_main", "train", "predict", "predict_main", "describe", "format_description", "inspect_main",
+                 "package", "package_main", "throughput", "rank_rates", "load_factory", "parse_inputs", "build_parser"):
+        assert callable(getattr(cli, name)), name
+    assert set(cli.COMMANDS) == {"train", "predict", "inspect", "package"} and issubclass(cli.UsageError, Exception)
+    factory = _train._optimizer_factory("sgd", 0.1, 0.9)  # executors import it by reference
+    assert type(pickle.loads(pickle.dumps(factory))) is _train._OptimizerFactory
+    result = subprocess.run([sys.executable, "-m", "sparkdl.cli", "--help"], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert result.returncode == 0 and "usage: sparkdl train" in result.stdout
 
 
 class _FakeModel:
@@ -116,11 +131,11 @@ def test_failed_train_records_status_versions_and_exit_code(tmp_path, monkeypatc
 
 
 def test_missing_module_hints_name_the_fix():
-    assert "sparkdl package --output sparkdl.zip" in cli._missing_module_hint("No module named 'sparkdl'", "models:f")
-    assert "--py-files sparkdl.zip,models.py" in cli._missing_module_hint("No module named 'sparkdl.data'", "models:f")
-    assert "--py-files mymodels.py" in cli._missing_module_hint("No module named 'mymodels'", "mymodels:make")
-    assert "--archives env.tar.gz#env" in cli._missing_module_hint("No module named 'petastorm'", "models:f")
-    assert cli._missing_module_hint("some other failure", "models:f") == ""
+    assert "sparkdl package --output sparkdl.zip" in _train._missing_module_hint("No module named 'sparkdl'", "models:f")
+    assert "--py-files sparkdl.zip,models.py" in _train._missing_module_hint("No module named 'sparkdl.data'", "models:f")
+    assert "--py-files mymodels.py" in _train._missing_module_hint("No module named 'mymodels'", "mymodels:make")
+    assert "--archives env.tar.gz#env" in _train._missing_module_hint("No module named 'petastorm'", "models:f")
+    assert _train._missing_module_hint("some other failure", "models:f") == ""
 
 
 def test_inspect_describes_a_dataset(tmp_path, capsys):
@@ -168,7 +183,7 @@ def test_package_zips_sparkdl_reproducibly_without_bytecode(tmp_path):
     assert first.read_bytes() == second.read_bytes()  # same sources, same bytes
     names = zipfile.ZipFile(first).namelist()
     assert names == sorted(names) and info["files"] == len(names)
-    assert {"sparkdl/__init__.py", "sparkdl/cli.py", "sparkdl/tracking.py", "connectors/__init__.py"} <= set(names)
+    assert {"sparkdl/__init__.py", "sparkdl/cli/__init__.py", "sparkdl/cli/_train.py", "sparkdl/tracking.py", "connectors/__init__.py"} <= set(names)
     assert not any(n.endswith(".pyc") or "__pycache__" in n for n in names)
     sources = {os.path.relpath(os.path.join(d, f), os.path.dirname(os.path.dirname(sparkdl.__file__)))
                for d, _, files in os.walk(os.path.dirname(sparkdl.__file__)) for f in files if f.endswith(".py")}

@@ -14,6 +14,7 @@ from deltalake import DeltaTable, write_deltalake
 import connectors
 from tests.models import pairs
 from sparkdl.data.prepare import prepare_data, prepare_dataset
+from sparkdl._settings import DataSettings
 from sparkdl.data.dataset import ParquetFiles, inspect_dataset
 from sparkdl.data.batching import DataSpec
 from sparkdl.data.readers import reader_from_name
@@ -109,8 +110,9 @@ def test_delta_time_travel_by_timestamp(delta_table):
 
 def test_delta_source_trains_through_prepare_data(delta_table):
     dataset, spec, reader, steps = prepare_data(
-        connectors.DeltaSource(delta_table, version=1), feature_cols=["features"], label_col="label",
-        num_workers=2, batch_size=10, validation=0.2, reader="arrow",
+        connectors.DeltaSource(delta_table, version=1),
+        DataSettings(feature_cols=["features"], label_col="label", batch_size=10, validation=0.2, reader="arrow"),
+        num_workers=2,
     )
     assert dataset.num_rows == 150 and spec.holdout == 0.2 and 0 < steps < 150 // 20
 

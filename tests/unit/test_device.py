@@ -14,13 +14,13 @@ import torch
 from sparkdl._device import (
     CUDA_VISIBLE_DEVICES,
     DeviceAssignment,
-    DeviceFeed,
     check_assignments,
     check_gpu_request,
     physical_ids,
     select_device,
     selected,
 )
+from sparkdl._device_feed import DeviceFeed
 from sparkdl._launcher import LaunchConfig
 from sparkdl.context import _Prefetcher
 from sparkdl.errors import ConfigError

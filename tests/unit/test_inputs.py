@@ -13,8 +13,9 @@ import pytest
 import sparkdl
 from sparkdl.data.batching import DataSpec, batches, validation_batches
 from sparkdl.data.dataset import inspect_dataset
-from sparkdl.data.inputs import InputPlan
+from sparkdl.data.plan import InputPlan
 from sparkdl.data.prepare import prepare_data
+from sparkdl._settings import DataSettings
 from sparkdl.data.readers import reader_from_name
 from sparkdl.errors import ConfigError, DataError
 from tests.models import png_bytes
@@ -130,7 +131,7 @@ def test_transform_fn_takes_and_returns_named_inputs_and_can_tokenize_strings(tm
     (batch,) = _take(path, {"text": "text"}, 1, transform_fn=tokenize)
     np.testing.assert_array_equal(batch[0]["n_words"], [2, 1, 1, 3])
     with pytest.raises(ConfigError, match="input 'text' reads string column 'text' as it is.*transform_fn"):
-        prepare_data(path, feature_cols=None, inputs={"text": "text"}, label_col="label", num_workers=1, batch_size=2)
+        prepare_data(path, DataSettings(inputs={"text": "text"}, label_col="label", batch_size=2), num_workers=1)
     with pytest.raises(DataError, match="model input 'text' holds strings or bytes \\(column 'text'\\)"):
         _take(path, {"text": "text"}, 1, transform_fn=lambda inputs, labels: (inputs, labels))
 

@@ -1,7 +1,8 @@
-"""ParameterServer without Spark: clocks, layouts, server optimizers, and the runtime on gloo.
+"""ParameterServer without Spark: settings, server optimizers, shards, and the runtime on gloo.
 
-The pure parts (SSP clock rule, the two layouts, rebuilding the user's optimizer over a shard)
-are tested directly. The runtime is tested on a real two-rank gloo process group started once
+Rebuilding the user's optimizer over a shard and the shard's SSP waits are tested directly (the
+pure SSP clock rule and the layouts have their own files, ``test_ps_clock.py`` and
+``test_ps_layout.py``). The runtime is tested on a real two-rank gloo process group started once
 per module with ``torch.multiprocessing.spawn`` (its servers, clients, staleness waits and
 collectives are all real); the ranks save what they saw and the tests compare it with exact
 references — e.g. with plain SGD the servers' final parameters must equal the initial ones minus
@@ -28,19 +29,10 @@ import sparkdl
 from sparkdl._rendezvous import DistEnv
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.base import strategy_from_name
-from sparkdl.strategies.parameter_server import (
-    Layout,
-    ParameterServer,
-    ParameterServerError,
-    SSPClock,
-    _ParameterServerRuntime,
-    _Shard,
-    _TableSpec,
-    balanced_layout,
-    build_server_optimizer,
-    shard_segments,
-    tensor_layout,
-)
+from sparkdl.strategies.parameter_server import ParameterServer, ParameterServerError, balanced_layout
+from sparkdl.strategies.parameter_server.layout import TableSpec
+from sparkdl.strategies.parameter_server.runtime import ParameterServerRuntime
+from sparkdl.strategies.parameter_server.shard import Shard, build_server_optimizer
 
 # ---- the strategy's settings ---------------------------------------------------------------
 
@@ -67,109 +59,6 @@ def test_defaults_registration_and_description():
 def test_bad_settings_fail_at_construction(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         ParameterServer(**kwargs)
-
-
-# ---- SSP clocks -------------------------------------------------------------------------------
-
-
-def test_clock_staleness_and_the_read_rule():
-    clock = SSPClock(3, max_staleness=2)
-    for _ in range(3):
-        clock.tick(0, clock.clocks[0])
-    clock.tick(1, 0)
-    assert clock.clocks == [3, 1, 0]
-    assert clock.min_clock() == 0
-    assert clock.staleness(3) == 3 and not clock.can_read(3)
-    assert clock.blockers(3) == [2]  # rank 1 (clock 1) is within the bound, rank 2 is not
-    assert clock.staleness(2) == 2 and clock.can_read(2)
-    clock.tick(2, 0)
-    assert clock.can_read(3) and clock.blockers(3) == []
-
-
-def test_bulk_synchronous_and_fully_asynchronous_bounds():
-    bsp = SSPClock(2, max_staleness=0)
-    bsp.tick(0, 0)
-    assert not bsp.can_read(1) and bsp.blockers(1) == [1]
-    bsp.tick(1, 0)
-    assert bsp.can_read(1) and bsp.staleness(1) == 0
-    free = SSPClock(2, max_staleness=None)
-    for c in range(50):
-        free.tick(0, c)
-    assert free.can_read(50) and free.staleness(50) == 50 and free.blockers(50) == []
-
-
-def test_finished_workers_stop_holding_others_back_and_lost_ones_keep_blocking():
-    clock = SSPClock(3, max_staleness=0)
-    clock.tick(0, 0)
-    clock.finish(1)
-    assert clock.blockers(1) == [2]
-    clock.lose(2, "gone")
-    assert clock.blockers(1) == [2] and clock.lost == {2: "gone"}
-    clock.finish(2)  # a worker that said BYE is finished, even if later marked lost
-    assert clock.can_read(1)
-    clock.finish(0)
-    assert clock.min_clock() == 1  # everyone finished: the largest clock
-
-
-def test_out_of_order_or_late_pushes_are_protocol_errors():
-    from sparkdl.strategies._ps_wire import WireError
-
-    clock = SSPClock(2, max_staleness=None)
-    clock.tick(0, 0)
-    with pytest.raises(WireError, match="pushed clock 0, expected 1"):
-        clock.tick(0, 0)
-    clock.finish(1)
-    with pytest.raises(WireError, match="rank 1, which has left"):
-        clock.tick(1, 0)
-
-
-# ---- layouts ------------------------------------------------------------------------------------
-
-
-def _covers_exactly_once(layout: Layout, sizes: List[int]) -> None:
-    seen = [torch.zeros(size, dtype=torch.int32) for size in sizes]
-    offset_check = []
-    for shard in range(len(layout.bounds) - 1):
-        position = 0
-        for seg in shard_segments(layout, sizes, shard):
-            assert seg.offset == position
-            seen[seg.param][seg.start:seg.stop] += 1
-            position += seg.size
-        offset_check.append(position)
-    assert offset_check == layout.sizes
-    assert all(bool((s == 1).all()) for s in seen)
-    assert sorted(layout.order) == list(range(len(sizes)))
-
-
-@pytest.mark.parametrize("shards", [1, 2, 3, 7])
-@pytest.mark.parametrize("sizes", [[4096, 64, 640, 10], [5], [1, 1, 1], [1000, 0, 3, 999_999]])
-def test_balanced_layout_is_even_to_one_element_and_covers_everything(sizes, shards):
-    layout = balanced_layout(sizes, shards)
-    assert max(layout.sizes) - min(layout.sizes) <= 1
-    assert layout.order == tuple(range(len(sizes)))
-    _covers_exactly_once(layout, sizes)
-
-
-@pytest.mark.parametrize("shards", [1, 2, 3, 7])
-@pytest.mark.parametrize("sizes", [[4096, 64, 640, 10], [5], [3, 3, 2, 2, 2], [1000, 0, 3, 999_999]])
-def test_tensor_layout_keeps_tensors_whole_and_covers_everything(sizes, shards):
-    layout = tensor_layout(sizes, shards)
-    _covers_exactly_once(layout, sizes)
-    for shard in range(shards):
-        for seg in shard_segments(layout, sizes, shard):
-            assert (seg.start, seg.stop) == (0, sizes[seg.param])
-
-
-def test_tensor_layout_is_greedy_largest_first():
-    # LPT on [3, 3, 2, 2, 2] into 2 bins: 3->A, 3->B, 2->A, 2->B, 2->A: loads 7 and 5.
-    layout = tensor_layout([3, 3, 2, 2, 2], 2)
-    assert layout.sizes == [7, 5]
-    assert layout.order == (0, 2, 4, 1, 3)
-    # The digits MLP (64x64+64, 64x10+10) cannot be split evenly into two whole-tensor shards.
-    digits = tensor_layout([4096, 64, 640, 10], 2)
-    assert digits.sizes == [4096, 714]
-    assert digits.imbalance() == pytest.approx(2 * 4096 / 4810)
-    assert balanced_layout([4096, 64, 640, 10], 2).imbalance() == pytest.approx(1.0)
 
 
 # ---- the server's copy of the user's optimizer -------------------------------------------------
@@ -205,8 +94,8 @@ def test_a_split_shard_steps_exactly_like_the_whole_model_for_elementwise_optimi
     sizes = [20, 5]
     layout = balanced_layout(sizes, 3)  # cuts the weight matrix across shards
     flat = torch.cat([weight.reshape(-1), bias])
-    spec = _TableSpec(0, torch.float32, ((5, 4), (5,)), (0, 0), 1, layout)
-    shards = [_Shard(spec, k, 3, None, 5.0, flat[layout.bounds[k]:layout.bounds[k + 1]], reference) for k in range(3)]
+    spec = TableSpec(0, torch.float32, ((5, 4), (5,)), (0, 0), 1, layout)
+    shards = [Shard(spec, k, 3, None, 5.0, flat[layout.bounds[k]:layout.bounds[k + 1]], reference) for k in range(3)]
     for step, (gw, gb) in enumerate(grads):
         g = torch.cat([gw.reshape(-1), gb])
         for k, shard in enumerate(shards):
@@ -217,8 +106,8 @@ def test_a_split_shard_steps_exactly_like_the_whole_model_for_elementwise_optimi
 
 
 def test_a_read_waits_for_the_slowest_worker_and_wakes_on_its_push():
-    spec = _TableSpec(0, torch.float32, ((4,),), (0,), 1, balanced_layout([4], 1))
-    shard = _Shard(spec, 0, 2, 0, 30.0, torch.zeros(4), torch.optim.SGD([torch.zeros(1)], lr=1.0))
+    spec = TableSpec(0, torch.float32, ((4,),), (0,), 1, balanced_layout([4], 1))
+    shard = Shard(spec, 0, 2, 0, 30.0, torch.zeros(4), torch.optim.SGD([torch.zeros(1)], lr=1.0))
     shard.push(0, 0, [math.nan], torch.ones(4))
     out = torch.empty(4)
     result: Dict[str, Any] = {}
@@ -237,8 +126,8 @@ def test_a_read_waits_for_the_slowest_worker_and_wakes_on_its_push():
 
 
 def test_a_read_blocked_by_a_lost_worker_fails_naming_it():
-    spec = _TableSpec(0, torch.float32, ((4,),), (0,), 1, balanced_layout([4], 1))
-    shard = _Shard(spec, 0, 3, 1, 30.0, torch.zeros(4), torch.optim.SGD([torch.zeros(1)], lr=1.0))
+    spec = TableSpec(0, torch.float32, ((4,),), (0,), 1, balanced_layout([4], 1))
+    shard = Shard(spec, 0, 3, 1, 30.0, torch.zeros(4), torch.optim.SGD([torch.zeros(1)], lr=1.0))
     for c in range(2):
         shard.push(0, c, [math.nan], torch.ones(4))
     shard.push(1, 0, [math.nan], torch.ones(4))
@@ -276,9 +165,9 @@ def _gather(message: str) -> List[str]:
     return out
 
 
-def _runtime(rank: int, port: int, **kwargs: Any) -> _ParameterServerRuntime:
+def _runtime(rank: int, port: int, **kwargs: Any) -> ParameterServerRuntime:
     env = DistEnv(rank, WORLD, torch.device("cpu"), "gloo", "127.0.0.1", port)
-    return _ParameterServerRuntime(ParameterServer(**kwargs), env, _gather, "127.0.0.1")
+    return ParameterServerRuntime(ParameterServer(**kwargs), env, _gather, "127.0.0.1")
 
 
 def _batch(rank: int, step: int):
@@ -360,7 +249,7 @@ def _checkpoint_scenario(rank: int, port: int) -> Dict[str, Any]:
         runtime.close()
 
 
-def _adam_steps(runtime: _ParameterServerRuntime) -> float:
+def _adam_steps(runtime: ParameterServerRuntime) -> float:
     shard = runtime.state.shard(0)
     return max(float(s["step"]) for s in shard.optimizer.state.values())
 

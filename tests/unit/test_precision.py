@@ -24,7 +24,7 @@ from sparkdl.data.batching import DataSpec
 from sparkdl.data.readers import reader_from_name
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.allreduce import AllReduce
-from sparkdl.strategies.averaging import _SyncingOptimizer
+from sparkdl.strategies._tensors import SyncingOptimizer as _SyncingOptimizer
 
 CPU = torch.device("cpu")
 

@@ -22,7 +22,10 @@ from typing import Iterator, Tuple
 import pytest
 import torch
 
-from sparkdl.strategies._ps_wire import (
+from sparkdl.strategies.parameter_server.layout import Layout, TableSpec
+from sparkdl.strategies.parameter_server.shard import ServerState, Shard
+from sparkdl.strategies.parameter_server.transport import ShardClient, ShardServer, listen
+from sparkdl.strategies.parameter_server.wire import (
     DTYPE_CODES,
     GREETING,
     HEADER,
@@ -30,15 +33,11 @@ from sparkdl.strategies._ps_wire import (
     Header,
     Kind,
     ParameterServerError,
-    ShardClient,
-    ShardServer,
     WireError,
     byte_view,
     client_handshake,
-    listen,
     server_handshake,
 )
-from sparkdl.strategies.parameter_server import Layout, _Shard, _ServerState, _TableSpec
 
 WORLD = 8
 SECRET = bytes(range(32))
@@ -48,17 +47,17 @@ N = 10
 PUSH_BYTES = 8 + 4 * N  # one learning rate + the gradient
 
 
-def _spec() -> _TableSpec:
+def _spec() -> TableSpec:
     # Rank 0 holds the whole table: bounds (0, 10, 10, ..., 10).
     layout = Layout(order=(0, 1), bounds=(0,) + (N,) * WORLD)
-    return _TableSpec(table=0, dtype=torch.float32, shapes=((2, 3), (4,)), groups=(0, 0), num_groups=1, layout=layout)
+    return TableSpec(table=0, dtype=torch.float32, shapes=((2, 3), (4,)), groups=(0, 0), num_groups=1, layout=layout)
 
 
 class _Server:
     def __init__(self, timeout_s: float = 5.0, max_staleness=None) -> None:
-        self.state = _ServerState(0, WORLD, timeout_s)
+        self.state = ServerState(0, WORLD, timeout_s)
         template = torch.optim.SGD([torch.zeros(1)], lr=0.5)
-        self.shard = _Shard(_spec(), 0, WORLD, max_staleness, timeout_s, torch.arange(N, dtype=torch.float32), template)
+        self.shard = Shard(_spec(), 0, WORLD, max_staleness, timeout_s, torch.arange(N, dtype=torch.float32), template)
         self.shard.depart(0, clean=True, reason="rank 0's own worker takes no part in these tests")
         self.state.register(0, self.shard)
         self.server = ShardServer(listen("127.0.0.1"), SECRET, 0, WORLD, self.state, timeout_s)

@@ -9,7 +9,7 @@ import pytest
 
 from sparkdl.data.batching import DataSpec, batches
 from sparkdl.data.dataset import ColumnInfo, DatasetInfo, inspect_dataset
-from sparkdl.data.inputs import InputPlan
+from sparkdl.data.plan import InputPlan
 from sparkdl.data.readers import Chunk, DataReader
 from sparkdl.errors import DataError
 

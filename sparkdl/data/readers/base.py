@@ -3,7 +3,7 @@
 A reader implements :meth:`DataReader.read_pass` — one pass over a rank's shard, honouring the
 shared selection rules of :mod:`sparkdl.data.selection` (row groups per rank and their order,
 filters, the validation hold-out) — and yields :data:`Chunk`\\ s: the named columns it read, run
-through :meth:`InputPlan.extract <sparkdl.data.inputs.InputPlan.extract>` (the one place that
+through :meth:`InputPlan.extract <sparkdl.data.plan.InputPlan.extract>` (the one place that
 knows how columns become arrays), with each row's position in the dataset. Everything after
 that (shuffle, batches, decoding, transforms, tensors) is :mod:`sparkdl.data.batching`, the same
 for every reader.
@@ -16,6 +16,7 @@ from :mod:`sparkdl.data.readers`; it joins the reader contract test
 from __future__ import annotations
 
 import abc
+import contextlib
 import itertools
 from typing import TYPE_CHECKING, ClassVar, Dict, Iterator, List, Type
 
@@ -31,6 +32,8 @@ if TYPE_CHECKING:  # pragma: no cover
 Chunk = Dict[str, np.ndarray]
 
 _READERS: Dict[str, Type["DataReader"]] = {}
+#: The reader used when none is named (see docs/data.md for the measurements behind it).
+DEFAULT_READER = "arrow"
 
 
 class DataReader(abc.ABC):
@@ -63,9 +66,12 @@ class DataReader(abc.ABC):
         Must close its resources when the generator is closed."""
         for pass_index in itertools.count():
             rows = 0
-            for chunk in self.read_pass(dataset, spec, rank, world_size, pass_index):
-                rows += chunk_rows(chunk)
-                yield chunk
+            # closing(): closing this generator closes the pass's reader at once, not whenever
+            # the garbage collector gets to it.
+            with contextlib.closing(self.read_pass(dataset, spec, rank, world_size, pass_index)) as stream:
+                for chunk in stream:
+                    rows += chunk_rows(chunk)
+                    yield chunk
             if rows == 0:
                 narrowed = " after filters and the validation hold-out" if spec.filters is not None or spec.holdout else ""
                 raise DataError(f"rank {rank} read no rows from its shard of dataset {dataset.url!r}{narrowed}")

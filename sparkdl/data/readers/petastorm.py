@@ -4,7 +4,7 @@
 (codecs such as images stored as ndarrays or compressed images, which Petastorm decodes).
 It follows the selection rules of :mod:`sparkdl.data.selection` so that it hands out the same
 rows, in the same order, as the Arrow reader; its columns become arrays in
-:meth:`InputPlan.extract <sparkdl.data.inputs.InputPlan.extract>` like every reader's.
+:meth:`InputPlan.extract <sparkdl.data.plan.InputPlan.extract>` like every reader's.
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def _stack_rows(rows) -> _Columns:
 def _stack(values: List[object]) -> np.ndarray:
     """Values of one field as one array; an object array when shapes differ (images of
     several sizes, variable-length sequences)."""
-    from sparkdl.data.inputs import object_rows
+    from sparkdl.data.columns import object_rows
 
     try:
         return np.stack(values)

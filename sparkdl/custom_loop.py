@@ -1,20 +1,19 @@
-"""``sparkdl.run``: the low-level entry for custom training loops."""
+"""``sparkdl.run``: custom training loops on barrier tasks (the low-level entry under ``TorchEstimator``)."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from sparkdl._launcher import LaunchConfig, launch
+from sparkdl._launcher import launch
 from sparkdl._progress import ProgressCallback, ProgressDisplay
-from sparkdl.checkpoint import CheckpointConfig
+from sparkdl._settings import RunSettings
 from sparkdl.context import TrainContext
 from sparkdl.data.batching import MetricFn, TransformFn
 from sparkdl.data.dataset import Filters
-from sparkdl.data.prepare import DEFAULT_READER, DataSource, prepare_data
+from sparkdl.data.prepare import DataSource, prepare_data
+from sparkdl.data.readers.base import DEFAULT_READER
 from sparkdl.errors import ConfigError
-from sparkdl.strategies.allreduce import AllReduce
 from sparkdl.strategies.base import Strategy
-
 
 
 def run(
@@ -22,6 +21,7 @@ def run(
     *,
     num_workers: int,
     strategy: Optional[Strategy] = None,
+    # the data and how it is read
     data: Optional[DataSource] = None,
     feature_cols: Sequence[str] = (),
     inputs: Optional[Mapping[str, Any]] = None,
@@ -32,20 +32,22 @@ def run(
     reader: str = DEFAULT_READER,
     filters: Filters = None,
     transform_fn: Optional[TransformFn] = None,
+    decode_threads: Optional[int] = None,
     validation: Optional[Union[float, DataSource]] = None,
     metrics: Optional[Mapping[str, MetricFn]] = None,
+    cache_dir: Optional[str] = None,
+    # where and how it runs
     spark: Any = None,
     use_gpu: Optional[bool] = None,
+    precision: str = "32",
     timeout_s: float = 600.0,
     progress: Union[bool, ProgressCallback] = True,
-    cache_dir: Optional[str] = None,
+    # surviving failures
     checkpoint_dir: Optional[str] = None,
-    keep_checkpoints: int = 3,
     resume: bool = True,
+    keep_checkpoints: int = 3,
     max_failures: int = 0,
     watchdog_timeout_s: Optional[float] = 600.0,
-    precision: str = "32",
-    decode_threads: Optional[int] = None,
 ) -> Any:
     """Runs ``train_fn(ctx)`` on ``num_workers`` Spark barrier tasks and returns rank 0's result.
 
@@ -77,64 +79,42 @@ def run(
         transform_fn: ``(features, labels) -> (features, labels)`` on numpy arrays (with
             ``inputs=``, ``features`` is the dict of named inputs), run on the executors' decode
             threads for every batch (training and validation); must keep the row count.
+        decode_threads: threads per task that decode images and run ``transform_fn`` ahead of
+            the training step; default the task's cores (``spark.task.cpus``).
         validation: a fraction in (0, 1) of the rows held out for validation (by row position,
             fixed for a dataset), or separate data (URL, DataFrame, source). Read by
             ``ctx.validation_batches()`` / ``ctx.validate(model, loss)``.
         metrics: ``name -> fn(output, label)`` batch means that ``ctx.validate`` reports as
             ``val_<name>``; needs ``validation``.
+        cache_dir: where DataFrames are materialized (default: ``spark.sparkdl.cacheDir`` conf).
         spark: the SparkSession; default the active one.
         use_gpu: None uses GPUs when Spark assigns them to tasks; True requires them (docs/gpu.md).
+        precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"``; the loop applies it with
+            ``ctx.autocast()`` and ``ctx.backward_and_step(loss, optimizer)``.
         timeout_s: bound on rendezvous and every collective.
         progress: show per-epoch progress on the driver; a callable also receives each record.
-        cache_dir: where DataFrames are materialized (default: ``spark.sparkdl.cacheDir`` conf).
         checkpoint_dir: where ``ctx.save_checkpoint`` writes (a path or URL every executor can
             write); with it, a relaunched or re-run job resumes, and a finished one returns its
             stored result without running again.
-        keep_checkpoints: how many checkpoints to keep.
         resume: False ignores (and replaces) what ``checkpoint_dir`` holds.
+        keep_checkpoints: how many checkpoints to keep.
         max_failures: relaunch the stage up to this many times after a failure.
         watchdog_timeout_s: fail when a rank makes no progress for this long (None: never).
-        precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"``; the loop applies it with
-            ``ctx.autocast()`` and ``ctx.backward_and_step(loss, optimizer)``.
-        decode_threads: threads per task that decode images and run ``transform_fn`` ahead of
-            the training step; default the task's cores (``spark.task.cpus``).
 
     Raises:
         TrainingError: a rank failed; names the rank and carries its traceback.
         InsufficientSlotsError: the cluster has fewer task slots than ``num_workers``.
         ConfigError, DataError: bad arguments or data, before anything launches.
     """
-    config = LaunchConfig(
-        num_workers=num_workers, use_gpu=use_gpu, timeout_s=timeout_s, progress=bool(progress), precision=precision,
-        max_failures=max_failures, watchdog_timeout_s=watchdog_timeout_s,
-    )
-    checkpoint = CheckpointConfig(checkpoint_dir, keep=keep_checkpoints, resume=resume) if checkpoint_dir else None
-    strategy = strategy if strategy is not None else AllReduce()
-    if not isinstance(strategy, Strategy):
-        raise ConfigError(f"strategy={strategy!r} is not a sparkdl strategy (e.g. sparkdl.AllReduce())")
     if not callable(train_fn):
         raise ConfigError(f"train_fn={train_fn!r} is not callable")
+    settings = RunSettings.from_arguments(locals(), with_data=data is not None)
     dataset = spec = data_reader = steps = None
-    if data is not None:
-        dataset, spec, data_reader, steps = prepare_data(
-            data, feature_cols=feature_cols, inputs=inputs, label_col=label_col, num_workers=num_workers,
-            decode_threads=decode_threads, batch_size=batch_size,
-            shuffle=shuffle, seed=seed, reader=reader, filters=filters, transform_fn=transform_fn,
-            validation=validation, metrics=metrics, spark=spark, cache_dir=cache_dir,
-        )
-    elif validation is not None or filters is not None or transform_fn is not None or metrics or inputs is not None:
-        raise ConfigError("inputs=, validation=, filters=, transform_fn= and metrics= need data=")
+    if settings.data is not None:
+        dataset, spec, data_reader, steps = prepare_data(data, settings.data, num_workers, spark)
     display = ProgressDisplay(enabled=bool(progress), callback=progress if callable(progress) else None)
     outcome = launch(
-        train_fn,
-        config,
-        strategy,
-        spark=spark,
-        dataset=dataset,
-        data_spec=spec,
-        reader=data_reader,
-        steps_per_epoch=steps,
-        display=display,
-        checkpoint=checkpoint,
+        train_fn, settings.launch, settings.strategy, spark=spark, dataset=dataset, data_spec=spec, reader=data_reader,
+        steps_per_epoch=steps, display=display, checkpoint=settings.checkpoint,
     )
     return outcome.value

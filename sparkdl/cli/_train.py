@@ -1,0 +1,323 @@
+"""``sparkdl train`` (= ``sparkdl-train`` and ``jobs/train.py``): options, ``--input`` specs,
+the estimator run, and metrics.json with throughput and a hint for executors' missing modules."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from sparkdl.cli._common import UsageError, _config, _versions, _write_metrics, load_factory, rank_rates
+from sparkdl.data.readers import registered_readers
+
+# Where the package re-exports this module's names: what pickles and MLflow's "optimizer"/"loss"
+# params name, as they did when the CLI was one module.
+
+OPTIMIZERS: Dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+}
+
+
+def _squeezed(loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    """Regression losses compare a [B, 1] output with a [B] label; squeeze rather than broadcast
+    to [B, B], which would train silently on the wrong objective."""
+
+    def regression_loss(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        if output.dim() == label.dim() + 1 and output.shape[-1] == 1:
+            output = output.squeeze(-1)
+        return loss(output, label.to(output.dtype))
+
+    return regression_loss
+
+
+LOSSES: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "cross_entropy": F.cross_entropy,
+    "mse": _squeezed(F.mse_loss),
+    "l1": _squeezed(F.l1_loss),
+    "bce_with_logits": _squeezed(F.binary_cross_entropy_with_logits),
+}
+
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sparkdl train", description="Train a PyTorch model on a Spark cluster with sparkdl.")
+    parser.add_argument("--data", required=True, help="URL or path of a Parquet/Petastorm dataset")
+    parser.add_argument("--model", required=True, help="module:factory, a zero-argument callable returning a torch.nn.Module")
+    parser.add_argument("--features", default=None, help="feature column(s), comma-separated, concatenated in order into one positional input")
+    parser.add_argument(
+        "--input", action="append", default=[], metavar="NAME=SPEC", dest="inputs",
+        help=(
+            "a named model input (repeat; the model is called as model(**inputs); replaces --features). SPEC is: "
+            "COLUMN (the column as it is; integer ids stay int64), "
+            "dense:COL1,COL2,... (numeric/array columns concatenated into floats), "
+            "image:COLUMN:HxW[xC][:flip][:crop=P] (encoded images, C = 1 or 3, default 3), "
+            "sequence:COLUMN:MAX_LENGTH[:PAD] (variable-length token ids, padded; a length input NAME_lengths is added). "
+            "E.g. --input image=image:jpeg_bytes:224x224x3 --input tokens=sequence:token_ids:128 --input dense=dense:age,income"
+        ),
+    )
+    parser.add_argument("--label", required=True, help="label column")
+    parser.add_argument("--strategy", default="allreduce", help="allreduce, model_averaging, elastic_averaging, ... (default allreduce)")
+    parser.add_argument(
+        "--strategy-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a strategy setting, e.g. --strategy-arg sync_every=8 (repeatable; values parsed as JSON when possible)",
+    )
+    parser.add_argument("--num-workers", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=32, help="rows per batch on each worker")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--momentum", type=float, default=0.9, help="for --optimizer sgd")
+    parser.add_argument("--loss", choices=sorted(LOSSES), default="cross_entropy")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", required=True, help="directory for the saved model and metrics.json")
+    parser.add_argument("--master", default=None, help="Spark master when not started by spark-submit")
+    parser.add_argument("--quiet", action="store_true", help="no per-epoch progress lines")
+    parser.add_argument("--reader", choices=registered_readers(), default="arrow", help="data reader (default arrow)")
+    parser.add_argument("--decode-threads", type=int, default=None, help="threads per task decoding images (default: the task's cores)")
+    parser.add_argument(
+        "--validation", type=float, default=None, metavar="FRACTION",
+        help="hold out this fraction of the rows (deterministically) and report val_loss per epoch",
+    )
+    parser.add_argument(
+        "--precision", choices=["32", "bf16-mixed", "16-mixed"], default="32",
+        help="training precision (16-mixed needs GPUs)",
+    )
+    recovery = parser.add_argument_group("fault tolerance (README, 'Surviving failures')")
+    recovery.add_argument(
+        "--checkpoint-dir", default=None,
+        help="checkpoint here (storage every executor can write); a re-run with the same dir resumes, "
+        "or returns the finished run's model without training",
+    )
+    recovery.add_argument("--checkpoint-every", type=int, default=None, help="also checkpoint every N steps (default: each epoch's end)")
+    recovery.add_argument("--max-failures", type=int, default=0, help="relaunch the training stage up to N times after a failure (default 0)")
+    recovery.add_argument("--no-resume", dest="resume", action="store_false", help="ignore existing checkpoints and train from scratch")
+    tracking = parser.add_argument_group("tracking (pip install 'sparkdl[tracking]')")
+    tracking.add_argument("--mlflow-experiment", default=None, help="log params, per-epoch metrics and the model to this MLflow experiment")
+    tracking.add_argument("--mlflow-tracking-uri", default=None, help="MLflow store (default: $MLFLOW_TRACKING_URI)")
+    tracking.add_argument("--tensorboard-dir", default=None, help="write per-epoch scalars for TensorBoard here")
+    return parser
+
+
+def parse_inputs(items: List[str]) -> Dict[str, Any]:
+    """``--input NAME=SPEC`` arguments as the ``inputs=`` dict (see ``--help``)."""
+    from sparkdl.data.inputs import Image, Sequence
+
+    inputs: Dict[str, Any] = {}
+    for item in items:
+        name, sep, spec = item.partition("=")
+        name = name.strip()
+        if not sep or not name or not spec:
+            raise UsageError(f"--input {item!r}: expected NAME=SPEC, e.g. image=image:jpeg_bytes:224x224x3")
+        if name in inputs:
+            raise UsageError(f"--input {name!r} is given twice")
+        kind, _, rest = spec.partition(":")
+        try:
+            if kind == "image" and rest:
+                parts = rest.split(":")
+                column, shape, options = parts[0], (parts[1] if len(parts) > 1 else ""), parts[2:]
+                dims = [int(v) for v in shape.lower().split("x")] if shape else []
+                if len(dims) not in (2, 3):
+                    raise UsageError(f"--input {item!r}: image size must be HxW or HxWxC, e.g. 224x224x3")
+                crop = [int(o.split("=", 1)[1]) for o in options if o.startswith("crop=")]
+                unknown = [o for o in options if o != "flip" and not o.startswith("crop=")]
+                if unknown:
+                    raise UsageError(f"--input {item!r}: unknown image option(s) {unknown}; valid: flip, crop=PIXELS")
+                inputs[name] = Image(column, size=(dims[0], dims[1]), channels=dims[2] if len(dims) == 3 else 3,
+                                     random_flip="flip" in options, random_crop=crop[0] if crop else 0)
+            elif kind == "sequence" and rest:
+                parts = rest.split(":")
+                if len(parts) not in (2, 3):
+                    raise UsageError(f"--input {item!r}: expected sequence:COLUMN:MAX_LENGTH[:PAD]")
+                inputs[name] = Sequence(parts[0], max_length=int(parts[1]), pad_value=int(parts[2]) if len(parts) == 3 else 0,
+                                        lengths_input=f"{name}_lengths")
+            elif kind == "dense" and rest:
+                inputs[name] = [c.strip() for c in rest.split(",") if c.strip()]
+            elif ":" not in spec and "," not in spec:
+                inputs[name] = spec.strip()
+            else:
+                raise UsageError(f"--input {item!r}: SPEC must be COLUMN, dense:COLS, image:COLUMN:HxW[xC] or sequence:COLUMN:MAX_LENGTH[:PAD]")
+        except ValueError as exc:
+            raise UsageError(f"--input {item!r}: {exc}") from exc
+    return inputs
+
+
+
+def _strategy_kwargs(pairs: List[str]) -> Dict[str, Any]:
+    kwargs: Dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise UsageError(f"--strategy-arg {pair!r} must look like KEY=VALUE")
+        try:
+            kwargs[key] = json.loads(value)
+        except json.JSONDecodeError:
+            kwargs[key] = value
+    return kwargs
+
+
+def _optimizer_factory(name: str, lr: float, momentum: float):
+    cls = OPTIMIZERS[name]
+    kwargs = {"lr": lr, **({"momentum": momentum} if name == "sgd" else {})}
+    return _OptimizerFactory(cls, kwargs)
+
+
+class _OptimizerFactory:
+    """A picklable ``params -> optimizer`` (module-level, so executors import it by reference)."""
+
+    def __init__(self, cls: Callable[..., torch.optim.Optimizer], kwargs: Dict[str, Any]) -> None:
+        self.cls = cls
+        self.kwargs = kwargs
+
+    def __call__(self, params: Any) -> torch.optim.Optimizer:
+        return self.cls(params, **self.kwargs)
+
+
+
+def train(args: argparse.Namespace) -> Dict[str, Any]:
+    """Runs one training job from parsed arguments; returns the metrics document."""
+    import pyspark
+    from pyspark.sql import SparkSession
+
+    import sparkdl
+    from sparkdl.strategies import strategy_from_name
+
+    inputs = parse_inputs(args.inputs) if args.inputs else None
+    if bool(inputs) == bool(args.features):
+        raise UsageError("give --features (one positional input) or --input NAME=SPEC (named inputs), not both and not neither")
+    factory = load_factory(args.model)
+    strategy = strategy_from_name(args.strategy, **_strategy_kwargs(args.strategy_arg))
+    if args.mlflow_tracking_uri:
+        os.environ["MLFLOW_TRACKING_URI"] = args.mlflow_tracking_uri
+    builder = SparkSession.builder.appName(f"sparkdl-train {os.path.basename(args.output.rstrip('/'))}")
+    if args.master:
+        builder = builder.master(args.master)
+    spark = builder.getOrCreate()
+    estimator = sparkdl.TorchEstimator(
+        model=factory,
+        optimizer=_optimizer_factory(args.optimizer, args.lr, args.momentum),
+        loss=LOSSES[args.loss],
+        feature_cols=[c.strip() for c in args.features.split(",") if c.strip()] if args.features else None,
+        inputs=inputs,
+        decode_threads=args.decode_threads,
+        label_col=args.label,
+        strategy=strategy,
+        num_workers=args.num_workers,
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        seed=args.seed,
+        progress=not args.quiet,
+        reader=args.reader,
+        validation=args.validation,
+        precision=args.precision,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        max_failures=args.max_failures,
+        resume=args.resume,
+        mlflow_experiment=args.mlflow_experiment,
+        tensorboard_dir=args.tensorboard_dir,
+    )
+    try:
+        model = estimator.fit(args.data)
+        model.save(os.path.join(args.output, "model"))
+        spark_info = {"master": spark.sparkContext.master, "app_id": spark.sparkContext.applicationId}
+    finally:
+        # Stopping explicitly lets executors shut down in order instead of racing the JVM's exit.
+        spark.stop()
+    return {
+        "status": "succeeded",
+        "history": model.history,
+        "throughput": throughput(model.history),
+        "run": model.run_info,
+        "config": _config(args),
+        "versions": _versions(pyspark.__version__),
+        "spark": spark_info,
+    }
+
+
+
+def throughput(history: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Samples/s over the run: global per epoch, and each rank's mean over the epochs, so a slow
+    executor stands out in metrics.json."""
+    per_rank = [rank_rates(r) for r in history if rank_rates(r)]
+    means = [sum(rates) / len(per_rank) for rates in zip(*per_rank)] if per_rank else []
+    return {
+        "samples_per_sec": [r.get("samples_per_sec") for r in history],
+        "rank_samples_per_sec_mean": [round(m, 3) for m in means],
+        "slowest_rank": min(range(len(means)), key=means.__getitem__) if means else None,
+    }
+
+
+
+def _missing_module_hint(message: str, model_spec: str) -> str:
+    """The spark-submit line that fixes an executor's missing module."""
+    match = re.search(r"No module named '([\w.]+)'", message)
+    if not match:
+        return ""
+    missing = match.group(1).split(".")[0]
+    user_module = model_spec.partition(":")[0].split(".")[0]
+    if missing in ("sparkdl", "connectors"):
+        return (
+            f"\n\nThe executors have no sparkdl. Build a zip of it with `sparkdl package --output sparkdl.zip` and submit with "
+            f"--py-files sparkdl.zip,{user_module}.py, or ship a packed virtualenv with --archives env.tar.gz#env "
+            f"--conf spark.pyspark.python=./env/bin/python (docs/deploy.md, 'Getting our code to the executors')."
+        )
+    if missing == user_module:
+        return f"\n\nShip the model code to the executors: spark-submit --py-files {user_module}.py (docs/deploy.md)."
+    return (
+        f"\n\nThe executors' Python has no {missing!r}: install it there, or ship a packed virtualenv with "
+        f"--archives env.tar.gz#env --conf spark.pyspark.python=./env/bin/python (docs/deploy.md)."
+    )
+
+
+
+def _safe_versions() -> Dict[str, str]:
+    try:
+        import pyspark
+
+        return _versions(pyspark.__version__)
+    except Exception as exc:  # noqa: BLE001 - a failed run still gets its metrics.json
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point; returns the process exit code (0 ok, 1 training failed, 2 bad usage)."""
+    args = build_parser().parse_args(argv)
+    started = time.time()
+    os.makedirs(args.output, exist_ok=True)  # fail on an unwritable --output now, not after training
+    try:
+        document = train(args)
+        code = 0
+    except UsageError as exc:
+        print(f"sparkdl-train: {exc}", file=sys.stderr)
+        document, code = {"status": "failed", "error": str(exc), "config": _config(args)}, 2
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a message and an exit code
+        from sparkdl.errors import SparkdlError
+
+        kind = "" if isinstance(exc, SparkdlError) else f"{type(exc).__name__}: "
+        hint = _missing_module_hint(str(exc), args.model)
+        print(f"sparkdl-train: training failed: {kind}{exc}{hint}", file=sys.stderr)
+        document = {"status": "failed", "error": f"{type(exc).__name__}: {exc}{hint}", "config": _config(args)}
+        code = 1
+    document["wall_seconds"] = time.time() - started
+    document["exit_code"] = code
+    document["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))
+    document.setdefault("versions", _safe_versions())
+    _write_metrics(args.output, document)
+    if code == 0:
+        last = document["history"][-1] if document.get("history") else {}
+        print(f"sparkdl-train: done in {document['wall_seconds']:.1f}s; final loss {last.get('loss', float('nan')):.4f}; model in {os.path.join(args.output, 'model')}")
+    return code
+

@@ -1,0 +1,242 @@
+"""Column values as numpy arrays: the conversions behind the input specs' first step.
+
+A chunk's columns arrive as pyarrow arrays (the Arrow reader), numpy arrays (the Petastorm
+reader) or pandas Series/DataFrames (``TorchModel.transform``); every function here takes any of
+them and returns row-aligned numpy arrays, raising :class:`~sparkdl.errors.DataError` that names
+the role, the column and the source for nulls, ragged arrays and values of the wrong type. The
+pixel helpers at the end work on decoded images (:class:`sparkdl.data.inputs.Image`).
+
+Nothing here knows the specs or the plan (:mod:`sparkdl.data.inputs`,
+:mod:`sparkdl.data.plan`), which import it.
+"""
+
+from __future__ import annotations
+
+import typing as t
+
+import numpy as np
+import pyarrow as pa
+
+from sparkdl.errors import DataError
+
+if t.TYPE_CHECKING:  # pragma: no cover
+    from sparkdl.data.dataset import ColumnInfo
+
+ColumnData = t.Any  # a pyarrow Array/ChunkedArray, a numpy array, or a pandas Series/DataFrame
+
+
+# ---- column conversions (pyarrow from the Arrow reader, numpy from Petastorm, pandas from
+# ---- TorchModel.transform) ---------------------------------------------------------------------
+
+
+def arrow_array(values: ColumnData) -> t.Optional[pa.Array]:
+    """One pyarrow array of a pyarrow column; None for numpy and pandas columns."""
+    if isinstance(values, pa.ChunkedArray):
+        return values.combine_chunks() if values.num_chunks != 1 else values.chunk(0)
+    if isinstance(values, pa.Array):
+        return values
+    return None
+
+
+def numpy_values(values: ColumnData) -> np.ndarray:
+    """A numpy or pandas column as a numpy array."""
+    if hasattr(values, "to_numpy") and not isinstance(values, (pa.Array, pa.ChunkedArray, np.ndarray)):
+        return values.to_numpy()  # pandas
+    return np.asarray(values)
+
+
+def numeric_values(values: ColumnData, info: ColumnInfo, role: str, source: str) -> np.ndarray:
+    """A numeric column as one array: scalars as a vector, equal-length lists as a matrix (a view
+    of the Arrow values buffer when possible), codec fields decoded with their codec."""
+    array = arrow_array(values)
+    if array is not None:
+        if array.null_count:
+            raise DataError(f"{role} column {info.name!r} has {array.null_count} null values in {source}")
+        if info.codec_field is not None:
+            field = info.codec_field
+            return np.stack([field.codec.decode(field, value) for value in array.to_pylist()])
+        if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+            return list_matrix(array, info, role, source)
+        if pa.types.is_fixed_size_list(array.type):
+            return array.flatten().to_numpy(zero_copy_only=False).reshape(len(array), array.type.list_size)
+        column = array.to_numpy(zero_copy_only=False)
+    else:
+        column = numpy_values(values)
+    if column.dtype == object:
+        try:
+            column = np.stack(column)
+        except (ValueError, TypeError) as exc:
+            raise DataError(
+                f"{role} column {info.name!r} holds arrays of different lengths or null values in {source}; every row "
+                f"must have the same number of elements ({exc})"
+            ) from exc
+        if column.dtype == object:
+            try:
+                column = column.astype(np.float64)
+            except (ValueError, TypeError) as exc:
+                raise DataError(f"{role} column {info.name!r} holds null or non-numeric values in {source}") from exc
+    if column.dtype.kind not in "fiub":
+        raise DataError(f"{role} column {info.name!r} has non-numeric values (dtype {column.dtype}) in {source}")
+    return column
+
+
+def list_matrix(array: pa.Array, info: ColumnInfo, role: str, source: str) -> np.ndarray:
+    rows = len(array)
+    offsets = array.offsets.to_numpy()
+    lengths = np.diff(offsets)
+    width = int(lengths[0]) if rows else 0
+    if rows and (lengths != width).any():
+        raise DataError(
+            f"{role} column {info.name!r} holds arrays of different lengths in {source} "
+            f"(from {int(lengths.min())} to {int(lengths.max())}); every row must have the same number of elements"
+            f" (use sparkdl.Sequence for variable-length token ids)"
+        )
+    if rows and width == 0:
+        raise DataError(f"{role} column {info.name!r} holds empty arrays in {source}")
+    values = array.flatten()
+    if values.null_count:
+        raise DataError(f"{role} column {info.name!r} has {values.null_count} null elements in {source}")
+    if pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
+        raise DataError(f"{role} column {info.name!r} holds nested arrays in {source}; store one flat array per row")
+    return values.to_numpy(zero_copy_only=False).reshape(rows, width)
+
+
+def object_values(values: ColumnData, role: str, column: str, source: str) -> np.ndarray:
+    array = arrow_array(values)
+    if array is not None:
+        if array.null_count:
+            raise DataError(f"{role} column {column!r} has {array.null_count} null values in {source}")
+        return array.to_numpy(zero_copy_only=False)
+    out = numpy_values(values)
+    if any(v is None for v in out):
+        raise DataError(f"{role} column {column!r} has null values in {source}")
+    return out
+
+
+def binary_values(values: ColumnData, role: str, column: str, source: str) -> np.ndarray:
+    items = object_values(values, role, column, source)
+    if items.dtype != object:  # a 2-D uint8 stack (Petastorm's stacked ndarrays)
+        items = object_rows(items)
+    return items
+
+
+def object_rows(items: t.Sequence[t.Any]) -> np.ndarray:
+    """A 1-D object array of ``items`` (numpy would stack equal-shaped arrays into one)."""
+    out = np.empty(len(items), dtype=object)
+    for i, item in enumerate(items):
+        out[i] = item
+    return out
+
+
+def codec_images(values: ColumnData, info: ColumnInfo, role: str, column: str, source: str) -> np.ndarray:
+    """A Petastorm image field: compressed (PNG/JPEG) bytes are decoded like any image bytes;
+    ndarray-codec bytes with the codec; the Petastorm reader hands decoded arrays already."""
+    array = arrow_array(values)
+    if array is None:
+        items = numpy_values(values)
+        return items if items.dtype == object else object_rows(items)
+    if array.null_count:
+        raise DataError(f"{role} column {column!r} has {array.null_count} null values in {source}")
+    field = info.codec_field
+    from petastorm.codecs import CompressedImageCodec
+
+    raw = array.to_numpy(zero_copy_only=False)
+    if isinstance(field.codec, CompressedImageCodec):
+        return raw
+    return object_rows([field.codec.decode(field, value) for value in raw])
+
+
+def spark_image_structs(values: ColumnData, role: str, column: str, source: str) -> np.ndarray:
+    """Spark's image struct (OpenCV layout: rows of BGR(A) bytes, ``height x width x nChannels``)
+    as RGB(A) uint8 arrays."""
+    array = arrow_array(values)
+    if array is not None:
+        if array.null_count:
+            raise DataError(f"{role} column {column!r} has {array.null_count} null images in {source}")
+        fields = {name: array.field(name).to_numpy(zero_copy_only=False) for name in ("height", "width", "nChannels", "data", "origin")}
+    else:  # pandas: a struct column of a pandas UDF arrives as a DataFrame
+        frame = values
+        fields = {name: frame[name].to_numpy() for name in ("height", "width", "nChannels", "data", "origin")}
+    out = np.empty(len(fields["data"]), dtype=object)
+    for i in range(len(out)):
+        height, width, channels = int(fields["height"][i]), int(fields["width"][i]), int(fields["nChannels"][i])
+        data = fields["data"][i]
+        if data is None or height <= 0 or width <= 0 or len(data) != height * width * channels:
+            raise DataError(
+                f"{role} column {column!r} holds an image Spark could not decode (origin {fields['origin'][i]!r}) in {source}; "
+                f"drop such rows, e.g. spark.read.format('image').option('dropInvalid', True)"
+            )
+        image = np.frombuffer(data, dtype=np.uint8).reshape(height, width, channels)
+        if channels >= 3:
+            image = image[:, :, [2, 1, 0] + ([3] if channels == 4 else [])]
+        out[i] = image
+    return out
+
+
+def padded_sequences(values: ColumnData, max_length: int, pad_value: int, role: str, column: str, source: str) -> t.Tuple[np.ndarray, np.ndarray]:
+    """``[rows, max_length]`` int64 padded with ``pad_value`` (rows truncated to max_length)
+    and each row's length after truncation."""
+    array = arrow_array(values)
+    if array is not None:
+        if array.null_count:
+            raise DataError(f"{role} column {column!r} has {array.null_count} null arrays in {source} (empty arrays are fine)")
+        if not (pa.types.is_list(array.type) or pa.types.is_large_list(array.type)):
+            raise DataError(f"{role} column {column!r} has type {array.type} in {source}; sparkdl.Sequence needs arrays of integers")
+        flat = array.flatten()
+        if not pa.types.is_integer(flat.type):
+            raise DataError(f"{role} column {column!r} holds {flat.type} values in {source}; sparkdl.Sequence needs integers (token ids)")
+        if flat.null_count:
+            raise DataError(f"{role} column {column!r} has {flat.null_count} null elements in {source}")
+        offsets = array.offsets.to_numpy().astype(np.int64)
+        starts = offsets[:-1] - offsets[0]
+        lengths = np.minimum(np.diff(offsets), max_length)
+        values_np = flat.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        rows = len(array)
+        padded = np.full((rows, max_length), pad_value, dtype=np.int64)
+        mask = np.arange(max_length)[None, :] < lengths[:, None]
+        index = (starts[:, None] + np.arange(max_length)[None, :])[mask]
+        padded[mask] = values_np[index]
+        return padded, lengths.astype(np.int64)
+    rows_data = numpy_values(values)
+    padded = np.full((len(rows_data), max_length), pad_value, dtype=np.int64)
+    lengths = np.zeros(len(rows_data), dtype=np.int64)
+    for i, row in enumerate(rows_data):
+        if row is None:
+            raise DataError(f"{role} column {column!r} has null arrays in {source} (empty arrays are fine)")
+        row = np.asarray(row)
+        if row.size and row.dtype.kind not in "iu":
+            raise DataError(f"{role} column {column!r} holds {row.dtype} values in {source}; sparkdl.Sequence needs integers (token ids)")
+        n = min(len(row), max_length)
+        padded[i, :n] = row[:n]
+        lengths[i] = n
+    return padded, lengths
+
+
+# ---- pixels of decoded images (uint8 HWC arrays, NCHW batches) ------------------------------
+
+
+def convert_channels(array: np.ndarray, channels: int) -> np.ndarray:
+    """A uint8 ``H x W x (1, 3 or 4)`` image with ``channels`` (1 or 3) channels."""
+    have = array.shape[2]
+    if have == channels:
+        return array
+    if channels == 3:
+        return np.repeat(array, 3, axis=2) if have == 1 else array[:, :, :3]
+    rgb = array[:, :, :3].astype(np.float32)
+    # ITU-R 601-2 luma, as Pillow's convert("L").
+    gray = rgb[:, :, 0] * 0.299 + rgb[:, :, 1] * 0.587 + rgb[:, :, 2] * 0.114
+    return np.clip(np.rint(gray), 0, 255).astype(np.uint8)[:, :, None]
+
+
+def random_crops(images: np.ndarray, padding: int, rng: np.random.Generator) -> np.ndarray:
+    """Each image of an NCHW batch padded by ``padding`` zeros a side, then cropped back to its
+    size at a random offset."""
+    batch, channels, height, width = images.shape
+    padded = np.zeros((batch, channels, height + 2 * padding, width + 2 * padding), dtype=images.dtype)
+    padded[:, :, padding:padding + height, padding:padding + width] = images
+    tops = rng.integers(0, 2 * padding + 1, batch)
+    lefts = rng.integers(0, 2 * padding + 1, batch)
+    out = np.empty_like(images)
+    for i in range(batch):
+        out[i] = padded[i, :, tops[i]:tops[i] + height, lefts[i]:lefts[i] + width]
+    return out

@@ -1,0 +1,63 @@
+"""Asynchronous parameter server with bounded staleness, hosted inside the barrier stage.
+
+The centralized asynchronous strategy of DistBelief's Downpour SGD (Dean et al., NIPS 2012), the
+parameter server of Li et al. (OSDI 2014) and Project Adam (Chilimbi et al., OSDI 2014), with the
+stale-synchronous-parallel bound of Ho et al. (NeurIPS 2013):
+
+* every barrier task hosts one **shard** of the parameters (a server thread beside its trainer);
+  the shard's values and the optimizer state for them live only there;
+* a worker's optimizer ``step()`` **pushes** its gradients to every shard, each server applies
+  them at once with a copy of the user's optimizer, and the worker **pulls** the fresh values
+  back; workers never wait for each other...
+* ...except to respect ``max_staleness`` *s*: a worker that has finished *c* steps may only read
+  parameters once every worker has finished at least *c - s* steps (SSP). ``None`` never waits
+  (fully asynchronous), ``0`` is bulk-synchronous.
+
+Layout: the optimizer's parameters (per dtype) are flattened in a fixed order and cut into
+``world_size`` near-equal contiguous ranges (``layout="balanced"``, the default: every server
+gets the same number of bytes to receive, apply and send, whatever the tensor sizes), or whole
+tensors are bin-packed greedily (``layout="tensors"``, for optimizers that need whole tensors).
+See ``docs/parameter_server.md`` for the measurements behind the default.
+
+Modules, each one concern, none importing this package's ``__init__``:
+
+* :mod:`~sparkdl.strategies.parameter_server.config` — the :class:`ParameterServer` strategy;
+* :mod:`~sparkdl.strategies.parameter_server.layout` — how tables are cut into shards (pure);
+* :mod:`~sparkdl.strategies.parameter_server.clock` — the SSP read rule (pure);
+* :mod:`~sparkdl.strategies.parameter_server.shard` — the server side: shards and their optimizers;
+* :mod:`~sparkdl.strategies.parameter_server.worker` — the worker's tables and optimizer wrapper;
+* :mod:`~sparkdl.strategies.parameter_server.runtime` — one rank's server, clients and step;
+* :mod:`~sparkdl.strategies.parameter_server.wire` — the wire protocol and its security;
+* :mod:`~sparkdl.strategies.parameter_server.transport` — the server and client connections.
+"""
+
+from sparkdl.strategies.parameter_server.clock import SSPClock
+from sparkdl.strategies.parameter_server.config import ParameterServer
+from sparkdl.strategies.parameter_server.layout import (
+    Layout,
+    Segment,
+    balanced_layout,
+    make_layout,
+    shard_segments,
+    tensor_layout,
+)
+from sparkdl.strategies.parameter_server.wire import ParameterServerError
+from sparkdl.strategies.parameter_server.worker import ParameterServerOptimizer
+
+# Public names of the former single module that __all__ never listed; still importable from here.
+from sparkdl.strategies.parameter_server.layout import LAYOUTS  # noqa: F401
+from sparkdl.strategies.parameter_server.runtime import PEER_LOSS_GRACE_S  # noqa: F401
+from sparkdl.strategies.parameter_server.shard import build_server_optimizer  # noqa: F401
+
+__all__ = [
+    "Layout",
+    "ParameterServer",
+    "ParameterServerError",
+    "ParameterServerOptimizer",
+    "SSPClock",
+    "Segment",
+    "balanced_layout",
+    "make_layout",
+    "shard_segments",
+    "tensor_layout",
+]

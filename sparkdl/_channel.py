@@ -1,20 +1,38 @@
-"""Authenticated one-way message channel from Spark tasks to the driver.
+"""Authenticated, integrity-protected (optionally encrypted) channel from Spark tasks to the driver.
 
 Each task (rank) opens a :class:`ChannelClient` to the :class:`ChannelServer` that runs in the
 driver and streams small JSON objects (progress, log lines, failures, "done") while the job runs.
 
-Wire protocol (all integers big-endian):
+Wire protocol, version 2 (all integers big-endian; ``H`` = HMAC-SHA256 keyed with the per-job
+secret; ``mode`` = one byte, 1 when the side encrypts, 0 when it only integrity-protects):
 
-1. server -> client: ``MAGIC`` (8 bytes) + a fresh 32-byte nonce.
-2. client -> server: HMAC-SHA256(secret, nonce) (32 bytes), then the frame
-   ``{"kind": "hello", "rank": <int>}``.
-3. server -> client: the frame ``{"kind": "ready", "max_message_bytes": <int>}``. It is the only
-   thing the server ever sends; it lets the client constructor fail on a wrong secret instead of
-   the loss surfacing one message later.
-4. client -> server: frames until ``{"kind": "bye"}`` (clean end) or EOF (the task died).
+1. server -> client: ``MAGIC`` (8 bytes, ``b"SPKDLv2\\0"``) + the server's ``mode`` (1) + a fresh
+   ``server_nonce`` (32).
+2. client -> server: a fresh ``client_nonce`` (32) + the client's ``mode`` (1) +
+   ``H(b"sparkdl-channel client" + server_nonce + client_nonce + mode)`` (32). A client whose
+   mode differs from the server's still sends this (so the server can log why) and then fails
+   with an "encryption mismatch" :class:`ChannelError`; the server checks the proof first and
+   then drops a mismatched client with the same message. Nothing is parsed before the proof
+   checks out, and all of steps 2-3 must happen within the handshake timeout.
+3. Both sides derive the connection's keys (:mod:`sparkdl._secure`: HKDF-SHA256 over the secret,
+   salt ``server_nonce + client_nonce``, label ``b"sparkdl-channel v2"``, one key per direction)
+   and from here on every frame, both ways, is a sealed frame. client -> server:
+   ``{"kind": "hello", "rank": <int>}`` (at most 4096 bytes).
+4. server -> client: ``{"kind": "ready", "max_message_bytes": <int>}``. It is the only frame the
+   server ever sends; it lets the client constructor fail on a wrong secret instead of the loss
+   surfacing one message later, and, since only a holder of the secret can seal it, it also
+   authenticates the server to the client.
+5. client -> server: frames until ``{"kind": "bye"}`` (clean end) or EOF (the task died).
 
-A frame is a 4-byte unsigned length followed by that many bytes of UTF-8 JSON holding an object.
-Nothing is ever unpickled: peers can reach the port, so the payload format must not be code.
+A sealed frame is a 4-byte unsigned payload length ``L``, then ``L`` body bytes, then a 16-byte
+AES-256-GCM tag. The nonce is the frame's index in its direction (0, 1, ...; never sent). With
+``encrypt=True`` the body is the encrypted payload and the length is associated data; with
+``encrypt=False`` the body is the payload in clear and length and payload are both associated
+data. A frame that fails its tag (altered, replayed, reordered, dropped, from another
+connection) makes the server drop the connection (an unclean disconnect) and the client raise.
+The payload is UTF-8 JSON holding an object; the length is checked against the limit before the
+body is read. Nothing is ever unpickled: peers can reach the port, so the payload format must not
+be code.
 """
 
 from __future__ import annotations
@@ -30,7 +48,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from sparkdl._tcpserver import ThreadedServer, checked_secret
+from sparkdl._secure import FrameAuthError, FrameFormatError, FrameOpener, FrameProtection, FrameSealer, mismatch_message, mode_byte, mode_from_byte, protection, read_length_prefixed, split_greeting
+from sparkdl._tcpserver import ThreadedServer, checked_secret, recv_exact
 from sparkdl._tcpserver import close_quietly as _close_quietly
 from sparkdl._tcpserver import shutdown_quietly as _shutdown_quietly
 
@@ -39,9 +58,16 @@ __all__ = ["MAX_MESSAGE_BYTES", "ChannelClient", "ChannelError", "ChannelServer"
 logger = logging.getLogger("sparkdl.channel")
 
 MAX_MESSAGE_BYTES: int = 1 << 20
-MAGIC = b"SPKDLv1\0"
+MAGIC = b"SPKDLv2\0"
 _NONCE_BYTES = 32
 _DIGEST_BYTES = 32
+#: Step 1: MAGIC + the server's mode byte + server nonce.
+GREETING_BYTES = len(MAGIC) + 1 + _NONCE_BYTES
+#: Step 2: client nonce + the client's mode byte + proof.
+CLIENT_PROOF_BYTES = _NONCE_BYTES + 1 + _DIGEST_BYTES
+_CLIENT_LABEL = b"sparkdl-channel client"
+#: Protocol label of the frame keys (sparkdl._secure).
+KEY_LABEL = b"sparkdl-channel v2"
 _HEADER = struct.Struct(">I")
 # Handshake frames are tiny; a low cap keeps a peer from making us buffer much before it is known.
 _MAX_CONTROL_BYTES = 4096
@@ -64,47 +90,34 @@ def new_secret() -> bytes:
     return secrets.token_bytes(32)
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
-    """Reads ``n`` bytes, fewer if the peer closes first; TimeoutError once past ``deadline``."""
-    chunks: list[bytes] = []
-    remaining = n
-    while remaining:
-        if deadline is not None:
-            # A per-recv timeout alone would let a peer trickle one byte at a time forever.
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("timed out")
-            sock.settimeout(left)
-        chunk = sock.recv(min(remaining, 1 << 16))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        remaining -= len(chunk)
-    return b"".join(chunks)
-
-
-def _encode_frame(message: Message, max_bytes: int) -> bytes:
+def _encode_payload(message: Message, max_bytes: int) -> bytes:
     payload = json.dumps(message, separators=(",", ":")).encode("utf-8")
     if len(payload) > max_bytes:
         raise ChannelError(f"message of {len(payload)} bytes exceeds the limit of {max_bytes}")
-    return _HEADER.pack(len(payload)) + payload
+    return payload
+
+
+def _seal(sealer: FrameSealer, payload: bytes) -> bytes:
+    """One sealed frame: length, body, tag (see the module docstring)."""
+    return sealer.seal(_HEADER.pack(len(payload)), payload)
+
+
+def _proof(secret: bytes, server_nonce: bytes, client_nonce: bytes, mode: bytes) -> bytes:
+    return hmac.new(secret, _CLIENT_LABEL + server_nonce + client_nonce + mode, hashlib.sha256).digest()
 
 
 def _read_frame(
-    sock: socket.socket, max_bytes: int, deadline: float | None = None
+    sock: socket.socket, opener: FrameOpener, max_bytes: int, deadline: float | None = None
 ) -> Message | None:
-    """Reads one frame; returns None on EOF at a frame boundary, raises _ProtocolError otherwise."""
-    header = _recv_exact(sock, _HEADER.size, deadline)
+    """Reads and verifies one sealed frame; returns None on EOF at a frame boundary, raises
+    _ProtocolError otherwise (a frame that fails its tag included)."""
+    header = recv_exact(sock, _HEADER.size, deadline)
     if not header:
         return None
-    if len(header) < _HEADER.size:
-        raise _ProtocolError("truncated frame header")
-    (length,) = _HEADER.unpack(header)
-    if length > max_bytes:
-        raise _ProtocolError(f"frame of {length} bytes exceeds the limit of {max_bytes} bytes")
-    payload = _recv_exact(sock, length, deadline)
-    if len(payload) < length:
-        raise _ProtocolError(f"truncated frame ({len(payload)} of {length} bytes)")
+    try:
+        payload = read_length_prefixed(sock, opener, header, max_bytes, deadline)
+    except (FrameFormatError, FrameAuthError) as exc:
+        raise _ProtocolError(str(exc)) from None
     try:
         # Explicit strict UTF-8: json.loads(bytes) would also guess UTF-16/32.
         message = json.loads(payload.decode("utf-8"))
@@ -129,6 +142,7 @@ class ChannelServer(ThreadedServer):
         on_disconnect: Callable[[int, bool], None] | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         handshake_timeout: float = 10.0,
+        encrypt: bool = False,
     ) -> None:
         """Binds to an ephemeral port on ``host`` and starts accepting in a daemon thread.
 
@@ -140,6 +154,8 @@ class ChannelServer(ThreadedServer):
                 connection ends; ``clean`` is False when the peer vanished without saying bye.
             max_message_bytes: largest accepted JSON payload; bigger frames drop the connection.
             handshake_timeout: seconds a new peer has to authenticate and say hello.
+            encrypt: encrypt every frame (otherwise frames are integrity-protected only);
+                clients must use the same setting or they are refused at the handshake.
 
         Raises:
             ValueError: if ``secret`` is empty or a limit is not positive.
@@ -152,6 +168,7 @@ class ChannelServer(ThreadedServer):
         self._on_disconnect = on_disconnect
         self._max_message_bytes = max_message_bytes
         self._handshake_timeout = handshake_timeout
+        self._encrypt = bool(encrypt)
         family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
         listener = socket.create_server((host, 0), family=family)
         self._address: tuple[str, int] = listener.getsockname()[:2]
@@ -176,20 +193,35 @@ class ChannelServer(ThreadedServer):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _handshake(self, conn: socket.socket) -> int:
+    @property
+    def encrypt(self) -> bool:
+        """Whether this server's connections are encrypted (always integrity-protected)."""
+        return self._encrypt
+
+    def _handshake(self, conn: socket.socket) -> tuple[int, FrameProtection]:
         deadline = time.monotonic() + self._handshake_timeout
-        nonce = secrets.token_bytes(_NONCE_BYTES)
+        server_nonce = secrets.token_bytes(_NONCE_BYTES)
+        mode = mode_byte(self._encrypt)
         try:
             conn.settimeout(self._handshake_timeout)
-            conn.sendall(MAGIC + nonce)
-            digest = _recv_exact(conn, _DIGEST_BYTES, deadline)
-            if len(digest) < _DIGEST_BYTES:
+            conn.sendall(MAGIC + mode + server_nonce)
+            proof = recv_exact(conn, CLIENT_PROOF_BYTES, deadline)
+            if len(proof) < CLIENT_PROOF_BYTES:
                 raise _ProtocolError("peer closed the connection during the handshake")
-            expected = hmac.new(self._secret, nonce, hashlib.sha256).digest()
+            client_nonce = proof[:_NONCE_BYTES]
+            client_mode = proof[_NONCE_BYTES : _NONCE_BYTES + 1]
+            digest = proof[_NONCE_BYTES + 1 :]
+            expected = _proof(self._secret, server_nonce, client_nonce, client_mode)
             if not hmac.compare_digest(digest, expected):
                 raise _ProtocolError("authentication failed (wrong secret or not a sparkdl client)")
             # Parse nothing from a peer before it has authenticated.
-            hello = _read_frame(conn, _MAX_CONTROL_BYTES, deadline)
+            theirs = mode_from_byte(client_mode[0])
+            if theirs is None:
+                raise _ProtocolError(f"unknown frame protection mode {client_mode[0]}")
+            if theirs != self._encrypt:
+                raise _ProtocolError(mismatch_message(self._encrypt, theirs, "channel server", "client"))
+            keys = protection(self._secret, KEY_LABEL, server_nonce, client_nonce, self._encrypt, server=True)
+            hello = _read_frame(conn, keys.opener, _MAX_CONTROL_BYTES, deadline)
         except TimeoutError:
             limit = self._handshake_timeout
             raise _ProtocolError(f"handshake not completed within {limit}s") from None
@@ -197,21 +229,24 @@ class ChannelServer(ThreadedServer):
         if hello is None or hello.get("kind") != _HELLO or type(rank) is not int or rank < 0:
             raise _ProtocolError("missing or invalid hello frame")
         ready = {"kind": _READY, "max_message_bytes": self._max_message_bytes}
-        conn.sendall(_encode_frame(ready, _MAX_CONTROL_BYTES))
+        conn.sendall(_seal(keys.sealer, _encode_payload(ready, _MAX_CONTROL_BYTES)))
         conn.settimeout(None)  # tasks may stay quiet for a long time; close() unblocks via shutdown
-        return rank
+        return rank, keys
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
         rank: int | None = None
         clean = False
         try:
-            rank = self._handshake(conn)
+            rank, keys = self._handshake(conn)
+            self._authenticated()  # no longer counts against the pending-handshake cap
             while True:
-                message = _read_frame(conn, self._max_message_bytes)
+                message = _read_frame(conn, keys.opener, self._max_message_bytes)
                 if message is None:
                     if not self._closed.is_set():
-                        logger.warning(
-                            "channel: rank %d (%s) disconnected without saying bye", rank, peer
+                        self._log_drop(
+                            peer, "disconnected without saying bye",
+                            "channel: rank %d (%s) disconnected without saying bye", rank, peer,
+                            authenticated=True,
                         )
                     break
                 kind = message.get("kind")
@@ -227,7 +262,10 @@ class ChannelServer(ThreadedServer):
         except (_ProtocolError, OSError) as exc:
             if not self._closed.is_set():
                 who = f"rank {rank}" if rank is not None else "unauthenticated peer"
-                logger.warning("channel: dropping %s (%s): %s", who, peer, exc)
+                self._log_drop(
+                    peer, exc, "channel: dropping %s (%s): %s", who, peer, exc,
+                    authenticated=rank is not None,
+                )
         finally:
             self._forget_connection(conn)
             if rank is not None and self._on_disconnect is not None and not self._closed.is_set():
@@ -242,7 +280,12 @@ class ChannelClient:
     """Task-side endpoint: one authenticated connection that sends JSON objects to the driver."""
 
     def __init__(
-        self, address: tuple[str, int], secret: bytes, rank: int, timeout: float = 10.0
+        self,
+        address: tuple[str, int],
+        secret: bytes,
+        rank: int,
+        timeout: float = 10.0,
+        encrypt: bool = False,
     ) -> None:
         """Connects and completes the handshake.
 
@@ -251,10 +294,13 @@ class ChannelClient:
             secret: the per-job secret the server was created with.
             rank: this task's rank, attached by the server to every message.
             timeout: seconds allowed for connecting, for the handshake and for each send.
+            encrypt: encrypt every frame (otherwise frames are integrity-protected only); must
+                match the server's setting.
 
         Raises:
             ValueError: if ``rank`` is not a non-negative int.
-            ChannelError: if the server is unreachable, is not a channel server, or rejects us.
+            ChannelError: if the server is unreachable, is not a channel server, rejects us, or
+                disagrees about ``encrypt`` (an "encryption mismatch").
         """
         if type(rank) is not int or rank < 0:
             raise ValueError(f"rank must be a non-negative int, got {rank!r}")
@@ -267,7 +313,7 @@ class ChannelClient:
             raise ChannelError(f"cannot connect to the channel server at {address}: {exc}") from exc
         try:
             deadline = time.monotonic() + timeout
-            self._max_message_bytes = self._handshake(sock, secret, rank, deadline)
+            self._max_message_bytes, self._keys = self._handshake(sock, secret, rank, bool(encrypt), deadline)
         except BaseException:
             _close_quietly(sock)
             raise
@@ -275,14 +321,28 @@ class ChannelClient:
         self._sock = sock
 
     @staticmethod
-    def _handshake(sock: socket.socket, secret: bytes, rank: int, deadline: float) -> int:
+    def _handshake(
+        sock: socket.socket, secret: bytes, rank: int, encrypt: bool, deadline: float
+    ) -> tuple[int, FrameProtection]:
         try:
-            greeting = _recv_exact(sock, len(MAGIC) + _NONCE_BYTES, deadline)
-            if len(greeting) < len(MAGIC) + _NONCE_BYTES or not greeting.startswith(MAGIC):
+            greeting = split_greeting(recv_exact(sock, GREETING_BYTES, deadline), MAGIC, _NONCE_BYTES)
+            if greeting is None:
                 raise ChannelError("the peer is not a sparkdl channel server (bad greeting)")
-            digest = hmac.new(secret, greeting[len(MAGIC) :], hashlib.sha256).digest()
-            sock.sendall(digest + _encode_frame({"kind": _HELLO, "rank": rank}, _MAX_CONTROL_BYTES))
-            ready = _read_frame(sock, _MAX_CONTROL_BYTES, deadline)
+            server_mode, server_nonce = greeting
+            client_nonce = secrets.token_bytes(_NONCE_BYTES)
+            mode = mode_byte(encrypt)
+            proof = client_nonce + mode + _proof(secret, server_nonce, client_nonce, mode)
+            theirs = mode_from_byte(server_mode[0])
+            if theirs != encrypt:
+                # Prove ourselves anyway, so that the server can log the mismatch too.
+                sock.sendall(proof)
+                if theirs is None:
+                    raise ChannelError(f"the channel server uses an unknown protection mode {server_mode[0]}")
+                raise ChannelError(mismatch_message(encrypt, theirs, "channel client", "channel server"))
+            keys = protection(secret, KEY_LABEL, server_nonce, client_nonce, encrypt, server=False)
+            hello = _encode_payload({"kind": _HELLO, "rank": rank}, _MAX_CONTROL_BYTES)
+            sock.sendall(proof + _seal(keys.sealer, hello))
+            ready = _read_frame(sock, keys.opener, _MAX_CONTROL_BYTES, deadline)
         except _ProtocolError as exc:
             raise ChannelError(f"channel handshake failed: {exc}") from None
         except OSError as exc:  # includes the reset a server sends when it rejects our secret
@@ -292,7 +352,12 @@ class ChannelClient:
         limit = ready.get("max_message_bytes")
         if ready.get("kind") != _READY or type(limit) is not int or limit <= 0:
             raise ChannelError("the server sent an invalid ready frame")
-        return limit
+        return limit, keys
+
+    @property
+    def encrypt(self) -> bool:
+        """Whether this connection is encrypted (it is always integrity-protected)."""
+        return self._keys.encrypt
 
     def send(self, message: Message) -> None:
         """Sends one JSON object to the driver. Thread-safe.
@@ -310,13 +375,14 @@ class ChannelClient:
         kind = message.get("kind")
         if isinstance(kind, str) and kind in _RESERVED_KINDS:
             raise ValueError(f"message kind {kind!r} is reserved for the channel protocol")
-        frame = _encode_frame(message, self._max_message_bytes)
+        payload = _encode_payload(message, self._max_message_bytes)
         with self._lock:
             if self._closed:
                 raise ChannelError("the channel is closed")
             try:
                 self._check_server_alive()
-                self._sock.sendall(frame)
+                # Sealed under the lock: frame counters must follow the order on the wire.
+                self._sock.sendall(_seal(self._keys.sealer, payload))
             except OSError as exc:
                 # A partial write leaves the stream mid-frame, so the connection cannot be reused.
                 self._closed = True
@@ -345,7 +411,8 @@ class ChannelClient:
             self._closed = True
             if acquired:  # otherwise another thread is mid-frame and a bye would corrupt the stream
                 try:
-                    self._sock.sendall(_encode_frame({"kind": _BYE}, _MAX_CONTROL_BYTES))
+                    bye = _encode_payload({"kind": _BYE}, _MAX_CONTROL_BYTES)
+                    self._sock.sendall(_seal(self._keys.sealer, bye))
                 except (OSError, ChannelError):
                     pass
             else:

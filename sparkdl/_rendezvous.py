@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import secrets
 from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from sparkdl._store import StoreClient, StoreServer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +23,9 @@ class DistEnv:
         all_gather: the barrier's ``allGather`` (one string from every rank, in rank order; every
             rank must call it at the same point); None outside a barrier task. Strategies that
             need the barrier use these two instead of importing pyspark.
+        encrypt: whether servers and clients a strategy opens must encrypt their traffic
+            (Spark's own RPC is encrypted: ``spark.network.crypto.enabled`` or ``spark.ssl``);
+            every frame is integrity-checked either way. See :mod:`sparkdl._security`.
     """
 
     rank: int
@@ -30,6 +36,7 @@ class DistEnv:
     master_port: int
     peer_addresses: Tuple[str, ...] = ()
     all_gather: Optional[Callable[[str], Sequence[str]]] = dataclasses.field(default=None, compare=False, repr=False)
+    encrypt: bool = False
 
 
 def rendezvous(
@@ -39,12 +46,17 @@ def rendezvous(
     all_gather: Callable[[str], Sequence[str]],
     device: torch.device,
     timeout_s: float,
+    secret: Optional[bytes] = None,
+    encrypt: bool = False,
 ) -> DistEnv:
-    """Creates the default process group of this job.
+    """Creates the default process group of this job, rendezvousing through sparkdl's store.
 
-    Rank 0 opens the TCPStore on port 0 so the kernel picks a free port that is already bound —
-    no pick-then-bind race (torch.elastic documents that race) — and ``all_gather`` (the barrier
-    context's) hands the port to the others, which is also the barrier that orders the two.
+    Rank 0 starts a :class:`~sparkdl._store.StoreServer` on its own task address only, port 0
+    (the kernel picks a free port that is already bound: no pick-then-bind race), which admits
+    only peers proving the job's secret; ``all_gather`` (the barrier context's) hands its
+    address to the others, which is also the barrier that orders the two. Every rank, rank 0
+    too, talks to it through a :class:`~sparkdl._store.StoreClient`, the store
+    ``init_process_group`` gets. :func:`teardown` closes both.
 
     Args:
         rank: this task's rank (its barrier partition id).
@@ -53,36 +65,106 @@ def rendezvous(
         all_gather: ``BarrierTaskContext.allGather``.
         device: the task's device; CUDA selects NCCL, anything else gloo.
         timeout_s: bound on store connection and on every collective.
+        secret: the per-job secret every rank shares (the launcher's); may be omitted for a
+            single rank only, which then gets a fresh random one.
+        encrypt: encrypt the store's frames (they are authenticated either way), and tell the
+            strategies to encrypt theirs (``DistEnv.encrypt``).
+
+    Raises:
+        ValueError: no secret for more than one rank.
+        OSError: rank 0 cannot listen on its task address.
+        sparkdl._store.StoreError: the store cannot be reached or failed the handshake.
     """
-    host = task_addresses[0].rsplit(":", 1)[0]
+    global _active
+    if secret is None:
+        if world_size != 1:
+            raise ValueError("rendezvous of more than one rank needs the job's secret")
+        secret = secrets.token_bytes(32)
+    # A process runs one job's tasks at a time: a store an earlier one left (it never reached
+    # its teardown) closes now, so that it does not keep listening.
+    _close_store()
+    host = _host_of(task_addresses[0])
     timeout = datetime.timedelta(seconds=timeout_s)
-    store: Optional[dist.TCPStore] = None
-    if rank == 0:
-        store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False, timeout=timeout)
-        ports = all_gather(str(store.port))
-    else:
-        ports = all_gather("")
-    port = int(ports[0])
-    if store is None:
-        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    server: Optional[StoreServer] = None
+    try:
+        if rank == 0:
+            try:
+                server = StoreServer(host, secret, timeout_s, encrypt=encrypt)
+            except OSError as exc:
+                raise OSError(exc.errno, f"rank 0 cannot listen for the rendezvous on its task address {host}: {exc.strerror or exc}") from exc
+            _active = _Rendezvous(server, None)
+            # The bound address, not the name: every rank then connects to the very address
+            # rank 0 listens on, however each resolves the host name.
+            published = all_gather(f"{server.address[0]} {server.port}")
+        else:
+            published = all_gather("")
+        store_host, port_text = published[0].rsplit(" ", 1)
+        port = int(port_text)
+        client = StoreClient((store_host, port), secret, rank, timeout, encrypt=encrypt)
+        _active = _Rendezvous(server, client)
+        dist.init_process_group(backend, store=client, rank=rank, world_size=world_size, timeout=timeout)
+    except BaseException:
+        _close_store()
+        raise
     return DistEnv(
         rank=rank,
         world_size=world_size,
         device=device,
         backend=backend,
-        master_addr=host,
+        master_addr=store_host,
         master_port=port,
         peer_addresses=tuple(task_addresses),
         all_gather=all_gather,
+        encrypt=encrypt,
     )
 
 
+def _host_of(address: str) -> str:
+    """The host of a ``host:port`` task address (``[v6]:port`` too)."""
+    host = address.rsplit(":", 1)[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+@dataclasses.dataclass
+class _Rendezvous:
+    """This process's store: rank 0's server (None elsewhere) and the rank's client. Held here,
+    not by torch (which keeps only the C++ half of a Python store), until :func:`teardown`."""
+
+    server: Optional[StoreServer]
+    client: Optional[StoreClient]
+
+
+_active: Optional[_Rendezvous] = None
+
+
+def active_store() -> Optional[Tuple[Optional[StoreServer], Optional[StoreClient]]]:
+    """This process's rendezvous store (server, client), or None outside a rendezvous."""
+    state = _active
+    return None if state is None else (state.server, state.client)
+
+
 def teardown() -> None:
-    """Destroys the process group if this process has one (safe after failures)."""
+    """Destroys the process group if this process has one, then closes the rendezvous store:
+    this rank's client connections and, on rank 0, the server, listener included — whatever
+    still refers to the store (a DDP module, a group) cannot keep it listening. Safe after
+    failures and when called twice."""
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a broken group must not mask the original error
             pass
+    _close_store()
+
+
+def _close_store() -> None:
+    global _active
+    state, _active = _active, None
+    if state is None:
+        return
+    for part in (state.client, state.server):
+        if part is not None:
+            try:
+                part.close()
+            except Exception:  # noqa: BLE001 - as above
+                pass

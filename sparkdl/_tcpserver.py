@@ -3,6 +3,14 @@
 One daemon thread accepts; each connection gets a daemon thread running the subclass's
 ``_serve``; ``close()`` stops accepting, shuts every connection down and joins the threads with a
 bounded wait. What a connection says (handshake, frames) is entirely the subclass's business.
+
+Anyone who can reach a port can connect, so two things are bounded here for every server:
+
+* connections that have not finished their handshake (``max_pending_handshakes``, counted from
+  accept until the subclass calls :meth:`ThreadedServer._authenticated`); one over the cap is
+  closed at once, without a thread;
+* the warnings about dropped and refused peers (:class:`RateLimitedLog`): a few one by one, then
+  at most one summary line per interval, and a last one at close.
 """
 
 from __future__ import annotations
@@ -11,12 +19,20 @@ import logging
 import socket
 import threading
 import time
-from typing import Any, Set
+from typing import Any, Callable, Optional, Set, Tuple
 
 #: Safety net for platforms where shutdown() of a listening socket does not interrupt accept().
 ACCEPT_POLL_S = 0.5
 #: Server threads are daemons, so a callback stuck forever must not hang close().
 JOIN_TIMEOUT_S = 5.0
+#: Default bound on a server's connections that have not finished their handshake: a flood of
+#: idle connections must not hold a thread and a file descriptor each for the whole timeout.
+MAX_PENDING_HANDSHAKES = 64
+#: A server logs its first few drops one by one, then at most one summary per interval.
+LOG_BURST = 5
+LOG_INTERVAL_S = 10.0
+#: Authenticated peers are bounded by the world size and each one's loss matters: more lines.
+PEER_LOG_BURST = 20
 
 
 def checked_secret(secret: bytes) -> bytes:
@@ -24,6 +40,25 @@ def checked_secret(secret: bytes) -> bytes:
     if not secret:
         raise ValueError("secret must be non-empty")
     return bytes(secret)
+
+
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """Reads ``n`` bytes, fewer if the peer closes first; TimeoutError once past ``deadline``."""
+    chunks: list[bytes] = []
+    remaining = n
+    while remaining:
+        if deadline is not None:
+            # A per-recv timeout alone would let a peer trickle one byte at a time forever.
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            sock.settimeout(left)
+        chunk = sock.recv(min(remaining, 1 << 16))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
 
 
 def shutdown_quietly(sock: socket.socket) -> None:
@@ -40,20 +75,135 @@ def close_quietly(sock: socket.socket) -> None:
         pass
 
 
-class ThreadedServer:
-    """Accept loop, one thread per connection, bounded close.
+def format_peer(peer: Any) -> str:
+    """``host:port`` (``[host]:port`` for IPv6) for a socket address, ``str()`` otherwise."""
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        host, port = peer[0], peer[1]
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return str(peer)
 
-    Subclasses set up their own state, call ``super().__init__`` last (it starts accepting) and
-    implement ``_serve(conn, peer)``, which must end with :meth:`_release` in a ``finally``.
+
+def _seconds(elapsed: float) -> str:
+    return f"{elapsed:,.0f}" if elapsed >= 10 else f"{elapsed:.1f}"
+
+
+class RateLimitedLog:
+    """Warnings about a stream of similar events (dropped peers) that cannot flood the console.
+
+    The first ``burst`` events are logged one by one, with their own message. Later ones are
+    only counted, and at most one summary line per ``interval_s`` reports them, e.g.
+    ``sparkdl-channel: dropped 1,995 more unauthenticated connections in the last 10 s (last
+    from 127.0.0.1:53211: authentication failed)``. There is no timer thread: the summary is
+    written by the first event once the interval has passed, or by :meth:`flush` (servers call it
+    at close). After a whole interval without any event, the next ones are logged one by one
+    again, so a problem long after a flood is not hidden in a summary. Thread-safe.
     """
 
-    def __init__(self, listener: socket.socket, name: str, logger: logging.Logger) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger,
+        prefix: str,
+        what: str,
+        burst: int = LOG_BURST,
+        interval_s: float = LOG_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """
+        Args:
+            logger: where the lines go (at WARNING).
+            prefix: starts every summary line (the server's name).
+            what: the summary's description of the suppressed events, a format string with a
+                ``{count}`` field, e.g. ``"dropped {count} more unauthenticated connections"``.
+            burst: events logged one by one before summarizing starts.
+            interval_s: the least time between two summary lines.
+            clock: monotonic seconds (injectable for tests).
+        """
+        if burst < 0 or interval_s <= 0:
+            raise ValueError("burst must be >= 0 and interval_s > 0")
+        self._logger, self._prefix, self._what = logger, prefix, what
+        self._burst, self._interval_s, self._clock = burst, interval_s, clock
+        self._lock = threading.Lock()
+        self._logged = 0  # lines logged one by one in the current burst
+        self._suppressed = 0  # events since the last line, not yet in a summary
+        self._since = 0.0  # when the last line (single or summary) was written
+        self._last_event: Optional[float] = None
+        self._last: Tuple[Any, str] = (None, "")
+        self.total = 0  # every event, logged or not
+
+    def event(self, peer: Any, reason: object, msg: str, *args: Any) -> None:
+        """Records one event: logs ``msg % args`` while in the burst, else counts it under
+        ``peer`` and ``reason`` (the summary names the last ones)."""
+        summary: Optional[str] = None
+        with self._lock:
+            now = self._clock()
+            self.total += 1
+            quiet = self._last_event is None or now - self._last_event >= self._interval_s
+            self._last_event = now
+            if quiet and not self._suppressed:
+                self._logged, self._since = 0, now  # a new burst
+            single = self._logged < self._burst
+            if single:
+                self._logged += 1
+                self._since = now
+            else:
+                self._suppressed += 1
+                self._last = (peer, str(reason))
+                if now - self._since >= self._interval_s:
+                    summary = self._take_summary(now)
+        # Outside the lock: a slow console must not serialize the server's threads on it.
+        if single:
+            self._logger.warning(msg, *args)
+        elif summary is not None:
+            self._logger.warning("%s", summary)
+
+    def flush(self) -> None:
+        """Logs a summary of the events not yet reported, if any."""
+        with self._lock:
+            summary = self._take_summary(self._clock()) if self._suppressed else None
+        if summary is not None:
+            self._logger.warning("%s", summary)
+
+    def _take_summary(self, now: float) -> str:
+        peer, reason = self._last
+        last = f"last from {format_peer(peer)}: {reason}" if peer is not None else f"last: {reason}"
+        text = self._what.format(count=f"{self._suppressed:,}")
+        self._suppressed = 0
+        elapsed, self._since = now - self._since, now
+        return f"{self._prefix}: {text} in the last {_seconds(elapsed)} s ({last})"
+
+
+class ThreadedServer:
+    """Accept loop, one thread per connection, bounded close, bounded pending handshakes.
+
+    Subclasses set up their own state, call ``super().__init__`` last (it starts accepting) and
+    implement ``_serve(conn, peer)``, which calls :meth:`_authenticated` once the peer has proven
+    itself and must end with :meth:`_forget_connection` and :meth:`_release` in a ``finally``.
+    Warnings about dropped peers should go through :meth:`_log_drop`.
+    """
+
+    def __init__(
+        self,
+        listener: socket.socket,
+        name: str,
+        logger: logging.Logger,
+        max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
+    ) -> None:
+        if max_pending_handshakes < 1:
+            raise ValueError("max_pending_handshakes must be at least 1")
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._conns: Set[socket.socket] = set()
         self._threads: Set[threading.Thread] = set()
+        # Connection threads whose peer has not authenticated yet (see _admit).
+        self._unauthenticated: Set[threading.Thread] = set()
+        self._max_unauthenticated = max_pending_handshakes
         self._name = name
         self._log = logger
+        self._drop_log = RateLimitedLog(logger, name, "dropped {count} more unauthenticated connections")
+        self._peer_log = RateLimitedLog(
+            logger, name, "{count} more authenticated connections lost or dropped", burst=PEER_LOG_BURST
+        )
+        self._accept_log = RateLimitedLog(logger, name, "{count} more accept failures")
         self._listener = listener
         self._listener.settimeout(ACCEPT_POLL_S)
         self._accept_thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
@@ -79,18 +229,51 @@ class ThreadedServer:
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 self._log.warning("%s: %s did not stop in %.0fs", self._name, thread.name, JOIN_TIMEOUT_S)
+        for log in (self._drop_log, self._peer_log, self._accept_log):
+            log.flush()
+
+    @property
+    def pending_handshakes(self) -> int:
+        """Connections accepted whose peer has not authenticated (yet)."""
+        with self._lock:
+            return len(self._unauthenticated)
 
     def _admit(self, peer: Any) -> bool:
-        """Called under the lock for each accepted connection; False drops it unserved."""
+        """Called under the lock for each accepted connection; False drops it unserved.
+
+        The default refuses a connection while ``max_pending_handshakes`` others have not
+        finished their handshake. A subclass overriding it replaces that policy (the parameter
+        server's ShardServer counts its own); call ``super()._admit(peer)`` to keep it.
+        """
+        pending = len(self._unauthenticated)
+        if pending >= self._max_unauthenticated:
+            self._drop_log.event(
+                peer, "too many pending handshakes",
+                "%s: %d connections have not finished their handshake; refusing %s",
+                self._name, pending, format_peer(peer),
+            )
+            return False
         return True
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
         raise NotImplementedError
 
+    def _authenticated(self) -> None:
+        """Marks the calling connection's peer as authenticated (call from ``_serve`` once the
+        handshake succeeded): it no longer counts against ``max_pending_handshakes``."""
+        with self._lock:
+            self._unauthenticated.discard(threading.current_thread())
+
+    def _log_drop(self, peer: Any, reason: object, msg: str, *args: Any, authenticated: bool = False) -> None:
+        """Warns ``msg % args`` about a dropped or lost peer, rate-limited and summarized per
+        server (separately for peers that had authenticated)."""
+        (self._peer_log if authenticated else self._drop_log).event(peer, reason, msg, *args)
+
     def _forget_connection(self, conn: socket.socket) -> None:
         """Closes a served connection (call from ``_serve``'s ``finally``)."""
         with self._lock:
             self._conns.discard(conn)
+            self._unauthenticated.discard(threading.current_thread())
         close_quietly(conn)
 
     def _release(self) -> None:
@@ -98,6 +281,7 @@ class ThreadedServer:
         for whatever ``_serve`` does after the connection ended (disconnect callbacks)."""
         with self._lock:
             self._threads.discard(threading.current_thread())
+            self._unauthenticated.discard(threading.current_thread())
 
     def _accept_loop(self) -> None:
         try:
@@ -110,7 +294,7 @@ class ThreadedServer:
                     if self._closed.is_set():
                         break
                     # E.g. EMFILE: keep serving, but back off instead of spinning.
-                    self._log.warning("%s: accept failed: %s", self._name, exc)
+                    self._accept_log.event(None, exc, "%s: accept failed: %s", self._name, exc)
                     self._closed.wait(0.1)
                     continue
                 with self._lock:
@@ -118,11 +302,13 @@ class ThreadedServer:
                         close_quietly(conn)
                         break
                     if not self._admit(peer):
+                        # At once and without a thread: a refused peer costs nothing to hold.
                         close_quietly(conn)
                         continue
                     thread = threading.Thread(target=self._serve, args=(conn, peer), name=f"{self._name}-{peer}", daemon=True)
                     self._conns.add(conn)
                     self._threads.add(thread)
+                    self._unauthenticated.add(thread)
                     thread.start()
         finally:
             close_quietly(self._listener)

@@ -88,10 +88,12 @@ class FitLoop:
                     output = call_model(model, features)  # model(**inputs) with inputs=
                     loss = self.loss(output, labels)
                 if not torch.isfinite(loss):
-                    raise NonFiniteLossError(
-                        f"loss is {loss.item()} at epoch {epoch}, step {state.step + 1} on rank {ctx.rank}: "
-                        f"lower the learning rate, clip gradients, or check the data for extreme values"
-                    )
+                    step_phase = ctx.phase
+                    ctx.set_phase(f"looking for NaN or infinite values in the data (loss is {loss.item()})")
+                    cause = ctx.describe_non_finite_data()
+                    ctx.set_phase(step_phase)  # the failure names the step, not the search
+                    advice = "" if cause.startswith("column") else "; lower the learning rate or clip gradients"
+                    raise NonFiniteLossError(f"loss is {loss.item()} at epoch {epoch}, step {state.step + 1} on rank {ctx.rank}: {cause}{advice}")
                 ctx.backward_and_step(loss, optimizer)  # through the grad scaler for "16-mixed"
                 rows = batch_rows(features)
                 loss_sum += loss.detach().double() * rows

@@ -252,6 +252,15 @@ class TrainContext:
         self.logger.info("resumed from checkpoint step %d", checkpoint.step)
         return checkpoint.user_state(self.rank)
 
+    def describe_non_finite_data(self) -> str:
+        """Where the first NaN or infinity of the run's float input columns is (read after a
+        non-finite loss, to say whether the data is the cause)."""
+        if self._dataset is None:
+            return "this run has no dataset, so the data is not the cause: the model or the optimizer diverged"
+        from sparkdl.data.nonfinite import describe_non_finite
+
+        return describe_non_finite(self._dataset)
+
     def report_epoch(self, record: Dict[str, Any]) -> None:
         """Sends one epoch's summary (``epoch``, ``loss``, ...) to the driver's progress display.
         Call it on rank 0 with values already aggregated over ranks."""

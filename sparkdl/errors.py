@@ -111,6 +111,15 @@ class TrainingError(SparkdlError):
         return (type(self), (self.failures, self.hint))
 
 
+#: Failures whose message says all there is to say (what happened, where, which setting to
+#: change): their traceback, only sparkdl's internals, stays out of the message (it is still in
+#: ``TrainingError.remote_traceback``). Errors raised by user code keep their traceback.
+SELF_EXPLAINED = frozenset(
+    {"ConfigError", "DataError", "NonFiniteLossError", "InsufficientSlotsError", "PeerLostError",
+     "ParameterServerError", "WatchdogTimeout", "WorkerLost"}
+)
+
+
 def format_failures(failures: Sequence[RankFailure], hint: str = "") -> str:
     """One readable message: the first failure in full, identical ones from other ranks grouped."""
     if not failures:
@@ -128,7 +137,9 @@ def format_failures(failures: Sequence[RankFailure], hint: str = "") -> str:
         lines.append(hint)
     for other in others:
         lines.append(f"  also rank {other.rank}: {other.exc_type}: {other.message}")
-    if first.traceback:
+    if first.traceback and first.exc_type in SELF_EXPLAINED:
+        lines.append("(the rank's traceback: TrainingError.remote_traceback)")
+    elif first.traceback:
         source = f"rank {first.rank}" if first.rank >= 0 else "the executor"
         lines.append(f"\nTraceback from {source}:\n{first.traceback.rstrip()}")
     return "\n".join(lines)

@@ -13,6 +13,7 @@ from pyspark.ml.param import Param, Params, TypeConverters
 
 from sparkdl import __version__
 from sparkdl._launcher import launch
+from sparkdl._preflight import check_loss, check_optimizer
 from sparkdl._progress import ProgressCallback, ProgressDisplay
 from sparkdl._settings import DataSettings, RunSettings
 from sparkdl._training import FitLoop, LossFn, ModelFactory, OptimizerFactory, default_optimizer
@@ -159,6 +160,9 @@ class TorchEstimator(Estimator, _TorchParams):
         # anything launches; it also receives the trained weights at the end.
         module = _build_checked(self.model_fn, data_settings.plan)
         info, spec, data_reader, steps = prepare_data(dataset, data_settings, num_workers, spark)
+        # What would fail every rank (and every relaunch) the same way fails here, named.
+        check_optimizer(self.optimizer_fn, module)
+        check_loss(module, self.loss_fn, info, spec, data_reader)
         epochs = self.getOrDefault(self.epochs)
         checkpoint, strategy = self.settings.checkpoint, self.settings.strategy
         loop = FitLoop(

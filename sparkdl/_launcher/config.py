@@ -10,7 +10,7 @@ import enum
 from typing import Any, Dict, List, Optional, Tuple
 
 from sparkdl._precision import Precision
-from sparkdl.errors import ConfigError, TrainingError
+from sparkdl.errors import ConfigError, RankFailure, TrainingError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,20 +71,29 @@ class FailurePolicy:
     """Whether a failed attempt is relaunched.
 
     Failures that would only repeat — bad settings or data, a NaN loss, code the executors
-    cannot import — are raised at once; anything else (a lost executor, a killed process, a
-    hang, a network error, an exception in user code) is retried up to ``max_failures`` times.
+    cannot import — are raised at once, and so is an attempt that failed the same way as the one
+    before it (the same rank, error and phase, which names the step): it would fail again.
+    Anything else (a lost executor, a killed process, a hang, a network error, an exception in
+    user code) is retried up to ``max_failures`` times.
     """
 
     max_failures: int = 0
     deterministic: Tuple[str, ...] = ("ConfigError", "DataError", "NonFiniteLossError", "InsufficientSlotsError")
 
-    def decide(self, error: TrainingError, failures_so_far: int) -> Decision:
+    def decide(self, error: TrainingError, failures_so_far: int, previous: Optional[TrainingError] = None) -> Decision:
         if failures_so_far > self.max_failures:
             return Decision.RAISE
         first = error.failures[0] if error.failures else None
         if first is not None and (first.exc_type in self.deterministic or "No module named" in first.message):
             return Decision.RAISE
+        if first is not None and previous is not None and previous.failures and same_failure(first, previous.failures[0]):
+            return Decision.RAISE
         return Decision.RETRY
+
+
+def same_failure(one: RankFailure, other: RankFailure) -> bool:
+    """Two attempts failed the same way: the same rank, error and phase (which names the step)."""
+    return (one.rank, one.exc_type, one.message, one.phase) == (other.rank, other.exc_type, other.message, other.phase)
 
 
 @dataclasses.dataclass

@@ -21,10 +21,11 @@ import cloudpickle
 
 from sparkdl._channel import ChannelServer, new_secret
 from sparkdl._device import check_gpu_request
-from sparkdl._launcher.config import Decision, FailurePolicy, LaunchConfig, LaunchOutcome
+from sparkdl._launcher.config import Decision, FailurePolicy, LaunchConfig, LaunchOutcome, same_failure
 from sparkdl._launcher.monitor import JobMonitor
 from sparkdl._launcher.task import _task_main, _TaskPayload
 from sparkdl._progress import ProgressDisplay
+from sparkdl._security import security_policy
 from sparkdl._session import Session
 from sparkdl.checkpoint import CheckpointConfig, open_store
 from sparkdl.data.batching import DataSpec
@@ -61,6 +62,7 @@ def launch(
         raise ConfigError("no active SparkSession: create one (SparkSession.builder...getOrCreate()) or pass spark=")
     session = Session(spark)
     check_gpu_request(session.conf, config.use_gpu)  # fail now, not after executors start
+    security = security_policy(session.conf)  # refuses unencrypted collectives under Spark encryption
     display = display or ProgressDisplay(enabled=config.progress)
     store = open_store(checkpoint) if checkpoint else None
     if store is not None:
@@ -73,6 +75,7 @@ def launch(
                 return LaunchOutcome(result, [], from_finished_checkpoint=True)
     policy = FailurePolicy(config.max_failures)
     attempts: List[Dict[str, Any]] = []
+    previous: Optional[TrainingError] = None
     for attempt in itertools.count(1):
         if not session.connect:
             check_slots(spark.sparkContext, config.num_workers, config.slot_wait_s)
@@ -81,21 +84,28 @@ def launch(
             value = _launch_once(
                 session, train_fn, config, strategy, display,
                 dataset=dataset, data_spec=data_spec, reader=reader, steps_per_epoch=steps_per_epoch,
-                store=store, attempt=attempt,
+                store=store, attempt=attempt, encrypt=security.encrypt,
             )
         except _AttemptFailed as failed:
             error = failed.error
             attempts.append({"attempt": attempt, "seconds": time.time() - started, "error": str(error).splitlines()[0]})
-            decision = policy.decide(error, attempt)
+            decision = policy.decide(error, attempt, previous)
             if decision is Decision.RAISE:
                 if attempt > 1:
-                    raise TrainingError(error.failures, hint=f"(attempt {attempt}; max_failures={config.max_failures})") from None
+                    repeated = ""
+                    if previous is not None and same_failure(error.failures[0], previous.failures[0]):
+                        repeated = f"; the same failure as attempt {attempt - 1}, so not retried again"
+                    raise TrainingError(error.failures, hint=f"(attempt {attempt}; max_failures={config.max_failures}{repeated})") from None
                 raise error from None
+            previous = error
             where = "the newest checkpoint" if store is not None else "scratch (no checkpoint_dir)"
             message = f"[sparkdl] attempt {attempt} failed: {str(error).splitlines()[0]}; relaunching from {where} ({attempt}/{config.max_failures} retries)"
-            logger.warning(message)
+            # Once: on the progress display when there is one, else in the log (a logger with no
+            # handler prints warnings to stderr too, which printed it twice).
             if config.progress:
                 print(message, flush=True)
+            else:
+                logger.warning(message)
             continue
         attempts.append({"attempt": attempt, "seconds": time.time() - started, "error": None})
         break
@@ -123,7 +133,7 @@ def _launch_once(
     monitor = JobMonitor(config.num_workers, lambda: session.cancel(tag), display)
     host = session.channel_host()
     secret = new_secret()
-    server = ChannelServer(host, secret, monitor.on_message, monitor.on_disconnect)
+    server = ChannelServer(host, secret, monitor.on_message, monitor.on_disconnect, encrypt=payload_fields.get("encrypt", False))
     payload = _TaskPayload(
         train_fn=train_fn,
         strategy=strategy,

@@ -45,6 +45,8 @@ class _TaskPayload:
     steps_per_epoch: Optional[int]
     store: Optional[CheckpointStore] = None
     attempt: int = 1
+    #: Encrypt sparkdl's own connections (Spark encrypts its RPC; see sparkdl._security).
+    encrypt: bool = False
 
 
 def _task_main(payload: _TaskPayload) -> List[tuple]:
@@ -52,7 +54,7 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
 
     barrier = BarrierTaskContext.get()
     rank = barrier.partitionId()
-    client = ChannelClient(tuple(payload.channel_address), payload.secret, rank, timeout=30.0)
+    client = ChannelClient(tuple(payload.channel_address), payload.secret, rank, timeout=30.0, encrypt=payload.encrypt)
     from sparkdl.context import Liveness
 
     liveness = Liveness()
@@ -73,7 +75,7 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
             device = assignment.device
             liveness.advance("rendezvous")
             addresses = [info.address for info in barrier.getTaskInfos()]
-            env = rendezvous(rank, payload.config.num_workers, addresses, barrier.allGather, device, payload.config.timeout_s)
+            env = rendezvous(rank, payload.config.num_workers, addresses, barrier.allGather, device, payload.config.timeout_s, secret=payload.secret, encrypt=payload.encrypt)
             runtime = payload.strategy.create_runtime(env)
             context = TrainContext(
                 env,
@@ -98,16 +100,20 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
                 client.send({"kind": "error", "failure": failure.to_json()})
             raise
         finally:
-            heartbeat.stop()
-            if context is not None:
-                context.close()
-            if runtime is not None:
-                with contextlib.suppress(Exception):
-                    runtime.close()
             from sparkdl._rendezvous import teardown
 
-            teardown()
-            client.close()
+            try:
+                heartbeat.stop()
+                if context is not None:
+                    context.close()
+                if runtime is not None:
+                    with contextlib.suppress(Exception):
+                        runtime.close()
+            finally:
+                # Even when closing the context failed: the process group and the rendezvous
+                # store (rank 0 listens) must not outlive the task.
+                teardown()
+                client.close()
 
 
 class _Heartbeat:

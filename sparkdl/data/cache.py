@@ -5,6 +5,11 @@ analyzed plan gives the same result as a cached one (``DataFrame.sameSemantics``
 ``sameResult``, which classic sessions and Spark Connect both answer), so fitting the same
 DataFrame again (another epoch count, another strategy) writes nothing. Entries are deleted by
 :func:`clear_cache` and when the driver process exits.
+
+The copy is the user's training data: on the driver's disk (the default location) it lives in a
+directory only the user can enter (0700, files 0600), and the copies of drivers that died
+without cleaning up (a SIGKILL) are deleted by the next driver's first materialization or by
+:func:`clear_cache`.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import atexit
 import logging
 import math
 import os
+import shutil
 import tempfile
 import threading
 import uuid
@@ -32,6 +38,7 @@ CACHE_DIR_CONF = "spark.sparkdl.cacheDir"
 ROW_GROUP_BYTES = 32 * 1024 * 1024
 
 _lock = threading.Lock()
+_stale_checked = False
 _entries: List[Tuple["DataFrame", str]] = []  # (the prepared DataFrame, dataset URL)
 
 
@@ -76,6 +83,7 @@ def materialize(df: "DataFrame", columns: Sequence[str], num_workers: int, cache
         .option("compression", "snappy")
         .parquet(url)
     )
+    _make_private(url)
     with _lock:
         _entries.append((prepared, url))
     logger.info("materialized DataFrame to %s (%d files)", url, num_files)
@@ -98,12 +106,60 @@ def cached_urls() -> List[str]:
 
 
 def clear_cache() -> None:
-    """Deletes every materialized DataFrame of this driver process."""
+    """Deletes every materialized DataFrame of this driver process, and the copies left behind by
+    drivers of this user that are no longer running."""
     with _lock:
         urls = [url for _, url in _entries]
         _entries.clear()
     for url in urls:
         _delete(url)
+    remove_stale_caches()
+
+
+def _make_private(url: str) -> None:
+    """Local copies become readable by their owner only (Spark writes with the umask's modes)."""
+    if not url.startswith("file://"):
+        return
+    root = url[len("file://"):]
+    for directory, _, files in os.walk(root):
+        os.chmod(directory, 0o700)
+        for name in files:
+            os.chmod(os.path.join(directory, name), 0o600)
+
+
+def remove_stale_caches(parent: str | None = None) -> List[str]:
+    """Deletes the default-location copies (``sparkdl-cache-<pid>``) of this user's drivers that
+    are no longer running; returns what was deleted."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        prefix, _, pid = name.rpartition("-")
+        path = os.path.join(parent, name)
+        if prefix != "sparkdl-cache" or not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            if os.stat(path).st_uid != os.getuid() or _running(int(pid)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+        logger.info("deleted %s, the materialized data of driver %s that is no longer running", path, pid)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a process of another user: alive
+        return True
+    return True
 
 
 def _delete(url: str) -> None:
@@ -127,7 +183,20 @@ def _default_cache_dir(df: "DataFrame") -> str:
             "read it. Set %s to storage every executor reads (hdfs://..., s3a://...)",
             CACHE_DIR_CONF,
         )
-    return os.path.join(tempfile.gettempdir(), f"sparkdl-cache-{os.getpid()}")
+    return local_cache_dir()
+
+
+def local_cache_dir() -> str:
+    """This driver's directory for copies on its own disk, private to the user; the first call
+    also deletes what drivers that are no longer running left behind."""
+    global _stale_checked
+    if not _stale_checked:
+        _stale_checked = True
+        remove_stale_caches()
+    path = os.path.join(tempfile.gettempdir(), f"sparkdl-cache-{os.getpid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)  # makedirs' mode is filtered by the umask
+    return path
 
 
 atexit.register(clear_cache)

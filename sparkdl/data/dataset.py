@@ -22,6 +22,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from sparkdl.data.plan import InputPlan
 
 
+class EmptyDatasetError(DataError):
+    """The dataset holds no rows (or no Parquet files at all)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ColumnInfo:
     name: str
@@ -82,6 +86,9 @@ class DatasetInfo:
     explicit_files: bool = False
     #: Columns the row filter reads (which may include feature and label columns).
     filter_columns: Tuple[str, ...] = ()
+    #: What the user passed when the files are sparkdl's own copy of it ("the DataFrame"):
+    #: messages then name it instead of the copy's internal path. Empty for data read in place.
+    origin: str = ""
 
     @property
     def columns(self) -> List[str]:
@@ -94,12 +101,21 @@ class DatasetInfo:
     def locate(self, position: Optional[int]) -> str:
         """Where the row at ``position`` (in the dataset's file order) is: row, row group, file."""
         found = self._find(position)
+        if self.origin:
+            return f"row {position} of {self.origin}" if found else self.origin
         return f"row {found[0]} of row group {found[1]} of file {found[2]!r}" if found else f"dataset {self.url!r}"
 
     def row_group_of(self, position: int) -> str:
         """The row group and file that hold the row at ``position``."""
         found = self._find(position)
+        if self.origin:
+            return self.origin
         return f"row group {found[1]} of file {found[2]!r}" if found else f"dataset {self.url!r}"
+
+    @property
+    def name(self) -> str:
+        """The dataset in the user's terms: what they passed, or its URL."""
+        return self.origin or f"dataset {self.url!r}"
 
     def _find(self, position: Optional[int]) -> Optional[Tuple[int, int, str]]:
         if position is None:
@@ -210,9 +226,9 @@ def inspect_dataset(
     num_rows = sum(sum(f.row_groups) for f in files)
     num_row_groups = sum(len(f.row_groups) for f in files)
     if num_row_groups == 0:
-        raise DataError(f"dataset {url!r} holds no Parquet files")
+        raise EmptyDatasetError(f"dataset {url!r} holds no Parquet files")
     if num_rows == 0:
-        raise DataError(f"dataset {url!r} is empty: its Parquet files hold 0 rows")
+        raise EmptyDatasetError(f"dataset {url!r} is empty: its Parquet files hold 0 rows")
     return DatasetInfo(
         url, num_rows, num_row_groups, unischema is not None, plan, tuple(infos[c] for c in plan.columns),
         files=tuple(files), explicit_files=explicit, filter_columns=tuple(filter_cols),

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple, Union
 
 from sparkdl.data.batching import DataSpec, TransformFn, ValidationSpec, steps_per_epoch
 from sparkdl.data.cache import materialize
-from sparkdl.data.dataset import ColumnInfo, DatasetInfo, Filters, ParquetFiles, inspect_dataset, referenced_columns
+from sparkdl.data.dataset import ColumnInfo, DatasetInfo, EmptyDatasetError, Filters, ParquetFiles, inspect_dataset, referenced_columns
 from sparkdl.data.inputs import Column, Dense, Image, Sequence as SequenceInput
 from sparkdl.data.plan import InputPlan
 from sparkdl.data.readers.base import DataReader
@@ -43,13 +43,15 @@ def prepare_data(
     plan, spec, filters, holdout = settings.plan, settings.spec, settings.filters, settings.holdout
     data_reader = settings.data_reader()
 
-    def prepare(source: DataSource) -> DatasetInfo:
-        prepared = prepare_dataset(source, plan, num_workers, spark, settings.cache_dir, filters=filters, transform_fn=settings.transform_fn)
+    def prepare(source: DataSource, what: str) -> DatasetInfo:
+        prepared = prepare_dataset(
+            source, plan, num_workers, spark, settings.cache_dir, filters=filters, transform_fn=settings.transform_fn, what=what
+        )
         data_reader.check(prepared)
         return prepared
 
-    dataset = prepare(data)
-    validation_data = prepare(settings.validation_data) if settings.validation_data is not None else None
+    dataset = prepare(data, "the DataFrame")
+    validation_data = prepare(settings.validation_data, "the validation DataFrame") if settings.validation_data is not None else None
     if settings.validation is not None:
         spec = dataclasses.replace(spec, validation=ValidationSpec(validation_data, tuple(sorted((settings.metrics or {}).items()))))
     conditions = [text for text, on in (("pass the filters", filters is not None), ("are not held out for validation", holdout)) if on]
@@ -58,7 +60,7 @@ def prepare_data(
     empty = [rank for rank, rows in enumerate(counts) if rows == 0]
     if empty:
         raise DataError(
-            f"the shard of rank(s) {', '.join(map(str, empty))} in dataset {dataset.url!r} holds no rows{narrowed} "
+            f"the shard of rank(s) {', '.join(map(str, empty))} in {dataset.name} holds no rows{narrowed} "
             f"(rows per rank: {counts}); use fewer workers, more row groups, or a wider filter"
         )
     steps = steps_per_epoch(sum(counts), spec.batch_size, num_workers)
@@ -66,7 +68,7 @@ def prepare_data(
         source = validation_data or dataset
         held = shard_rows(source, num_workers, 0.0 if validation_data else holdout, "train" if validation_data else "holdout", filters)
         if sum(held) == 0:
-            raise DataError(f"the validation data ({source.url!r}) holds no rows{' that pass the filters' if filters is not None else ''}")
+            raise DataError(f"the validation data ({source.name}) holds no rows{' that pass the filters' if filters is not None else ''}")
     return dataset, spec, data_reader, steps
 
 
@@ -79,10 +81,12 @@ def prepare_dataset(
     filters: Filters = None,
     transform_fn: Optional[TransformFn] = None,
     label_col: Optional[str] = None,
+    what: str = "the DataFrame",
 ) -> DatasetInfo:
     """Validates the columns and turns a DataFrame, URL or connector source into a dataset the
     tasks can stream (a DataFrame is materialized with the columns to train on and filter by).
-    ``plan`` may also be a list of feature columns (with ``label_col``)."""
+    ``plan`` may also be a list of feature columns (with ``label_col``); ``what`` names a
+    DataFrame in messages (``"the validation DataFrame"``): its copy's path never appears."""
     if not isinstance(plan, InputPlan):
         plan = InputPlan.from_feature_cols(plan, label_col)
     columns = plan.columns
@@ -106,7 +110,11 @@ def prepare_dataset(
     if filters is not None:
         columns += [c for c in referenced_columns(filters, _arrow_schema(data), "the DataFrame") if c not in columns]
     url = materialize(data, columns, num_workers, cache_dir)
-    return _inspect(url, plan, filters, transform_fn)
+    try:
+        dataset = _inspect(url, plan, filters, transform_fn)
+    except EmptyDatasetError:
+        raise DataError(f"{what} has no rows: there is nothing to train on (check the filters or joins that built it)") from None
+    return dataclasses.replace(dataset, origin=what)
 
 
 def _inspect(data: Any, plan: InputPlan, filters: Filters, transform_fn: Optional[TransformFn]) -> DatasetInfo:

@@ -139,14 +139,18 @@ def test_non_numeric_feature_column(spark):
         sparkdl.TorchEstimator(model=digits_mlp, num_workers=2).fit(df)
 
 
-def test_null_features_are_reported_with_the_column(spark, tmp_path):
+@pytest.mark.parametrize("row, raised", [(5, sparkdl.DataError), (50, sparkdl.TrainingError)])
+def test_null_features_are_reported_with_the_column(spark, tmp_path, row, raised):
     path = str(tmp_path / "nulls")
     os.makedirs(path)
     x = np.ones((64, 4), dtype=np.float32)
-    x[5, 2] = np.nan
-    pq.write_table(pa.table({"f": pa.array(list(x), type=pa.list_(pa.float32())), "label": np.zeros(64, dtype=np.int64)}), path + "/p.parquet")
+    x[row, 2] = np.nan
+    table = pa.table({"f": pa.array(list(x), type=pa.list_(pa.float32())), "label": np.zeros(64, dtype=np.int64)})
+    pq.write_table(table, path + "/p.parquet", row_group_size=8)
     estimator = sparkdl.TorchEstimator(model=lambda: torch.nn.Linear(4, 2), feature_cols=["f"], num_workers=2, batch_size=8, progress=False)
-    with pytest.raises(sparkdl.TrainingError, match="feature column\\(s\\) f contain NaN or null values"):
+    # Row 5 is in the batch the driver checks before launch (a DataError, nothing launched);
+    # row 50 is found by a rank (a TrainingError); both name the column and where it is.
+    with pytest.raises(raised, match="feature column\\(s\\) f contain NaN or null values in .*p.parquet"):
         estimator.fit(path)
 
 
@@ -160,3 +164,85 @@ def _write(path, n):
     )
     pq.write_table(table, os.path.join(path, "part-0.parquet"))
     return str(path)
+
+
+# ---- a flood of unauthenticated connections to the driver's channel (issue #15) --------------
+
+
+def _driver_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_connection_flood_on_the_driver_channel_neither_breaks_the_fit_nor_leaks(spark, tmp_path, monkeypatch, caplog):
+    import re
+    import socket
+    import threading
+
+    from sparkdl._launcher import driver
+
+    servers = []
+
+    class Recorded(driver.ChannelServer):  # the real server; only remembers its address
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            servers.append(self)
+
+    markers = str(tmp_path)
+
+    def train_fn(ctx):
+        open(os.path.join(markers, f"started-{ctx.rank}"), "w").close()
+        deadline = time.monotonic() + FAILURE_BOUND_S
+        while not os.path.exists(os.path.join(markers, "flood-done")):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the driver-side flood never finished")
+            time.sleep(0.05)  # polling a file another process writes
+        return ctx.world_size * 21
+
+    def wait_for(condition, what):
+        deadline = time.monotonic() + FAILURE_BOUND_S
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.05)  # polling for another process's progress, not synchronizing
+
+    total, batch = 2000, 200
+    seen = {"held": 0, "peak_server_threads": 0}
+    errors = []
+
+    def flood():
+        held = []
+        try:
+            wait_for(lambda: servers and all(os.path.exists(os.path.join(markers, f"started-{r}")) for r in range(2)), "both ranks")
+            server = servers[0]
+            for _ in range(total // batch):
+                held += [socket.create_connection(server.address, timeout=10) for _ in range(batch)]
+                with server._lock:
+                    seen["peak_server_threads"] = max(seen["peak_server_threads"], len(server._threads))
+            seen["held"] = len(held)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            errors.append(exc)
+        finally:
+            for sock in held:
+                sock.close()
+            open(os.path.join(markers, "flood-done"), "w").close()
+
+    _cluster_still_trains(spark)  # Spark's own threads and connections are warm
+    base_threads, base_fds = threading.active_count(), _driver_fds()
+    monkeypatch.setattr(driver, "ChannelServer", Recorded)
+    flooder = threading.Thread(target=flood, name="test-flooder", daemon=True)
+    flooder.start()
+    with caplog.at_level("WARNING", logger="sparkdl.channel"):
+        result = sparkdl.run(train_fn, num_workers=2, spark=spark, progress=False)
+    flooder.join(FAILURE_BOUND_S)
+    assert not errors, errors
+    assert result == 42
+    assert seen["held"] == total
+    assert seen["peak_server_threads"] <= 64 + 2  # the pending cap + the two ranks
+    wait_for(lambda: threading.active_count() <= base_threads and _driver_fds() <= base_fds + 2, "threads and fds back to baseline")
+    lines = [r.getMessage() for r in caplog.records if r.name == "sparkdl.channel"]
+    print(f"driver flood of {total}: peak {seen['peak_server_threads']} channel threads; {len(lines)} warning lines:", *lines, sep="\n  ")
+    assert len(lines) < 20, lines
+    counts = [re.search(r"dropped ([\d,]+) more unauthenticated connections", line) for line in lines]
+    assert any(counts), lines
+    refused = sum(int(m.group(1).replace(",", "")) for m in counts if m) + sum("refusing" in line for line in lines)
+    assert total - 64 <= refused <= total, lines  # pending ones cut off by the fit's end are not logged
+    _cluster_still_trains(spark)

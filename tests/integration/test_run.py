@@ -70,3 +70,82 @@ def test_custom_loop_trains_with_the_strategy_helpers(spark, digits_df, digits_s
     _, (test_x, test_y) = digits_split
     assert accuracy(module, test_x, test_y) >= 0.93
     assert comm_bytes > 0
+
+
+def _probe_rendezvous(address):
+    """From inside the job: an unauthenticated raw client and torch's TCPStore client each try
+    to read the rendezvous store at ``address``; what each got."""
+    import datetime
+    import socket
+
+    from sparkdl._store_wire import GREETING, GREETING_BYTES, Message, Op, encode
+
+    with socket.create_connection(address, timeout=10) as raw:
+        raw.sendall(encode(Message(Op.GET, items=(b"0//cpu//0/0",))) + b"\0" * 68)
+        raw.settimeout(10)
+        reply = b""
+        try:
+            while chunk := raw.recv(4096):
+                reply += chunk
+        except ConnectionResetError:
+            pass
+    raw_result = "greeting only" if reply.startswith(GREETING) and len(reply) == GREETING_BYTES else repr(reply[:80])
+    try:
+        dist.TCPStore(address[0], address[1], is_master=False, timeout=datetime.timedelta(seconds=2))
+        torch_result = "connected"
+    except RuntimeError as exc:
+        torch_result = type(exc).__name__
+    return raw_result, torch_result
+
+
+def _refused(address) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection(address, timeout=5):
+            return False
+    except ConnectionRefusedError:
+        return True
+
+
+def test_the_rendezvous_admits_only_the_jobs_ranks_and_closes_with_the_run(spark):
+    def train_fn(ctx):
+        address = (ctx._env.master_addr, ctx._env.master_port)
+        # A DDP model holds the process group, and so the store, past the loop (what kept
+        # torch's own TCPStore listening after fit in a reused worker).
+        model = ctx.prepare_model(torch.nn.Linear(4, 2))
+        model(torch.randn(8, 4)).sum().backward()
+        probes = _probe_rendezvous(address) if ctx.rank == 0 else None
+        dist.barrier()
+        return address, probes, type(model).__name__
+
+    address, probes, model_type = sparkdl.run(train_fn, num_workers=2, spark=spark, progress=False)
+    assert model_type == "DistributedDataParallel"
+    assert probes[0] == "greeting only" and probes[1] in ("DistNetworkError", "DistStoreError")
+    assert _refused(tuple(address))
+
+
+def test_an_allreduce_fit_closes_its_rendezvous_when_it_returns(spark, digits_df, tmp_path):
+    import json
+
+    from tests.models import digits_mlp
+
+    record = str(tmp_path / "rendezvous.json")
+
+    def model_fn():
+        # Built on each rank after its rendezvous (and once on the driver, outside any).
+        from sparkdl._rendezvous import active_store
+
+        if dist.is_initialized() and dist.get_rank() == 0:
+            server, _ = active_store()
+            with open(record, "w") as handle:
+                json.dump({"address": list(server.address), "probes": _probe_rendezvous(server.address)}, handle)
+        return digits_mlp()
+
+    sparkdl.TorchEstimator(
+        model=model_fn, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), strategy=sparkdl.AllReduce(), num_workers=2, batch_size=64, epochs=1, progress=False
+    ).fit(digits_df)
+    with open(record) as handle:
+        seen = json.load(handle)
+    assert seen["probes"][0] == "greeting only" and seen["probes"][1] in ("DistNetworkError", "DistStoreError")
+    assert _refused(tuple(seen["address"]))

@@ -176,3 +176,27 @@ def test_validation_and_metrics_arguments_are_checked(tmp_path):
     dataset, spec, reader, steps = prepare_data(path, DataSettings(validation=0.25, metrics={"acc": lambda o, l: 1.0}, reader="arrow", **common), num_workers=1)
     assert spec.holdout == 0.25 and [name for name, _ in spec.validation.metrics] == ["acc"]
     assert steps == (64 - sum(__import__("sparkdl.data.selection", fromlist=["x"]).shard_rows(dataset, 1, 0.25, "holdout"))) // 4
+
+
+def test_a_nan_in_the_data_is_found_and_named_by_column_row_group_and_row(tmp_path):
+    import dataclasses
+
+    from sparkdl.data.nonfinite import describe_non_finite
+
+    features = np.arange(48, dtype=np.float32).reshape(24, 2)
+    features[19, 1] = np.nan
+    table = pa.table({"v": pa.array(list(features), type=pa.list_(pa.float32())), "w": np.ones(24), "label": np.zeros(24, dtype=np.int64)})
+    pq.write_table(table, tmp_path / "part-0.parquet", row_group_size=8)
+    info = inspect_dataset(str(tmp_path), ["v", "w"], "label")
+    message = describe_non_finite(info)
+    assert message.startswith("column 'v' holds NaN at row 3 of row group 2 of file ") and "part-0.parquet" in message
+    # A DataFrame's copy is named as the DataFrame: its internal path never appears.
+    as_dataframe = describe_non_finite(dataclasses.replace(info, origin="the DataFrame"))
+    assert as_dataframe.startswith("column 'v' of the DataFrame holds NaN values") and "parquet" not in as_dataframe
+
+    table = table.set_column(0, "v", pa.array(list(np.ones((24, 2), dtype=np.float32)), type=pa.list_(pa.float32())))
+    table = table.set_column(1, "w", pa.array(np.where(np.arange(24) == 5, np.inf, 1.0)))
+    pq.write_table(table, tmp_path / "part-0.parquet", row_group_size=8)
+    assert describe_non_finite(inspect_dataset(str(tmp_path), ["v", "w"], "label")).startswith("column 'w' holds infinite at row 5 of row group 0")
+    pq.write_table(table.set_column(1, "w", pa.array(np.ones(24))), tmp_path / "part-0.parquet", row_group_size=8)
+    assert "hold no NaN or infinity: the model or the optimizer diverged" in describe_non_finite(inspect_dataset(str(tmp_path), ["v", "w"], "label"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import queue
 import socket
 import struct
@@ -14,12 +15,15 @@ import time
 import pytest
 
 from sparkdl._channel import (
+    GREETING_BYTES,
+    KEY_LABEL,
     MAX_MESSAGE_BYTES,
     ChannelClient,
     ChannelError,
     ChannelServer,
     new_secret,
 )
+from sparkdl._secure import TAG_BYTES, protection
 
 HOST = "127.0.0.1"
 WAIT = 5.0  # upper bound for any callback to arrive; tests normally finish far sooner
@@ -100,10 +104,6 @@ def server(make_server) -> ChannelServer:
     return make_server()
 
 
-def frame(payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload)) + payload
-
-
 def recv_exact(sock: socket.socket, n: int) -> bytes:
     data = b""
     while len(data) < n:
@@ -114,16 +114,47 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return data
 
 
-def raw_authenticated(address, secret: bytes, rank: int) -> socket.socket:
+class RawPeer:
+    """A client whose handshake is done by hand (wire format v2), so tests can then misbehave on
+    the wire: ``seal`` makes frames the server accepts as authentic, whatever they contain."""
+
+    def __init__(self, address, secret: bytes, encrypt: bool = False) -> None:
+        self.sock = socket.create_connection(address, timeout=WAIT)
+        greeting = recv_exact(self.sock, GREETING_BYTES)
+        assert greeting[:8] == b"SPKDLv2\0" and greeting[8] == int(encrypt)
+        server_nonce, client_nonce, mode = greeting[9:], os.urandom(32), bytes([int(encrypt)])
+        proof = hmac.new(secret, b"sparkdl-channel client" + server_nonce + client_nonce + mode, hashlib.sha256)
+        self.sock.sendall(client_nonce + mode + proof.digest())
+        self.keys = protection(secret, KEY_LABEL, server_nonce, client_nonce, encrypt, server=False)
+
+    def seal(self, payload: bytes) -> bytes:
+        return self.keys.sealer.seal(struct.pack(">I", len(payload)), payload)
+
+    def read_frame(self) -> bytes:
+        header = recv_exact(self.sock, 4)
+        (length,) = struct.unpack(">I", header)
+        body = recv_exact(self.sock, length + TAG_BYTES)
+        return self.keys.opener.open(header, body[:length], body[length:])
+
+    def sendall(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> "RawPeer":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def raw_authenticated(address, secret: bytes, rank: int) -> RawPeer:
     """Performs the handshake by hand, so tests can then misbehave on the wire."""
-    sock = socket.create_connection(address, timeout=WAIT)
-    greeting = recv_exact(sock, 40)
-    assert greeting[:8] == b"SPKDLv1\0"
-    digest = hmac.new(secret, greeting[8:], hashlib.sha256).digest()
-    sock.sendall(digest + frame(b'{"kind":"hello","rank":%d}' % rank))
-    (length,) = struct.unpack(">I", recv_exact(sock, 4))
-    assert b'"ready"' in recv_exact(sock, length)
-    return sock
+    peer = RawPeer(address, secret)
+    peer.sendall(peer.seal(b'{"kind":"hello","rank":%d}' % rank))
+    assert b'"ready"' in peer.read_frame()
+    return peer
 
 
 def assert_closed_by_server(sock: socket.socket) -> None:
@@ -234,7 +265,7 @@ def test_client_connect_failure_raises_channel_error(secret):
 def test_garbage_instead_of_handshake_is_dropped(server, secret, rec, logs):
     with socket.create_connection(server.address, timeout=WAIT) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\nHost: driver\r\n\r\n" + b"\x00" * 64)
-        recv_exact(sock, 40)
+        recv_exact(sock, GREETING_BYTES)
         assert_closed_by_server(sock)
     logs.wait_for("authentication failed")
     assert_good_client_works(server, secret, rec)
@@ -289,7 +320,7 @@ def test_client_refuses_oversized_message_and_stays_usable(make_server, secret, 
 def test_malformed_payload_is_dropped(make_server, secret, rec, logs, payload):
     server = make_server(max_message_bytes=100_000)
     with raw_authenticated(server.address, secret, rank=7) as sock:
-        sock.sendall(frame(payload))
+        sock.sendall(sock.seal(payload))
         assert get(rec.disconnects) == (7, False)
     logs.wait_for("dropping rank 7")
     assert rec.messages.empty()
@@ -306,17 +337,16 @@ def test_malformed_payload_is_dropped(make_server, secret, rec, logs, payload):
     ],
 )
 def test_invalid_hello_is_dropped(server, secret, rec, logs, hello):
-    with socket.create_connection(server.address, timeout=WAIT) as sock:
-        greeting = recv_exact(sock, 40)
-        sock.sendall(hmac.new(secret, greeting[8:], hashlib.sha256).digest() + frame(hello))
-        assert_closed_by_server(sock)
+    with RawPeer(server.address, secret) as peer:
+        peer.sendall(peer.seal(hello))
+        assert_closed_by_server(peer.sock)
     logs.wait_for("invalid hello")
     assert rec.disconnects.empty()
 
 
 def test_reserved_kind_after_handshake_is_dropped_and_client_refuses_it(server, secret, rec, logs):
     with raw_authenticated(server.address, secret, rank=1) as sock:
-        sock.sendall(frame(b'{"kind":"hello","rank":0}'))
+        sock.sendall(sock.seal(b'{"kind":"hello","rank":0}'))
         assert get(rec.disconnects) == (1, False)
     logs.wait_for("unexpected 'hello' frame")
     with ChannelClient(server.address, secret, rank=0) as client:
@@ -330,7 +360,7 @@ def test_silent_peer_is_dropped_after_handshake_timeout(make_server, secret, rec
     server = make_server(handshake_timeout=0.5)
     start = time.monotonic()
     with socket.create_connection(server.address, timeout=WAIT) as silent:
-        assert len(recv_exact(silent, 40)) == 40
+        assert len(recv_exact(silent, GREETING_BYTES)) == GREETING_BYTES
         # Another client is served while the silent peer is still pending.
         with ChannelClient(server.address, secret, rank=0) as client:
             client.send({"kind": "progress"})
@@ -392,3 +422,177 @@ def test_close_is_idempotent_unblocks_and_breaks_clients(server, secret, rec):
 def test_new_secret_is_random_32_bytes():
     a, b = new_secret(), new_secret()
     assert len(a) == 32 and isinstance(a, bytes) and a != b
+
+
+# ---- a flood of unauthenticated connections (issue #15) --------------------------------------
+
+# Runs in its own process, so that the test process's fd count is the server's: opens as many
+# connections as each line read asks for, keeps them all open, reports the totals per line, and
+# closes everything on "0".
+_FLOODER = r"""
+import resource, socket, sys
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+want = 8192 if hard == resource.RLIM_INFINITY else min(hard, 8192)
+if soft < want:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+host, port = sys.argv[1], int(sys.argv[2])
+held, failed = [], 0
+for line in sys.stdin:
+    count = int(line)
+    if count == 0:
+        break
+    for _ in range(count):
+        try:
+            held.append(socket.create_connection((host, port), timeout=10))
+        except OSError:
+            failed += 1
+    print(len(held), failed, flush=True)
+for sock in held:
+    sock.close()
+"""
+
+
+class _FloodWatch(ChannelServer):
+    """The real server, counting each flood connection's one outcome (refused or dropped)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.outcomes = threading.Semaphore(0)
+        super().__init__(*args, **kwargs)
+
+    def _admit(self, peer) -> bool:
+        admitted = super()._admit(peer)
+        if not admitted:
+            self.outcomes.release()
+        return admitted
+
+    def _log_drop(self, *args, authenticated: bool = False) -> None:
+        super()._log_drop(*args, authenticated=authenticated)
+        if not authenticated:
+            self.outcomes.release()
+
+
+def test_flood_of_unauthenticated_connections_is_bounded_and_summarized(secret, rec, logs):
+    import os
+    import re
+    import subprocess
+    import sys
+
+    total, batch = 2000, 100
+    server = _FloodWatch(HOST, secret, rec.on_message, rec.on_disconnect)
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    def server_threads() -> int:
+        with server._lock:
+            return len(server._threads)
+
+    flooder = subprocess.Popen(
+        [sys.executable, "-c", _FLOODER, *map(str, server.address)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        with ChannelClient(server.address, secret, rank=0) as client:
+            client.send({"kind": "progress", "n": -1})
+            assert get(rec.messages) == (0, {"kind": "progress", "n": -1})
+            base_fds, base_threads = fds(), threading.active_count()
+            peak_fds = peak_threads = peak_server_threads = 0
+            for n in range(total // batch):
+                flooder.stdin.write(f"{batch}\n")
+                flooder.stdin.flush()
+                held, failed = map(int, flooder.stdout.readline().split())  # bounded: connect timeout
+                assert (held, failed) == ((n + 1) * batch, 0)
+                client.send({"kind": "progress", "n": n})  # the real rank is served throughout
+                assert get(rec.messages) == (0, {"kind": "progress", "n": n})
+                peak_fds = max(peak_fds, fds() - base_fds)
+                peak_threads = max(peak_threads, threading.active_count() - base_threads)
+                peak_server_threads = max(peak_server_threads, server_threads())
+            flooder.stdin.write("0\n")
+            flooder.stdin.flush()
+            assert flooder.wait(timeout=WAIT) == 0
+            # Every flood connection was refused at once or dropped when the flooder hung up.
+            deadline = time.monotonic() + WAIT
+            for _ in range(total):
+                assert server.outcomes.acquire(timeout=max(0.0, deadline - time.monotonic()))
+            assert server.pending_handshakes == 0
+        assert get(rec.disconnects) == (0, True)
+        assert_good_client_works(server, secret, rec, rank=1)  # admitted again after the flood
+    finally:
+        if flooder.poll() is None:
+            flooder.kill()
+            flooder.wait(timeout=WAIT)
+        flooder.stdin.close()
+        flooder.stdout.close()
+        server.close()
+    print(f"flood of {total}: peak +{peak_threads} threads (server {peak_server_threads}), +{peak_fds} fds")
+    assert peak_server_threads <= 64 + 1  # the pending cap + the real rank
+    assert peak_threads < 64 + 20
+    assert peak_fds < 64 + 20
+    lines = []
+    while not logs.records.empty():
+        lines.append(logs.records.get_nowait().getMessage())
+    print(f"{len(lines)} warning lines:", *lines, sep="\n  ")
+    assert len(lines) < 20
+    counts = [re.search(r"dropped ([\d,]+) more unauthenticated connections", line) for line in lines]
+    summarized = sum(int(m.group(1).replace(",", "")) for m in counts if m)
+    assert any(counts), "no summary line"
+    assert summarized + sum(1 for m in counts if not m) == total  # no connection unaccounted for
+
+
+# ---- frame protection (sparkdl._secure; attacks through a tapping proxy: test_secure.py) ----------
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["integrity", "encrypt"])
+def test_both_modes_round_trip_with_concurrent_senders(make_server, secret, rec, encrypt):
+    server = make_server(encrypt=encrypt)
+    assert server.encrypt is encrypt
+    with ChannelClient(server.address, secret, rank=5, encrypt=encrypt) as client:
+        assert client.encrypt is encrypt
+
+        def worker(t: int) -> None:
+            for i in range(25):
+                client.send({"kind": "log", "thread": t, "i": i, "line": "ünïcode ✓" * (i + 1)})
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT)
+        got = [get(rec.messages) for _ in range(100)]
+    for t in range(4):  # frame counters follow the wire order even with threads racing
+        assert [m["i"] for _, m in got if m["thread"] == t] == list(range(25))
+    assert get(rec.disconnects) == (5, True)
+
+
+@pytest.mark.parametrize("server_encrypts", [True, False], ids=["server-encrypts", "client-encrypts"])
+def test_an_encryption_mismatch_fails_at_the_handshake_on_both_sides(make_server, secret, rec, logs, server_encrypts):
+    server = make_server(encrypt=server_encrypts)
+    with pytest.raises(ChannelError, match="encryption mismatch") as info:
+        ChannelClient(server.address, secret, rank=0, encrypt=not server_encrypts)
+    assert f"this channel client has encrypt={not server_encrypts}" in str(info.value)
+    logs.wait_for(f"encryption mismatch: this channel server has encrypt={server_encrypts}")
+    assert rec.disconnects.empty()  # never admitted
+    with ChannelClient(server.address, secret, rank=0, encrypt=server_encrypts) as client:
+        client.send({"kind": "progress"})
+        assert get(rec.messages) == (0, {"kind": "progress"})
+
+
+def test_an_unsealed_or_forged_frame_after_the_handshake_is_dropped(server, secret, rec, logs):
+    with raw_authenticated(server.address, secret, rank=3) as peer:
+        payload = b'{"kind":"progress","forged":true}'
+        # What the frame looked like before frame protection, plus 16 bytes where the tag goes.
+        peer.sendall(struct.pack(">I", len(payload)) + payload + b"\0" * TAG_BYTES)
+        assert get(rec.disconnects) == (3, False)
+    logs.wait_for("failed its integrity check")
+    assert rec.messages.empty()
+
+
+def test_an_unknown_protection_mode_is_refused_after_authentication(server, secret, rec, logs):
+    with socket.create_connection(server.address, timeout=WAIT) as sock:
+        greeting = recv_exact(sock, GREETING_BYTES)
+        client_nonce, mode = os.urandom(32), b"\x07"
+        proof = hmac.new(secret, b"sparkdl-channel client" + greeting[9:] + client_nonce + mode, hashlib.sha256)
+        sock.sendall(client_nonce + mode + proof.digest())
+        assert_closed_by_server(sock)
+    logs.wait_for("unknown frame protection mode 7")
+    assert_good_client_works(server, secret, rec)

@@ -38,5 +38,17 @@ def test_failure_policy(exc_type, message, failures_so_far, expected):
     assert FailurePolicy(max_failures=2).decide(_error(exc_type, message), failures_so_far) is expected
 
 
+def test_an_attempt_that_fails_like_the_previous_one_is_not_retried():
+    policy = FailurePolicy(max_failures=5)
+    first = TrainingError([RankFailure(1, "RuntimeError", "bad batch", "", "training step 7 (forward, backward, sync, optimizer)")])
+    assert policy.decide(first, 1) is Decision.RETRY
+    again = TrainingError([RankFailure(1, "RuntimeError", "bad batch", "", "training step 7 (forward, backward, sync, optimizer)")])
+    assert policy.decide(again, 2, previous=first) is Decision.RAISE
+    elsewhere = TrainingError([RankFailure(1, "RuntimeError", "bad batch", "", "training step 9 (forward, backward, sync, optimizer)")])
+    assert policy.decide(elsewhere, 2, previous=first) is Decision.RETRY
+    other_rank = TrainingError([RankFailure(0, "RuntimeError", "bad batch", "", "training step 7 (forward, backward, sync, optimizer)")])
+    assert policy.decide(other_rank, 2, previous=first) is Decision.RETRY
+
+
 def test_no_retries_by_default():
     assert FailurePolicy().decide(_error("WorkerLost"), 1) is Decision.RAISE

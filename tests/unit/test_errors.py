@@ -16,6 +16,13 @@ def test_first_failure_is_the_headline_with_its_traceback():
     assert "Traceback from rank 1:" in text
 
 
+def test_a_self_explained_failure_keeps_its_traceback_out_of_the_message():
+    error = TrainingError([_failure(1, "loss is nan at epoch 1, step 3 on rank 1", "NonFiniteLossError")])
+    assert "Traceback" not in str(error) and len(str(error).splitlines()) == 2
+    assert "TrainingError.remote_traceback" in str(error)
+    assert error.remote_traceback.startswith("Traceback...")
+
+
 def test_identical_failures_are_grouped():
     text = format_failures([_failure(2), _failure(0), _failure(1)])
     assert text.startswith("training failed on ranks 0, 1, 2 while")

@@ -22,6 +22,7 @@ from typing import Iterator, Tuple
 import pytest
 import torch
 
+from sparkdl._secure import FrameProtection
 from sparkdl.strategies.parameter_server.layout import Layout, TableSpec
 from sparkdl.strategies.parameter_server.shard import ServerState, Shard
 from sparkdl.strategies.parameter_server.transport import ShardClient, ShardServer, listen
@@ -30,6 +31,7 @@ from sparkdl.strategies.parameter_server.wire import (
     GREETING,
     HEADER,
     NONCE_BYTES,
+    TAG_BYTES,
     Header,
     Kind,
     ParameterServerError,
@@ -54,13 +56,13 @@ def _spec() -> TableSpec:
 
 
 class _Server:
-    def __init__(self, timeout_s: float = 5.0, max_staleness=None) -> None:
+    def __init__(self, timeout_s: float = 5.0, max_staleness=None, encrypt: bool = False) -> None:
         self.state = ServerState(0, WORLD, timeout_s)
         template = torch.optim.SGD([torch.zeros(1)], lr=0.5)
         self.shard = Shard(_spec(), 0, WORLD, max_staleness, timeout_s, torch.arange(N, dtype=torch.float32), template)
         self.shard.depart(0, clean=True, reason="rank 0's own worker takes no part in these tests")
         self.state.register(0, self.shard)
-        self.server = ShardServer(listen("127.0.0.1"), SECRET, 0, WORLD, self.state, timeout_s)
+        self.server = ShardServer(listen("127.0.0.1"), SECRET, 0, WORLD, self.state, timeout_s, encrypt=encrypt)
         self.address = self.server.address
 
     def wait_for(self, predicate, timeout: float = 30.0) -> bool:
@@ -102,10 +104,21 @@ def _good_client_is_served(srv: _Server, rank: int, updates_before: int = 0) -> 
     assert torch.equal(values, expected), values
 
 
-def _authenticated(address: Tuple[str, int], rank: int) -> socket.socket:
+def _authenticated_with_keys(address: Tuple[str, int], rank: int, encrypt: bool = False) -> Tuple[socket.socket, FrameProtection]:
+    """A hand-made worker connection and its frame protection: ``_sealed`` frames are authentic
+    to the server whatever they contain."""
     sock = socket.create_connection(address, timeout=10)
-    assert client_handshake(sock, SECRET, rank, time.monotonic() + 10) == 0
-    return sock
+    server_rank, keys = client_handshake(sock, SECRET, rank, time.monotonic() + 10, encrypt)
+    assert server_rank == 0
+    return sock, keys
+
+
+def _authenticated(address: Tuple[str, int], rank: int) -> socket.socket:
+    return _authenticated_with_keys(address, rank)[0]
+
+
+def _sealed(keys: FrameProtection, header: Header, payload: bytes = b"") -> bytes:
+    return keys.sealer.seal(header.encode(), payload)
 
 
 def _closed_by_server(sock: socket.socket, timeout: float = 30.0) -> bool:
@@ -263,9 +276,9 @@ def test_a_peer_that_disconnects_mid_message_is_dropped(server, caplog, sent):
 )
 def test_oversized_or_inconsistent_headers_are_dropped_before_any_payload(server, caplog, header, message):
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        sock = _authenticated(server.address, 6)
+        sock, keys = _authenticated_with_keys(server.address, 6)
         payload = b"\0" * 8 + bytes(byte_view(torch.ones(N))) if header.length == PUSH_BYTES else b""
-        sock.sendall(header.encode() + payload)
+        sock.sendall(_sealed(keys, header, payload))  # authentic frames: the checks still apply
         assert _closed_by_server(sock)
         _good_client_is_served(server, 1)
     assert message in _warnings(caplog)
@@ -274,9 +287,9 @@ def test_oversized_or_inconsistent_headers_are_dropped_before_any_payload(server
 
 def test_a_negative_learning_rate_is_rejected(server, caplog):
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        sock = _authenticated(server.address, 6)
+        sock, keys = _authenticated_with_keys(server.address, 6)
         lrs = torch.tensor([-1.0], dtype=torch.float64)
-        sock.sendall(Header(Kind.PUSH, F32, 0, 6, 0, 1, PUSH_BYTES).encode() + bytes(byte_view(lrs)) + bytes(byte_view(torch.ones(N))))
+        sock.sendall(_sealed(keys, Header(Kind.PUSH, F32, 0, 6, 0, 1, PUSH_BYTES), bytes(byte_view(lrs)) + bytes(byte_view(torch.ones(N)))))
         assert _closed_by_server(sock)
         _good_client_is_served(server, 1)
     assert "negative or infinite learning rate" in _warnings(caplog)
@@ -362,7 +375,7 @@ def _fake_server(behaviour) -> Iterator[Tuple[str, int]]:
 
 def test_the_client_rejects_a_server_that_does_not_know_the_secret():
     def impostor(conn: socket.socket) -> None:
-        conn.sendall(GREETING + os.urandom(NONCE_BYTES))
+        conn.sendall(GREETING + b"\0" + os.urandom(NONCE_BYTES))
         conn.recv(1024)
         conn.sendall(os.urandom(36))
 
@@ -374,7 +387,7 @@ def test_the_client_rejects_a_server_that_does_not_know_the_secret():
 def test_the_client_names_the_server_rank_when_it_dies_mid_reply():
     def dies_mid_reply(conn: socket.socket) -> None:
         server_handshake(conn, SECRET, 3, time.monotonic() + 10)
-        conn.recv(HEADER.size + PUSH_BYTES, socket.MSG_WAITALL)
+        conn.recv(HEADER.size + PUSH_BYTES + TAG_BYTES, socket.MSG_WAITALL)
         conn.sendall(Header(Kind.PARAMS, F32, 0, 3, 0, 0, 4 * N).encode() + b"\0" * 8)
 
     with _fake_server(dies_mid_reply) as address:
@@ -405,3 +418,85 @@ def test_close_stops_the_server_and_its_threads():
     assert not srv.server._threads
     with pytest.raises(OSError):
         socket.create_connection(srv.address, timeout=5).close()
+
+
+# ---- frame protection (sparkdl._secure; attacks through a tapping proxy: test_secure.py) ----------
+
+
+def test_an_encrypted_client_pushes_pulls_and_says_bye():
+    srv = _Server(encrypt=True)
+    try:
+        client = ShardClient(srv.address, SECRET, 3, 0, timeout_s=10, encrypt=True)
+        assert torch.equal(_push(client, clock=0), torch.arange(N, dtype=torch.float32) - 0.5)
+        client.send(Header(Kind.PULL, F32, 0, 3, -1, 0, 0))
+        out = torch.empty(N)
+        client.receive(byte_view(out), 0)
+        assert torch.equal(out, torch.arange(N, dtype=torch.float32) - 0.5)
+        client.close()
+        assert srv.wait_for(lambda clock: 3 in clock.finished), "the sealed BYE was not honoured"
+    finally:
+        srv.server.close()
+
+
+@pytest.mark.parametrize("server_encrypts", [True, False], ids=["server-encrypts", "worker-encrypts"])
+def test_an_encryption_mismatch_fails_the_handshake_on_both_sides(caplog, server_encrypts):
+    srv = _Server(encrypt=server_encrypts)
+    try:
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            with pytest.raises(ParameterServerError, match="encryption mismatch") as info:
+                ShardClient(srv.address, SECRET, 2, 0, timeout_s=10, encrypt=not server_encrypts)
+            assert "handshake with the parameter server on rank 0 failed" in str(info.value)
+            assert f"this worker has encrypt={not server_encrypts}" in str(info.value)
+            sock = socket.create_connection(srv.address, timeout=10)
+            with pytest.raises(WireError, match="encryption mismatch"):
+                client_handshake(sock, SECRET, 2, time.monotonic() + 10, not server_encrypts)
+            assert _closed_by_server(sock)  # so the server has logged why
+            # The refused rank never became a worker: it may still connect, with the right setting.
+            client = ShardClient(srv.address, SECRET, 2, 0, timeout_s=10, encrypt=server_encrypts)
+            assert torch.equal(_push(client), torch.arange(N, dtype=torch.float32) - 0.5)
+            client.close()
+        assert f"encryption mismatch: this parameter server has encrypt={server_encrypts} but the worker of rank 2" in _warnings(caplog)
+        assert 2 not in srv.shard.clock.lost
+    finally:
+        srv.server.close()
+
+
+def test_a_frame_with_a_forged_tag_is_dropped_before_it_is_applied(server, caplog):
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        sock = _authenticated(server.address, 4)
+        lrs = torch.tensor([math.nan], dtype=torch.float64)
+        header = Header(Kind.PUSH, F32, 0, 4, 0, 1, PUSH_BYTES)
+        # A well-formed push as it was sent before frame protection, and 16 bytes for the tag.
+        sock.sendall(header.encode() + bytes(byte_view(lrs)) + bytes(byte_view(torch.ones(N))) + os.urandom(TAG_BYTES))
+        assert _closed_by_server(sock)
+        _good_client_is_served(server, 1)
+    assert "dropping rank 4" in _warnings(caplog) and "failed its integrity check" in _warnings(caplog)
+    assert server.shard.updates == 1  # only the good client's push
+    assert server.wait_for(lambda clock: 4 in clock.lost)
+
+
+def test_a_forged_bye_does_not_count_as_a_clean_goodbye(server, caplog):
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        sock = _authenticated(server.address, 5)
+        sock.sendall(Header(Kind.BYE, 0, 0, 5, 0, 0, 0).encode() + b"\0" * TAG_BYTES)
+        assert _closed_by_server(sock)
+    assert server.wait_for(lambda clock: 5 in clock.lost)
+    assert 5 not in server.shard.clock.finished
+    assert "failed its integrity check" in _warnings(caplog)
+
+
+def test_the_client_rejects_a_reply_that_fails_its_integrity_check():
+    def forges_reply(conn: socket.socket) -> None:
+        server_handshake(conn, SECRET, 3, time.monotonic() + 10)
+        conn.recv(HEADER.size + PUSH_BYTES + TAG_BYTES, socket.MSG_WAITALL)
+        values = bytes(byte_view(torch.zeros(N)))
+        conn.sendall(Header(Kind.PARAMS, F32, 0, 3, 0, 0, 4 * N).encode() + values + os.urandom(TAG_BYTES))
+        conn.recv(1024)
+
+    with _fake_server(forges_reply) as address:
+        client = ShardClient(address, SECRET, 1, 3, timeout_s=10)
+        with pytest.raises(ParameterServerError) as info:
+            _push(client)
+        client.close()
+    assert info.value.peer_rank == 3
+    assert "a reply from the parameter server on rank 3 failed its integrity check" in str(info.value)

@@ -60,7 +60,7 @@ class ArrowReader(DataReader):
                     return None
                 table = table.filter(pa.array(keep))
                 positions = positions[keep]
-            source = f"row group {row_group} of file {files.urls[file_index]!r}"
+            source = dataset.origin or f"row group {row_group} of file {files.urls[file_index]!r}"
             return dataset.plan.extract({c: table.column(c) for c in dataset.columns}, infos, source, positions)
 
         # One thread: reads run in order (a ParquetFile is not shared between threads) and

@@ -74,7 +74,7 @@ class DataReader(abc.ABC):
                     yield chunk
             if rows == 0:
                 narrowed = " after filters and the validation hold-out" if spec.filters is not None or spec.holdout else ""
-                raise DataError(f"rank {rank} read no rows from its shard of dataset {dataset.url!r}{narrowed}")
+                raise DataError(f"rank {rank} read no rows from its shard of {dataset.name}{narrowed}")
 
 
 def chunk_rows(chunk: Chunk) -> int:

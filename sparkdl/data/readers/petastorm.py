@@ -71,7 +71,7 @@ class PetastormReader(DataReader):
             )
         infos = dataset.infos
         extra = [c for c in dataset.filter_columns if c not in dataset.columns]
-        source = f"dataset {dataset.url!r}"
+        source = dataset.name
         cursor = PositionCursor(selector, order)
         # make_batch_reader hands out one whole row group per item and skips empty ones: the
         # expected sizes catch a Petastorm whose order differs from selection.pass_row_groups.

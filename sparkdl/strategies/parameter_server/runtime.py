@@ -96,10 +96,12 @@ class ParameterServerRuntime(StrategyRuntime):
             secret = bytes.fromhex(replies[0]["secret"])
             if len(secret) < 16:
                 raise RuntimeError("ParameterServer: rank 0 sent no usable secret")
-            self._server = ShardServer(listener, secret, env.rank, env.world_size, self.state, self.timeout_s, self._sent)
+            # Encrypted when Spark's own traffic is (env.encrypt); integrity-protected either way.
+            encrypt = bool(env.encrypt)
+            self._server = ShardServer(listener, secret, env.rank, env.world_size, self.state, self.timeout_s, self._sent, encrypt=encrypt)
             listener = None
             addresses = [(str(r["host"]), int(r["port"])) for r in replies]
-            self._clients = connect_all(addresses, secret, env.rank, self.timeout_s, self._sent)
+            self._clients = connect_all(addresses, secret, env.rank, self.timeout_s, self._sent, encrypt=encrypt)
         except BaseException:
             if listener is not None:
                 listener.close()

@@ -14,28 +14,28 @@ import threading
 import time
 from typing import Callable, Dict, Optional, Protocol, Sequence, Set, Tuple, Union
 
-from sparkdl._channel import _recv_exact
+from sparkdl._secure import FrameProtection
 from sparkdl._tcpserver import ThreadedServer, checked_secret
 from sparkdl._tcpserver import close_quietly as _close_quietly
 from sparkdl.strategies.parameter_server.wire import (
     MAX_ERROR_BYTES,
     Header,
+    IntegrityError,
     Kind,
     ParameterServerError,
     WireError,
     client_handshake,
     read_header,
     read_request_header,
-    recv_into,
+    receive_payload,
     send_frame,
     server_handshake,
 )
 
 logger = logging.getLogger("sparkdl.parameter_server")
 
-# Unauthenticated peers get at most this many concurrent handshakes and this long each: a flood
-# of idle connections must not hold threads (or the slots of real workers) for the full timeout.
-MAX_PENDING_HANDSHAKES = 64
+# An unauthenticated peer gets this long to prove the secret (ThreadedServer caps how many may
+# try at once): a flood of idle connections must not hold threads for the full timeout.
 MAX_HANDSHAKE_S = 30.0
 
 
@@ -101,6 +101,7 @@ class ShardServer(ThreadedServer):
         backend: Backend,
         timeout_s: float,
         sent: Optional[ByteCounter] = None,
+        encrypt: bool = False,
     ) -> None:
         """Starts serving on an already bound and listening socket.
 
@@ -112,33 +113,27 @@ class ShardServer(ThreadedServer):
             backend: the shard store requests go to.
             timeout_s: bound on the rest of a frame once it has started, and on sending a reply.
             sent: counts the bytes this server sends (replies).
+            encrypt: encrypt every frame (they are integrity-protected either way); workers
+                must use the same setting or they are refused at the handshake.
         """
         self._secret = checked_secret(secret)
+        self.encrypt = bool(encrypt)
         self.rank = rank
         self.world_size = world_size
         self._backend = backend
         self._timeout_s = timeout_s
         self._handshake_s = min(timeout_s, MAX_HANDSHAKE_S)
         self.sent = sent if sent is not None else ByteCounter()
-        self._pending = 0
         self._ranks_seen: Set[int] = set()
         self.address: Tuple[str, int] = listener.getsockname()[:2]
         super().__init__(listener, f"sparkdl-ps{rank}", logger)
 
-    def _admit(self, peer: object) -> bool:
-        # Bounds the threads an unauthenticated flood can make us hold.
-        if self._pending >= MAX_PENDING_HANDSHAKES:
-            logger.warning("parameter server on rank %d: too many pending handshakes; dropping %s", self.rank, peer)
-            return False
-        self._pending += 1
-        return True
-
-    def _authenticate(self, conn: socket.socket) -> int:
+    def _authenticate(self, conn: socket.socket) -> Tuple[int, FrameProtection]:
         _configure(conn)
         deadline = time.monotonic() + self._handshake_s
         try:
             conn.settimeout(self._handshake_s)
-            rank = server_handshake(conn, self._secret, self.rank, deadline)
+            rank, keys = server_handshake(conn, self._secret, self.rank, deadline, self.encrypt)
         except TimeoutError:
             raise WireError(f"handshake not completed within {self._handshake_s:g}s") from None
         if not 0 <= rank < self.world_size or rank == self.rank:
@@ -148,18 +143,15 @@ class ShardServer(ThreadedServer):
                 # A worker connects exactly once; a second connection is a bug or a replay.
                 raise WireError(f"rank {rank} is already connected (or was, and left)")
             self._ranks_seen.add(rank)
-        return rank
+        return rank, keys
 
     def _serve(self, conn: socket.socket, peer: object) -> None:
         rank: Optional[int] = None
         clean = False
         reason = "connection closed"
         try:
-            try:
-                rank = self._authenticate(conn)
-            finally:
-                with self._lock:
-                    self._pending -= 1
+            rank, keys = self._authenticate(conn)
+            self._authenticated()  # frees its pending-handshake slot (ThreadedServer caps them)
             while True:
                 header = read_request_header(conn, self._timeout_s)
                 if header is None:
@@ -170,6 +162,7 @@ class ShardServer(ThreadedServer):
                 if header.kind == Kind.BYE:
                     if header.length:
                         raise WireError("BYE with a payload")
+                    receive_payload(conn, keys.opener, header, memoryview(b""), time.monotonic() + self._timeout_s)
                     clean = True
                     break
                 if header.kind not in (Kind.PUSH, Kind.PULL):
@@ -178,21 +171,20 @@ class ShardServer(ThreadedServer):
                 buffer = self._backend.buffer_for(rank, header, deadline)
                 if len(buffer) != header.length:
                     raise WireError(f"frame of {header.length} bytes, expected {len(buffer)}")
-                got = recv_into(conn, buffer, deadline)
-                if got < header.length:
-                    raise WireError(f"truncated frame ({got} of {header.length} bytes)")
+                # Nothing of the frame is acted on before its tag checks out.
+                receive_payload(conn, keys.opener, header, buffer, deadline)
                 try:
                     reply, payload = self._backend.handle(rank, header)
                 except ParameterServerError as exc:
                     text = str(exc).encode("utf-8", "replace")[:MAX_ERROR_BYTES]
                     reply, payload = Header(Kind.ERROR, 0, header.table, self.rank, 0, -1 if exc.peer_rank is None else exc.peer_rank, len(text)), memoryview(text)
                 conn.settimeout(self._timeout_s)
-                self.sent.add(send_frame(conn, reply, payload))
+                self.sent.add(send_frame(conn, keys.sealer, reply, payload))
         except (WireError, TimeoutError, OSError) as exc:
             if not self._closed.is_set():
                 who = f"rank {rank}" if rank is not None else "unauthenticated peer"
                 reason = f"dropped: {exc}"
-                logger.warning("parameter server on rank %d: dropping %s (%s): %s", self.rank, who, peer, exc)
+                self._log_drop(peer, exc, "parameter server on rank %d: dropping %s (%s): %s", self.rank, who, peer, exc, authenticated=rank is not None)
         finally:
             self._forget_connection(conn)
             if rank is not None and not self._closed.is_set():
@@ -212,7 +204,7 @@ def listen(host: str) -> socket.socket:
 class ShardClient:
     """A worker's authenticated connection to one other rank's :class:`ShardServer`."""
 
-    def __init__(self, address: Tuple[str, int], secret: bytes, rank: int, server_rank: int, timeout_s: float, sent: Optional[ByteCounter] = None) -> None:
+    def __init__(self, address: Tuple[str, int], secret: bytes, rank: int, server_rank: int, timeout_s: float, sent: Optional[ByteCounter] = None, encrypt: bool = False) -> None:
         """Connects and authenticates.
 
         Args:
@@ -224,9 +216,12 @@ class ShardClient:
                 ``timeout_s`` plus a margin, so that a server's own (clearer) timeout error
                 arrives first.
             sent: counts the bytes this worker sends.
+            encrypt: encrypt every frame (they are integrity-protected either way); must match
+                the server's setting.
 
         Raises:
-            ParameterServerError: unreachable, wrong secret, or the wrong rank answered.
+            ParameterServerError: unreachable, wrong secret, an encryption mismatch, or the
+                wrong rank answered.
         """
         self.server_rank = server_rank
         self.rank = rank
@@ -240,7 +235,7 @@ class ShardClient:
             raise ParameterServerError(f"rank {rank} cannot connect to the parameter server on rank {server_rank} at {address}: {exc}", server_rank) from exc
         try:
             _configure(sock)
-            answered = client_handshake(sock, secret, rank, time.monotonic() + timeout_s)
+            answered, self._keys = client_handshake(sock, secret, rank, time.monotonic() + timeout_s, bool(encrypt))
         except (WireError, TimeoutError, OSError) as exc:
             _close_quietly(sock)
             raise ParameterServerError(f"rank {rank}: handshake with the parameter server on rank {server_rank} failed: {exc}", server_rank) from exc
@@ -269,7 +264,7 @@ class ShardClient:
             raise ParameterServerError(f"rank {self.rank}: the connection to the parameter server on rank {self.server_rank} is closed", self.server_rank)
         try:
             self._sock.settimeout(self._timeout_s)
-            self.sent.add(send_frame(self._sock, header, *payload))
+            self.sent.add(send_frame(self._sock, self._keys.sealer, header, *payload))
         except OSError as exc:
             raise self._lost("sending", exc) from exc
 
@@ -287,14 +282,23 @@ class ShardClient:
             if header.kind == Kind.ERROR:
                 if header.length > MAX_ERROR_BYTES:
                     raise WireError(f"error text of {header.length} bytes")
-                text = _recv_exact(self._sock, header.length, deadline).decode("utf-8", "replace")
+                buffer = bytearray(header.length)
+                receive_payload(self._sock, self._keys.opener, header, memoryview(buffer), deadline, "error frame")
+                text = buffer.decode("utf-8", "replace")
                 raise ParameterServerError(f"parameter server on rank {self.server_rank}: {text}", header.aux if header.aux >= 0 else None)
             if header.kind != Kind.PARAMS or header.table != table or header.length != len(into) or header.rank != self.server_rank:
                 raise WireError(f"unexpected reply {header}")
-            got = recv_into(self._sock, into, deadline)
-            if got < header.length:
-                raise ConnectionAbortedError(f"truncated reply ({got} of {header.length} bytes)")
+            # Decrypted (or authenticated) in place: ``into`` is only valid once this returns.
+            receive_payload(self._sock, self._keys.opener, header, into, deadline, "reply")
             return header
+        except IntegrityError as exc:
+            self._closed = True
+            _close_quietly(self._sock)
+            raise ParameterServerError(
+                f"rank {self.rank}: a reply from the parameter server on rank {self.server_rank} failed its integrity "
+                f"check ({exc}); the connection was altered or corrupted in transit",
+                self.server_rank,
+            ) from exc
         except TimeoutError as exc:
             raise self._lost(f"waiting {self.reply_timeout_s:g}s for a reply", exc) from exc
         except (WireError, OSError) as exc:
@@ -307,7 +311,7 @@ class ShardClient:
         self._closed = True
         try:
             self._sock.settimeout(min(self._timeout_s, 5.0))
-            send_frame(self._sock, Header(Kind.BYE, 0, 0, self.rank, 0, 0, 0))
+            send_frame(self._sock, self._keys.sealer, Header(Kind.BYE, 0, 0, self.rank, 0, 0, 0))
         except OSError:
             pass
         _close_quietly(self._sock)
@@ -320,14 +324,16 @@ def connect_all(
     timeout_s: float,
     sent: ByteCounter,
     factory: Callable[..., ShardClient] = ShardClient,
+    encrypt: bool = False,
 ) -> Dict[int, ShardClient]:
-    """One client per other rank; closes those already opened if one fails."""
+    """One client per other rank (``encrypt`` as in :class:`ShardClient`); closes those already
+    opened if one fails."""
     clients: Dict[int, ShardClient] = {}
     try:
         for server_rank, address in enumerate(addresses):
             if server_rank == rank or address is None:
                 continue
-            clients[server_rank] = factory(address, secret, rank, server_rank, timeout_s, sent)
+            clients[server_rank] = factory(address, secret, rank, server_rank, timeout_s, sent, encrypt=encrypt)
     except BaseException:
         for client in clients.values():
             client.close()

@@ -5,21 +5,34 @@ reaches its own shard in-process); those live in
 :mod:`~sparkdl.strategies.parameter_server.transport`, the frames and the handshake they speak
 here. The servers can be reached by anything on the cluster network, so the protocol is built
 like :mod:`sparkdl._channel`: authenticate before parsing anything, fixed-size headers, exact
-sizes known in advance, deadlines on every read, and never unpickle.
+sizes known in advance, deadlines on every read, never unpickle, and every frame after the
+handshake integrity-protected (and, with ``encrypt=True``, encrypted).
 
-Handshake (integers big-endian; ``H`` = HMAC-SHA256 with the per-job secret):
+Handshake, version 2 (integers big-endian; ``H`` = HMAC-SHA256 with the per-job secret;
+``mode`` = one byte, 1 when that side encrypts, 0 when it only integrity-protects):
 
-1. server -> client: ``GREETING`` (8 bytes) + ``server_nonce`` (32 bytes).
-2. client -> server: ``client_rank`` (u32) + ``client_nonce`` (32) +
-   ``H(b"sparkdl-ps client" + server_nonce + client_nonce + client_rank)`` (32).
+1. server -> client: ``GREETING`` (8 bytes, ``b"SPKDLPS\\x02"``) + the server's ``mode`` (1) +
+   ``server_nonce`` (32).
+2. client -> server: ``client_rank`` (u32) + ``client_nonce`` (32) + the client's ``mode`` (1) +
+   ``H(b"sparkdl-ps client" + server_nonce + client_nonce + client_rank + client_mode)`` (32).
+   A client whose mode differs from the server's sends this and then fails with an "encryption
+   mismatch" error; the server, after checking the MAC, drops it with the same message.
 3. server -> client: ``server_rank`` (u32) +
-   ``H(b"sparkdl-ps server" + client_nonce + server_nonce + server_rank)`` (32).
+   ``H(b"sparkdl-ps server" + client_nonce + server_nonce + server_rank + server_mode)`` (32).
 
 Both sides prove the secret (mutual authentication; the labels keep one side's proof from being
-replayed as the other's), and each learns the other's rank, bound into the MAC.
+replayed as the other's), each learns the other's rank, bound into the MAC, and the modes are
+bound into the MACs too. Both then derive the connection's two keys, one per direction
+(:mod:`sparkdl._secure`: HKDF-SHA256 over the secret, salt ``server_nonce + client_nonce``,
+label ``b"sparkdl-ps v2"`` and the mode), fresh for every connection.
 
 Frames: a :data:`HEADER` (36 bytes, big-endian ``>4sBBHIqqQ``: magic ``SDPS``, kind, dtype code,
-table id, sender rank, clock, aux, payload length) followed by exactly ``length`` payload bytes:
+table id, sender rank, clock, aux, payload length), then a body of exactly ``length`` bytes, then
+a :data:`TAG_BYTES` (16) AES-256-GCM tag. The GCM nonce is the frame's index in its direction
+(96 bits, 0 for the first frame, never sent), so a replayed, reordered, dropped or spliced frame
+fails. With ``encrypt=True`` the body is the encrypted payload and the header is associated
+data; with ``encrypt=False`` the body is the payload in clear and header and payload are both
+associated data (GMAC). ``length`` counts the payload, not the tag. Payloads:
 
 ========  =======================  ==============================================================
 kind      direction                payload
@@ -36,8 +49,13 @@ ERROR     server -> worker         UTF-8 text (at most :data:`MAX_ERROR_BYTES`):
 BYE       worker -> server         none: this worker is finished; it no longer holds others back.
 ========  =======================  ==============================================================
 
-The server knows each table's shard size, so a PUSH whose length is not exactly right is a
-protocol error; nothing bigger than that is ever buffered.
+The header can only be checked with the tag that ends the frame, so a receiver uses it before
+that for nothing but sanity checks and choosing the buffer: the server knows each table's shard
+size, so a PUSH whose length is not exactly right is a protocol error and nothing bigger than
+that is ever buffered. The body is received straight into that buffer and decrypted or
+authenticated there; a frame is acted on (a push applied, a reply returned, a BYE honoured)
+only after its tag checks out. A frame that fails drops the connection (server) or raises
+(client), and what its buffer holds is never used.
 """
 
 from __future__ import annotations
@@ -50,21 +68,28 @@ import secrets
 import socket
 import struct
 import time
-from typing import Dict, Optional, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-from sparkdl._channel import _recv_exact
+from sparkdl._secure import TAG_BYTES, FrameAuthError, FrameOpener, FrameProtection, FrameSealer, mismatch_message, mode_byte, mode_from_byte, protection, split_greeting
+from sparkdl._tcpserver import recv_exact
 from sparkdl.errors import PeerLostError
 
-GREETING = b"SPKDLPS\x01"
+GREETING = b"SPKDLPS\x02"
 FRAME_MAGIC = b"SDPS"
 HEADER = struct.Struct(">4sBBHIqqQ")
 NONCE_BYTES = 32
 DIGEST_BYTES = 32
 _RANK = struct.Struct(">I")
-CLIENT_PROOF_BYTES = _RANK.size + NONCE_BYTES + DIGEST_BYTES
+#: Step 1: GREETING + the server's mode byte + server nonce.
+GREETING_BYTES = len(GREETING) + 1 + NONCE_BYTES
+CLIENT_PROOF_BYTES = _RANK.size + NONCE_BYTES + 1 + DIGEST_BYTES
 SERVER_PROOF_BYTES = _RANK.size + DIGEST_BYTES
+#: Protocol label of the frame keys (sparkdl._secure).
+KEY_LABEL = b"sparkdl-ps v2"
+#: Payload pieces larger than this are sealed and sent in chunks of sparkdl._secure's size.
+_SMALL_PIECE = 4096
 MAX_ERROR_BYTES = 4096
 #: Largest table id, rank and learning-rate count the header can carry.
 MAX_TABLE = (1 << 16) - 1
@@ -90,6 +115,10 @@ DTYPE_CODES: Dict[torch.dtype, int] = {dtype: code for code, dtype in DTYPES.ite
 
 class WireError(Exception):
     """A peer broke the protocol; the server drops its connection and logs why."""
+
+
+class IntegrityError(WireError):
+    """A frame failed its integrity check (see :class:`sparkdl._secure.FrameAuthError`)."""
 
 
 class ParameterServerError(PeerLostError, RuntimeError):
@@ -152,28 +181,6 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def recv_into(sock: socket.socket, view: memoryview, deadline: Optional[float]) -> int:
-    """Fills ``view``; returns the bytes read (fewer when the peer closes first).
-
-    Raises:
-        TimeoutError: ``deadline`` (``time.monotonic``) passed first. A deadline for the whole
-            read, not per ``recv``: a peer trickling one byte at a time cannot stretch it.
-    """
-    got = 0
-    total = len(view)
-    while got < total:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("timed out")
-            sock.settimeout(left)
-        count = sock.recv_into(view[got:], total - got)
-        if count == 0:
-            break
-        got += count
-    return got
-
-
 def read_header(sock: socket.socket, deadline: Optional[float]) -> Optional[Header]:
     """Reads one header before ``deadline``; None on EOF at a frame boundary.
 
@@ -181,7 +188,7 @@ def read_header(sock: socket.socket, deadline: Optional[float]) -> Optional[Head
         WireError: a partial or malformed header.
         TimeoutError: the deadline passed.
     """
-    data = _recv_exact(sock, HEADER.size, deadline)
+    data = recv_exact(sock, HEADER.size, deadline)
     if not data:
         return None
     return Header.decode(data)
@@ -203,71 +210,144 @@ def read_request_header(sock: socket.socket, timeout_s: float) -> Optional[Heade
         return None
     data = first
     if len(first) < HEADER.size:
-        data += _recv_exact(sock, HEADER.size - len(first), time.monotonic() + timeout_s)
+        data += recv_exact(sock, HEADER.size - len(first), time.monotonic() + timeout_s)
     return Header.decode(data)
 
 
-def send_frame(sock: socket.socket, header: Header, *payload: Union[bytes, memoryview]) -> int:
-    """Sends a header and its payload pieces (which must add up to ``header.length``); returns
-    the bytes sent. The socket's timeout bounds each ``sendall`` as a whole."""
+def send_frame(sock: socket.socket, sealer: FrameSealer, header: Header, *payload: Union[bytes, memoryview]) -> int:
+    """Seals and sends a header and its payload pieces (which must add up to ``header.length``),
+    then the tag; returns the bytes sent. The socket's timeout bounds each ``sendall``.
+
+    Small leading pieces (the learning rates) travel with the header in one segment; large ones
+    are sealed in chunks (integrity mode: authenticated and sent from the caller's buffer;
+    encrypt mode: encrypted into the sealer's scratch buffer), so no payload is ever copied whole.
+    Callers serialize the frames of one connection."""
     sizes = sum(len(piece) for piece in payload)
     if sizes != header.length:
         raise ValueError(f"payload of {sizes} bytes does not match the header's {header.length}")
-    pieces = list(payload)
-    # Small leading pieces (the learning rates) travel with the header in one segment.
-    lead = header.encode()
-    while pieces and len(pieces[0]) <= 4096:
-        lead += bytes(pieces.pop(0))
-    sock.sendall(lead)
+    head = header.encode()
+    frame = sealer.begin(head)
+    pieces = [memoryview(piece).cast("B") if memoryview(piece).format != "B" else memoryview(piece) for piece in payload]
+    lead = [head]
+    while pieces and len(pieces[0]) <= _SMALL_PIECE:
+        lead.append(bytes(frame.update(pieces.pop(0))))
+    if not pieces:
+        lead.append(frame.finalize())
+        sock.sendall(b"".join(lead))
+        return HEADER.size + header.length + TAG_BYTES
+    sock.sendall(b"".join(lead))
+    scratch = sealer.scratch()
+    chunk = len(scratch)
     for piece in pieces:
-        sock.sendall(piece)
-    return HEADER.size + header.length
+        for start in range(0, len(piece), chunk):
+            sock.sendall(frame.update(piece[start: start + chunk], scratch))
+    sock.sendall(frame.finalize())
+    return HEADER.size + header.length + TAG_BYTES
+
+
+def receive_payload(sock: socket.socket, opener: FrameOpener, header: Header, into: memoryview, deadline: Optional[float], what: str = "frame") -> None:
+    """Reads the body of the frame whose ``header`` was just read straight into ``into`` (exactly
+    ``header.length`` bytes), decrypting or authenticating it there as it arrives, then its tag.
+
+    Raises:
+        WireError: the peer closed first ("truncated <what>").
+        IntegrityError: the frame failed its integrity check; ``into`` holds unverified bytes.
+        TimeoutError: ``deadline`` (``time.monotonic``, for the whole read) passed first.
+    """
+    total = len(into)
+    if total != header.length:
+        raise ValueError(f"buffer of {total} bytes for a payload of {header.length}")
+    frame = opener.begin(header.encode())
+    got = 0
+    while got < total:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            sock.settimeout(left)
+        count = sock.recv_into(into[got:], total - got)
+        if count == 0:
+            raise WireError(f"truncated {what} ({got} of {total} bytes)")
+        frame.update_into(into[got: got + count])
+        got += count
+    tag = recv_exact(sock, TAG_BYTES, deadline)
+    if len(tag) < TAG_BYTES:
+        raise WireError(f"truncated {what} (its tag: {len(tag)} of {TAG_BYTES} bytes)")
+    try:
+        frame.finalize(tag)
+    except FrameAuthError as exc:
+        raise IntegrityError(str(exc)) from None
 
 
 def _mac(secret: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
 
 
-def client_handshake(sock: socket.socket, secret: bytes, rank: int, deadline: float) -> int:
-    """Authenticates a fresh connection from the client side; returns the server's rank.
+def client_handshake(sock: socket.socket, secret: bytes, rank: int, deadline: float, encrypt: bool = False) -> Tuple[int, FrameProtection]:
+    """Authenticates a fresh connection from the client side.
+
+    Returns:
+        ``(server_rank, protection)``: the rank that answered and this side's frame protection.
 
     Raises:
-        WireError: the peer is not a parameter server of this job (bad greeting or proof).
+        WireError: the peer is not a parameter server of this job (bad greeting or proof), or it
+            disagrees about ``encrypt`` ("encryption mismatch").
         TimeoutError, OSError: the handshake did not complete.
     """
-    greeting = _recv_exact(sock, len(GREETING) + NONCE_BYTES, deadline)
-    if len(greeting) < len(GREETING) + NONCE_BYTES or not greeting.startswith(GREETING):
+    greeting = split_greeting(recv_exact(sock, GREETING_BYTES, deadline), GREETING, NONCE_BYTES)
+    if greeting is None:
         raise WireError("the peer is not a sparkdl parameter server (bad greeting)")
-    server_nonce = greeting[len(GREETING):]
+    server_mode, server_nonce = greeting
     client_nonce = secrets.token_bytes(NONCE_BYTES)
     rank_bytes = _RANK.pack(rank)
-    sock.sendall(rank_bytes + client_nonce + _mac(secret, _CLIENT_LABEL, server_nonce, client_nonce, rank_bytes))
-    proof = _recv_exact(sock, SERVER_PROOF_BYTES, deadline)
+    mode = mode_byte(encrypt)
+    # Sent even on a mismatch, so that the server can log why this worker is refused.
+    sock.sendall(rank_bytes + client_nonce + mode + _mac(secret, _CLIENT_LABEL, server_nonce, client_nonce, rank_bytes, mode))
+    theirs = mode_from_byte(server_mode[0])
+    if theirs is None:
+        raise WireError(f"the parameter server uses an unknown protection mode {server_mode[0]}")
+    if theirs != encrypt:
+        raise WireError(mismatch_message(encrypt, theirs, "worker", "parameter server"))
+    proof = recv_exact(sock, SERVER_PROOF_BYTES, deadline)
     if len(proof) < SERVER_PROOF_BYTES:
         raise WireError("the server hung up during the handshake (wrong secret?)")
     server_rank_bytes, digest = proof[: _RANK.size], proof[_RANK.size:]
-    if not hmac.compare_digest(digest, _mac(secret, _SERVER_LABEL, client_nonce, server_nonce, server_rank_bytes)):
+    if not hmac.compare_digest(digest, _mac(secret, _SERVER_LABEL, client_nonce, server_nonce, server_rank_bytes, server_mode)):
         raise WireError("the server failed to prove the job's secret")
-    return _RANK.unpack(server_rank_bytes)[0]
+    keys = protection(secret, KEY_LABEL, server_nonce, client_nonce, encrypt, server=False)
+    return _RANK.unpack(server_rank_bytes)[0], keys
 
 
-def server_handshake(conn: socket.socket, secret: bytes, rank: int, deadline: float) -> int:
-    """Authenticates a fresh connection from the server side; returns the client's rank.
+def server_handshake(conn: socket.socket, secret: bytes, rank: int, deadline: float, encrypt: bool = False) -> Tuple[int, FrameProtection]:
+    """Authenticates a fresh connection from the server side.
+
+    Returns:
+        ``(client_rank, protection)``: the worker's rank and this side's frame protection.
 
     Raises:
-        WireError: wrong secret, or the peer hung up.
+        WireError: wrong secret, a worker that disagrees about ``encrypt`` ("encryption
+            mismatch"), or the peer hung up.
         TimeoutError, OSError: the handshake did not complete.
     """
     server_nonce = secrets.token_bytes(NONCE_BYTES)
-    conn.sendall(GREETING + server_nonce)
-    proof = _recv_exact(conn, CLIENT_PROOF_BYTES, deadline)
+    mode = mode_byte(encrypt)
+    conn.sendall(GREETING + mode + server_nonce)
+    proof = recv_exact(conn, CLIENT_PROOF_BYTES, deadline)
     if len(proof) < CLIENT_PROOF_BYTES:
         raise WireError("peer closed the connection during the handshake")
     rank_bytes = proof[: _RANK.size]
     client_nonce = proof[_RANK.size: _RANK.size + NONCE_BYTES]
-    digest = proof[_RANK.size + NONCE_BYTES:]
-    if not hmac.compare_digest(digest, _mac(secret, _CLIENT_LABEL, server_nonce, client_nonce, rank_bytes)):
+    client_mode = proof[_RANK.size + NONCE_BYTES: _RANK.size + NONCE_BYTES + 1]
+    digest = proof[_RANK.size + NONCE_BYTES + 1:]
+    if not hmac.compare_digest(digest, _mac(secret, _CLIENT_LABEL, server_nonce, client_nonce, rank_bytes, client_mode)):
         raise WireError("authentication failed (wrong secret or not a sparkdl worker)")
+    client_rank = _RANK.unpack(rank_bytes)[0]
+    theirs = mode_from_byte(client_mode[0])
+    if theirs is None:
+        raise WireError(f"rank {client_rank}'s worker uses an unknown protection mode {client_mode[0]}")
+    if theirs != encrypt:
+        raise WireError(mismatch_message(encrypt, theirs, "parameter server", f"worker of rank {client_rank}"))
     own = _RANK.pack(rank)
-    conn.sendall(own + _mac(secret, _SERVER_LABEL, client_nonce, server_nonce, own))
-    return _RANK.unpack(rank_bytes)[0]
+    conn.sendall(own + _mac(secret, _SERVER_LABEL, client_nonce, server_nonce, own, mode))
+    keys = protection(secret, KEY_LABEL, server_nonce, client_nonce, encrypt, server=True)
+    return client_rank, keys

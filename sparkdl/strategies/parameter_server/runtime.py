@@ -344,6 +344,10 @@ class ParameterServerRuntime(StrategyRuntime):
         for table, saved in zip(self.tables, state["tables"]):
             if saved["fingerprint"] != table.spec.fingerprint():
                 raise ValueError(f"ParameterServer checkpoint of table {table.spec.table} holds different parameters")
+        # No shard is rewound while a worker still pushes or waits on it: a read waiting for the
+        # staleness bound would wait for clocks the rewind took back, and never return.
+        dist.barrier()
+        for table, saved in zip(self.tables, state["tables"]):
             self.state.shard(table.spec.table).load_state_dict(saved)
             table.clock = int(saved["worker_clock"])
         dist.barrier()

@@ -104,6 +104,11 @@ def rendezvous(
         client = StoreClient((store_host, port), secret, rank, timeout, encrypt=encrypt)
         _active = _Rendezvous(server, client)
         dist.init_process_group(backend, store=client, rank=rank, world_size=world_size, timeout=timeout)
+        # gloo's init returns on a rank as soon as its own side of every pair is connected; a
+        # rank whose function then ends at once would tear the group down while a slower peer
+        # still completes its connections (it fails with "Connection closed by peer"). No rank
+        # leaves the rendezvous before every rank is in the group.
+        _wait_for_every_rank(client, rank, world_size, timeout)
     except BaseException:
         _close_store()
         raise
@@ -118,6 +123,15 @@ def rendezvous(
         all_gather=all_gather,
         encrypt=encrypt,
     )
+
+
+def _wait_for_every_rank(client: StoreClient, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
+    """A barrier through the store (backend-agnostic: no device, no collective)."""
+    client.set(f"{_JOINED_PREFIX}{rank}", b"1")
+    client.wait([f"{_JOINED_PREFIX}{peer}" for peer in range(world_size)], timeout)
+
+
+_JOINED_PREFIX = "sparkdl/joined/"
 
 
 def _host_of(address: str) -> str:
@@ -154,10 +168,14 @@ def teardown() -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a broken group must not mask the original error
             pass
-    _close_store()
+    _close_store(drain_s=_DRAIN_S)
 
 
-def _close_store() -> None:
+#: How long rank 0's store waits at teardown for the other ranks to hang up first.
+_DRAIN_S = 5.0
+
+
+def _close_store(drain_s: float = 0.0) -> None:
     global _active
     state, _active = _active, None
     if state is None:
@@ -165,6 +183,8 @@ def _close_store() -> None:
     for part in (state.client, state.server):
         if part is not None:
             try:
+                if part is state.server and drain_s > 0:
+                    part.wait_idle(drain_s)  # the other ranks hang up first: no reply is cut off
                 part.close()
             except Exception:  # noqa: BLE001 - as above
                 pass

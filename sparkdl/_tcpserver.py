@@ -191,6 +191,7 @@ class ThreadedServer:
         if max_pending_handshakes < 1:
             raise ValueError("max_pending_handshakes must be at least 1")
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified whenever a connection ends
         self._closed = threading.Event()
         self._conns: Set[socket.socket] = set()
         self._threads: Set[threading.Thread] = set()
@@ -231,6 +232,12 @@ class ThreadedServer:
                 self._log.warning("%s: %s did not stop in %.0fs", self._name, thread.name, JOIN_TIMEOUT_S)
         for log in (self._drop_log, self._peer_log, self._accept_log):
             log.flush()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` until no connection is open (peers hung up); True if so.
+        Before :meth:`close`, it lets peers that finished later read their last replies."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._conns, timeout=timeout_s)
 
     @property
     def pending_handshakes(self) -> int:
@@ -274,6 +281,7 @@ class ThreadedServer:
         with self._lock:
             self._conns.discard(conn)
             self._unauthenticated.discard(threading.current_thread())
+            self._idle.notify_all()
         close_quietly(conn)
 
     def _release(self) -> None:

@@ -340,6 +340,52 @@ def test_close_refuses_connections_and_wakes_blocked_waits():
     store.close()
 
 
+def test_wait_idle_returns_once_the_peers_hung_up(server):
+    peer = _client(server, rank=1)
+    peer.set("k", b"v")  # a live connection of rank 1
+    idle: List[bool] = []
+    draining = threading.Thread(target=lambda: idle.append(server.wait_idle(60.0)), daemon=True)
+    started = time.monotonic()
+    draining.start()
+    draining.join(0.5)
+    assert draining.is_alive(), "wait_idle returned while a peer was still connected"
+    assert peer.get("k") == b"v"  # still served while draining
+    peer.close()
+    draining.join(30)
+    assert idle == [True] and time.monotonic() - started < 30
+
+
+def test_wait_idle_gives_up_on_a_peer_that_stays_connected(server):
+    peer = _client(server, rank=1)
+    peer.set("k", b"v")
+    started = time.monotonic()
+    assert server.wait_idle(0.5) is False
+    assert 0.5 <= time.monotonic() - started < 10
+    server.close()
+    assert _refused(server.address)
+    with pytest.raises(StoreUnavailableError):
+        peer.get("k")
+    peer.close()
+
+
+def test_no_rank_leaves_the_rendezvous_barrier_before_every_rank_joined(server):
+    from sparkdl._rendezvous import _wait_for_every_rank
+
+    late, early = _client(server, rank=0), _client(server, rank=1)
+    left: List[int] = []
+    waiting = threading.Thread(target=lambda: (_wait_for_every_rank(early, 1, 2, _td(30)), left.append(1)), daemon=True)
+    waiting.start()
+    waiting.join(0.5)
+    assert waiting.is_alive() and not left, "rank 1 left before rank 0 joined"
+    _wait_for_every_rank(late, 0, 2, _td(30))
+    waiting.join(30)
+    assert left == [1]
+    with pytest.raises(StoreTimeoutError, match="sparkdl/joined/2"):
+        _wait_for_every_rank(late, 0, 3, _td(0.5))  # a third rank that never comes is named
+    late.close()
+    early.close()
+
+
 # --- rendezvous() ---------------------------------------------------------------------------
 
 

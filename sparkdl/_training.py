@@ -74,6 +74,7 @@ class FitLoop:
             optimizer.load_state_dict(restored["optimizer"])
             state = _LoopState(**restored["loop"])
         resumed_at = state.global_step
+        watch = LossWatch(ctx, NONFINITE_CHECK_EVERY)
         start = time.time()
         while state.epoch <= self.epochs:
             epoch = state.epoch
@@ -87,13 +88,7 @@ class FitLoop:
                 with ctx.autocast():  # the run's precision: a no-op for "32"
                     output = call_model(model, features)  # model(**inputs) with inputs=
                     loss = self.loss(output, labels)
-                if not torch.isfinite(loss):
-                    step_phase = ctx.phase
-                    ctx.set_phase(f"looking for NaN or infinite values in the data (loss is {loss.item()})")
-                    cause = ctx.describe_non_finite_data()
-                    ctx.set_phase(step_phase)  # the failure names the step, not the search
-                    advice = "" if cause.startswith("column") else "; lower the learning rate or clip gradients"
-                    raise NonFiniteLossError(f"loss is {loss.item()} at epoch {epoch}, step {state.step + 1} on rank {ctx.rank}: {cause}{advice}")
+                watch.add(epoch, state.step + 1, loss)
                 ctx.backward_and_step(loss, optimizer)  # through the grad scaler for "16-mixed"
                 rows = batch_rows(features)
                 loss_sum += loss.detach().double() * rows
@@ -103,8 +98,10 @@ class FitLoop:
                 if state.output_shape is None:
                     state.output_shape = list(output.shape[1:])
                 if self.checkpoint_every and state.global_step % self.checkpoint_every == 0 and state.step < ctx.steps_per_epoch:
+                    watch.check()  # a checkpoint never holds weights a NaN loss already spoiled
                     state.loss_sum = loss_sum.item()
                     self._save(ctx, model, optimizer, state, ctx.comm_bytes - comm_start, time.time() - epoch_start)
+            watch.check()
             seconds = state.seconds + time.time() - epoch_start
             # One small allreduce per epoch for metrics; not counted in comm_bytes (that is the
             # strategy's model-sync traffic).
@@ -160,6 +157,47 @@ class FitLoop:
             step=state.global_step,
             replicated=weights if ctx.replicas_identical else None,
         )
+
+
+#: Steps between checks of the losses for NaN/inf: each check is a host sync (a GPU's queue drains).
+NONFINITE_CHECK_EVERY = 16
+
+
+class LossWatch:
+    """Fails the run at a NaN or infinite loss without a host sync every step.
+
+    The step losses stay on the device and are checked together every ``every`` steps and
+    before anything lasting (a checkpoint, the end of an epoch); the error still names the
+    first bad step, its epoch and its value, and says whether the data holds NaN/inf.
+    """
+
+    def __init__(self, ctx: TrainContext, every: int) -> None:
+        self._ctx = ctx
+        self._every = every
+        self._pending: List[Any] = []  # (epoch, step, detached loss)
+
+    def add(self, epoch: int, step: int, loss: torch.Tensor) -> None:
+        self._pending.append((epoch, step, loss.detach()))
+        if len(self._pending) >= self._every:
+            self.check()
+
+    def check(self) -> None:
+        """Raises NonFiniteLossError for the first non-finite pending loss (one host sync)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        finite = torch.isfinite(torch.stack([loss.float().reshape(-1)[0] for _, _, loss in pending]))
+        if bool(finite.all()):
+            return
+        epoch, step, loss = pending[int((~finite).nonzero()[0, 0])]
+        ctx = self._ctx
+        value = loss.float().reshape(-1)[0].item()
+        ctx.set_phase(f"looking for NaN or infinite values in the data (loss is {value})")
+        cause = ctx.describe_non_finite_data()
+        # The failure names the bad step (the check came later), not the search.
+        ctx.set_phase(f"training step {step} (forward, backward, sync, optimizer)")
+        advice = "" if cause.startswith("column") else "; lower the learning rate or clip gradients"
+        raise NonFiniteLossError(f"loss is {value} at epoch {epoch}, step {step} on rank {ctx.rank}: {cause}{advice}")
 
 
 def _strategy_metrics(ctx: TrainContext) -> Dict[str, Any]:

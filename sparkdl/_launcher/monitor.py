@@ -179,8 +179,7 @@ class JobMonitor:
             if self._cancelled:
                 return
             self._cancelled = True
-            # A rank that vanished without a word is the likeliest cause of its peers' errors.
-            self.failures.sort(key=lambda f: f.exc_type != "WorkerLost")
+            self.failures.sort(key=_root_cause_first)
             root = self.failures[0] if self.failures else None  # none when the job died before any rank reported
             self._cond.notify_all()
         if root is not None:
@@ -196,3 +195,17 @@ class JobMonitor:
                 if remaining <= 0:
                     return
                 self._cond.wait(remaining)
+
+
+_NONFINITE_AT = re.compile(r"at epoch (\d+), step (\d+)")
+
+
+def _root_cause_first(failure: RankFailure) -> Tuple[bool, bool, Tuple[int, int]]:
+    """Sort key: a rank that vanished without a word first (the likeliest cause of its peers'
+    errors), then errors of their own before lost peers, and of NaN losses the earliest step:
+    NaN gradients of one rank reach every rank through the sync, and the ranks notice at the
+    same periodic check, so the first bad step is the rank that went wrong."""
+    match = _NONFINITE_AT.search(failure.message) if failure.exc_type == "NonFiniteLossError" else None
+    position = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+    return (failure.exc_type != "WorkerLost", failure.peer_loss, position)
+

@@ -55,6 +55,26 @@ def test_nan_loss_fails_with_the_rank_epoch_and_setting(spark, digits_df):
     assert "learning rate" in str(info.value)
 
 
+def test_a_nan_loss_on_one_rank_names_that_rank_and_step_though_it_spreads(spark, digits_df):
+    calls = [0]
+
+    def loss_nan_on_rank_1_at_step_5(output, label):
+        loss = torch.nn.functional.cross_entropy(output, label)
+        if not torch.distributed.is_initialized():
+            return loss  # the driver's preflight
+        calls[0] += 1  # one process per rank: this rank's step
+        return loss * float("nan") if torch.distributed.get_rank() == 1 and calls[0] == 5 else loss
+
+    # Rank 1's NaN gradients reach rank 0 through the allreduce, so rank 0's loss is NaN from
+    # step 6; both ranks notice at the same periodic check, and rank 1's step 5 is the cause.
+    estimator = sparkdl.TorchEstimator(model=digits_mlp, loss=loss_nan_on_rank_1_at_step_5, num_workers=2, batch_size=16, epochs=1, progress=False)
+    with pytest.raises(sparkdl.TrainingError) as info:
+        estimator.fit(digits_df)
+    assert info.value.rank == 1 and info.value.exc_type == "NonFiniteLossError"
+    assert "loss is nan at epoch 1, step 5 on rank 1" in str(info.value)
+    assert str(info.value).startswith("training failed on rank 1 while training step 5 ")
+
+
 def test_a_rank_whose_process_dies_fails_the_fit_and_names_it(spark):
     def train_fn(ctx):
         torch.distributed.barrier()

@@ -79,6 +79,21 @@ def test_a_rank_error_cancels_exactly_once_after_settle_s():
     assert TrainingError(monitor.failures).rank == 1
 
 
+def test_of_nan_losses_the_earliest_step_is_the_root_cause_and_lost_peers_come_last():
+    from sparkdl.errors import NonFiniteLossError
+
+    monitor, cancel = _monitor(3, settle_s=0.2)
+    _start(monitor, 0, 1, 2)
+    # NaN gradients of rank 2 reached the others through the sync; all notice at the same check.
+    _error(monitor, 0, NonFiniteLossError("loss is nan at epoch 2, step 6 on rank 0: the data is not the cause"))
+    _error(monitor, 1, PeerLostError("rank 2 is gone"))
+    _error(monitor, 2, NonFiniteLossError("loss is nan at epoch 2, step 5 on rank 2: column 'x' holds NaN values"))
+    assert cancel.called.wait(WAIT_S)
+    _join_timers()
+    assert [f.rank for f in monitor.failures] == [2, 0, 1]
+    assert TrainingError(monitor.failures).rank == 2
+
+
 def test_a_silent_disconnect_of_an_unfinished_rank_is_worker_lost_and_the_root_cause():
     monitor, cancel = _monitor(2)
     _start(monitor, 0, 1)

@@ -36,8 +36,13 @@ FEATURES = 64  # --width sets it
 CLASSES = 10
 
 
-def write_dataset(path: str, rows: int, files: int, row_group_rows: int) -> str:
-    """``files`` Parquet files (snappy, like sparkdl's DataFrame cache) of list<float> features."""
+def write_dataset(path: str, rows: int, files: int, row_group_rows: int, layout: str = "list") -> str:
+    """``files`` Parquet files (snappy, like sparkdl's DataFrame cache) of features stored as
+    ``list<float>`` (what Spark writes for an array column) or, with ``layout="packed"``, as
+    float32 bytes per row (what sparkdl writes for the Arrow reader: sparkdl.data.tensor_bytes),
+    marked in the footer as Spark marks it."""
+    from sparkdl.data.tensor_bytes import pack_array, spark_footer_metadata
+
     rng = np.random.default_rng(0)
     os.makedirs(path, exist_ok=True)
     per_file = rows // files
@@ -46,7 +51,15 @@ def write_dataset(path: str, rows: int, files: int, row_group_rows: int) -> str:
         labels = rng.integers(0, CLASSES, per_file)
         column = pa.ListArray.from_arrays(pa.array(np.arange(0, per_file * FEATURES + 1, FEATURES, dtype=np.int32)), pa.array(features.ravel()))
         table = pa.table({"features": column, "label": pa.array(labels)})
-        pq.write_table(table, os.path.join(path, f"part-{index:05d}.parquet"), row_group_size=row_group_rows, compression="snappy")
+        dictionary = True
+        if layout == "packed":
+            table = pa.table({"features": pack_array(column), "label": pa.array(labels)})
+            table = table.replace_schema_metadata(spark_footer_metadata(table.schema, ["features"]))
+            dictionary = ["label"]
+        pq.write_table(
+            table, os.path.join(path, f"part-{index:05d}.parquet"), row_group_size=row_group_rows, compression="snappy",
+            use_dictionary=dictionary,
+        )
     return path
 
 
@@ -129,23 +142,29 @@ def main(argv: List[str] = None) -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a task gets spark.task.cpus)")
-    parser.add_argument("--readers", default="petastorm,arrow")
+    parser.add_argument("--readers", default="petastorm,arrow", help="readers of the list<float> layout")
+    parser.add_argument("--layouts", default="list,packed", help="layouts the arrow reader reads (packed: what sparkdl writes for it)")
     args = parser.parse_args(argv)
     global FEATURES
     FEATURES = args.width
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")  # Petastorm's legacy-pyarrow deprecation warnings
+    readers = [name for name in args.readers.split(",") if name and (name != "petastorm" or _has_petastorm())]
     with tempfile.TemporaryDirectory() as tmp:
         url = write_dataset(os.path.join(tmp, "data"), args.rows, args.files, args.row_group_rows)
         size_mb = sum(os.path.getsize(os.path.join(url, f)) for f in os.listdir(url)) / 2**20
         print(
-            f"{args.rows:,} rows x {FEATURES} float32 features (list<float>) + int64 label, {args.files} files, "
-            f"row groups of {args.row_group_rows:,} rows, snappy, {size_mb:.0f} MiB; batch {args.batch_size}, "
-            f"{args.epochs} epochs, torch threads {args.threads}, model Linear({FEATURES}, {CLASSES})"
+            f"{args.rows:,} rows x {FEATURES} float32 features + int64 label, {args.files} files, "
+            f"row groups of {args.row_group_rows:,} rows, snappy, {size_mb:.0f} MiB as list<float>; batch {args.batch_size}, "
+            f"{args.epochs} epochs, torch threads {args.threads}, model Linear({FEATURES}, {CLASSES}), pyarrow {pa.__version__}"
         )
         paths = {"in-memory tensors": (run_in_memory, url)}
-        for name in args.readers.split(","):
-            paths[f"{name} reader"] = (run_reader, name, url)
+        for name in readers:
+            if name != "arrow":
+                paths[f"{name} reader, list<float>"] = (run_reader, name, url)
+        for layout in args.layouts.split(","):
+            layout_url = url if layout == "list" else write_dataset(os.path.join(tmp, layout), args.rows, args.files, args.row_group_rows, layout)
+            paths[f"arrow reader, {'list<float>' if layout == 'list' else 'float32 bytes (sparkdl cache)'}"] = (run_reader, "arrow", layout_url)
         alone, model = {}, {}
         for label, (run, *run_args) in paths.items():
             alone[label] = best_of(args.repeats, run, *run_args, args.batch_size, args.epochs, False)
@@ -159,12 +178,23 @@ def main(argv: List[str] = None) -> None:
             f"| {label} | {alone[label]['samples_per_s']:,.0f} | {alone[label]['cpu_us']:.2f} | {model[label]['samples_per_s']:,.0f} | "
             f"{model[label]['samples_per_s'] / baseline:.2f} | {model[label]['cpu_us']:.2f} | {model[label]['first_batch_s']:.3f} s |"
         )
-    if "petastorm reader" in paths and "arrow reader" in paths:
-        print(
-            f"\narrow / petastorm: {alone['arrow reader']['samples_per_s'] / alone['petastorm reader']['samples_per_s']:.1f}x "
-            f"data path alone, {model['arrow reader']['samples_per_s'] / model['petastorm reader']['samples_per_s']:.1f}x into the model, "
-            f"{model['petastorm reader']['first_batch_s'] / model['arrow reader']['first_batch_s']:.1f}x faster first batch"
-        )
+    petastorm = "petastorm reader, list<float>"
+    for arrow in [label for label in paths if label.startswith("arrow reader")]:
+        if petastorm in paths:
+            print(
+                f"\n{arrow} / petastorm: {alone[arrow]['samples_per_s'] / alone[petastorm]['samples_per_s']:.1f}x "
+                f"data path alone, {model[arrow]['samples_per_s'] / model[petastorm]['samples_per_s']:.1f}x into the model, "
+                f"{model[petastorm]['first_batch_s'] / model[arrow]['first_batch_s']:.1f}x faster first batch"
+            )
+
+
+def _has_petastorm() -> bool:
+    try:
+        import petastorm  # noqa: F401
+    except ImportError:
+        print("petastorm is not installed in this environment: its row is left out (use .venv-petastorm)")
+        return False
+    return True
 
 
 if __name__ == "__main__":

@@ -39,13 +39,18 @@ ROW_GROUP_BYTES = 32 * 1024 * 1024
 
 _lock = threading.Lock()
 _stale_checked = False
-_entries: List[Tuple["DataFrame", str]] = []  # (the prepared DataFrame, dataset URL)
+#: (the prepared DataFrame, the columns stored as float32 bytes, dataset URL)
+_entries: List[Tuple["DataFrame", Tuple[str, ...], str]] = []
 
 
-def materialize(df: "DataFrame", columns: Sequence[str], num_workers: int, cache_dir: str | None = None) -> str:
+def materialize(
+    df: "DataFrame", columns: Sequence[str], num_workers: int, cache_dir: str | None = None, packed: Sequence[str] = ()
+) -> str:
     """Returns the URL of a Parquet copy of ``df[columns]``, writing it only if not cached.
 
-    Double feature values are written as float32 (what the trainers use), halving the bytes read.
+    Double feature values are written as float32 (what the trainers use), halving the bytes read;
+    the array columns in ``packed`` are written as float32 bytes per row
+    (:mod:`sparkdl.data.tensor_bytes`), which the Arrow reader decodes several times faster.
     The copy has a multiple of ``num_workers`` files of near-equal size (a round-robin
     repartition), so the row-group shards of the tasks are balanced.
     """
@@ -63,10 +68,11 @@ def materialize(df: "DataFrame", columns: Sequence[str], num_workers: int, cache
             casts.append(F.col(field.name))
     prepared = selected.select(*casts)
 
+    layout = tuple(sorted(packed))
     with _lock:
         entries = list(_entries)
-    for cached, url in entries:
-        if _same_result(cached, prepared):
+    for cached, cached_layout, url in entries:
+        if cached_layout == layout and _same_result(cached, prepared):
             logger.info("reusing materialized DataFrame at %s", url)
             return url
 
@@ -77,15 +83,23 @@ def materialize(df: "DataFrame", columns: Sequence[str], num_workers: int, cache
     # A Connect client cannot see the partitioning (no RDD): one file per rank, sharded by row group.
     partitions = num_workers if is_connect(df.sparkSession) else max(1, df.rdd.getNumPartitions())
     num_files = num_workers * max(1, math.ceil(min(partitions, 256) / num_workers))
+    written = prepared.repartition(num_files)
+    if layout:
+        from sparkdl.data.tensor_bytes import pack_dataframe
+
+        written = pack_dataframe(written, layout)
+    writer = written.write.option("parquet.block.size", ROW_GROUP_BYTES)
+    for column in layout:
+        # Every row's bytes differ: a dictionary would only be built to be abandoned.
+        writer = writer.option(f"parquet.enable.dictionary#{column}", "false")
     (
-        prepared.repartition(num_files)
-        .write.option("parquet.block.size", ROW_GROUP_BYTES)
+        writer
         .option("compression", "snappy")
         .parquet(url)
     )
     _make_private(url)
     with _lock:
-        _entries.append((prepared, url))
+        _entries.append((prepared, layout, url))
     logger.info("materialized DataFrame to %s (%d files)", url, num_files)
     return url
 
@@ -102,14 +116,14 @@ def _same_result(cached: "DataFrame", candidate: "DataFrame") -> bool:
 def cached_urls() -> List[str]:
     """URLs of the DataFrames materialized by this driver process."""
     with _lock:
-        return [url for _, url in _entries]
+        return [url for _, _, url in _entries]
 
 
 def clear_cache() -> None:
     """Deletes every materialized DataFrame of this driver process, and the copies left behind by
     drivers of this user that are no longer running."""
     with _lock:
-        urls = [url for _, url in _entries]
+        urls = [url for _, _, url in _entries]
         _entries.clear()
     for url in urls:
         _delete(url)

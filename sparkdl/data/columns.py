@@ -17,6 +17,7 @@ import typing as t
 import numpy as np
 import pyarrow as pa
 
+from sparkdl.data.tensor_bytes import tensor_rows
 from sparkdl.errors import DataError
 
 if t.TYPE_CHECKING:  # pragma: no cover
@@ -52,6 +53,8 @@ def numeric_values(values: ColumnData, info: ColumnInfo, role: str, source: str)
     if array is not None:
         if array.null_count:
             raise DataError(f"{role} column {info.name!r} has {array.null_count} null values in {source}")
+        if info.packed:
+            return tensor_rows(array, info.name, role, source)
         if info.codec_field is not None:
             field = info.codec_field
             return np.stack([field.codec.decode(field, value) for value in array.to_pylist()])

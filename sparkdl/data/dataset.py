@@ -16,6 +16,7 @@ import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 
 from sparkdl.filesystem import child_url, file_paths, normalize_url, open_url
+from sparkdl.data.tensor_bytes import packed_columns
 from sparkdl.errors import DataError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -40,6 +41,9 @@ class ColumnInfo:
     codec_field: Any = dataclasses.field(default=None, compare=False, repr=False)
     #: The stored type, for messages (e.g. ``list<item: int64>``).
     type_name: str = dataclasses.field(default="", compare=False)
+    #: Arrays stored as float32 bytes per row (:mod:`sparkdl.data.tensor_bytes`), the layout
+    #: sparkdl writes for the Arrow reader.
+    packed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +206,8 @@ def inspect_dataset(
     if unischema is not None:
         infos = {c: _unischema_column(unischema, c, column_roles[c]) for c in plan.columns}
     else:
-        infos = {c: describe_column(dataset.schema, c, column_roles[c], url) for c in plan.columns}
+        packed = packed_columns(dataset.schema)
+        infos = {c: describe_column(dataset.schema, c, column_roles[c], url, packed) for c in plan.columns}
     plan.check(infos, f"dataset {url!r}")
     filter_cols = referenced_columns(filters, dataset.schema, url) if filters is not None else ()
     checked = list(plan.columns) + [c for c in filter_cols if c not in plan.columns]
@@ -332,14 +337,17 @@ def _value_kind(arrow_type: pa.DataType) -> str:
     return "other"
 
 
-def describe_column(schema: pa.Schema, name: str, role: str, url: str) -> ColumnInfo:
-    """What a column of an Arrow schema holds; its input spec decides whether that is usable."""
+def describe_column(schema: pa.Schema, name: str, role: str, url: str, packed: Optional[Dict[str, str]] = None) -> ColumnInfo:
+    """What a column of an Arrow schema holds; its input spec decides whether that is usable.
+    ``packed``: the dataset's float32-bytes columns (:func:`~sparkdl.data.tensor_bytes.packed_columns`)."""
     index = schema.get_field_index(name)
     if index < 0:
         raise DataError(
             f"{role} column {name!r} is not in dataset {url!r}; its columns are: {', '.join(schema.names)}"
         )
     arrow_type = schema.field(index).type
+    if packed and name in packed and pa.types.is_binary(arrow_type):
+        return ColumnInfo(name, "float", (None,), type_name=f"array<{packed[name]}> (as bytes)", packed=True)
     if pa.types.is_fixed_size_list(arrow_type):
         # Petastorm 0.12's schema inference silently drops fixed-size list columns.
         raise DataError(

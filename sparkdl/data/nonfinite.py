@@ -29,6 +29,8 @@ def _float_columns(dataset: DatasetInfo) -> List[str]:
 
 def _first_bad_row(column: pa.ChunkedArray) -> Optional[int]:
     array = column.combine_chunks()
+    if pa.types.is_binary(array.type):  # float32 bytes per row (sparkdl.data.tensor_bytes)
+        array = _unpacked(array)
     if pa.types.is_list(array.type) or pa.types.is_large_list(array.type) or pa.types.is_fixed_size_list(array.type):
         values = np.asarray(array.flatten().to_numpy(zero_copy_only=False), dtype=np.float64)
         bad = ~np.isfinite(values)
@@ -71,7 +73,16 @@ def describe_non_finite(dataset: DatasetInfo, budget_s: float = SCAN_BUDGET_S) -
     return f"the float columns {columns} hold no NaN or infinity: the model or the optimizer diverged"
 
 
+def _unpacked(array: pa.Array) -> pa.Array:
+    """A packed column as the list array it was written from."""
+    offsets = np.frombuffer(array.buffers()[1], dtype=np.int32, count=len(array) + 1, offset=array.offset * 4)
+    values = np.frombuffer(array.buffers()[2], dtype="<f4", count=int(offsets[-1] - offsets[0]) // 4, offset=int(offsets[0]))
+    return pa.ListArray.from_arrays(pa.array((offsets - offsets[0]) // 4), pa.array(values))
+
+
 def _value_name(column: pa.ChunkedArray, row: int) -> str:
+    if pa.types.is_binary(column.type):
+        column = pa.chunked_array([_unpacked(column.combine_chunks())])
     value = column[row].as_py()
     values = np.asarray(value if isinstance(value, list) else [value], dtype=np.float64)
     return "NaN" if np.isnan(values).any() else "infinite"

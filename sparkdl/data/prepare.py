@@ -45,7 +45,8 @@ def prepare_data(
 
     def prepare(source: DataSource, what: str) -> DatasetInfo:
         prepared = prepare_dataset(
-            source, plan, num_workers, spark, settings.cache_dir, filters=filters, transform_fn=settings.transform_fn, what=what
+            source, plan, num_workers, spark, settings.cache_dir, filters=filters, transform_fn=settings.transform_fn, what=what,
+            pack_arrays=data_reader.reads_tensor_bytes,
         )
         data_reader.check(prepared)
         return prepared
@@ -82,11 +83,14 @@ def prepare_dataset(
     transform_fn: Optional[TransformFn] = None,
     label_col: Optional[str] = None,
     what: str = "the DataFrame",
+    pack_arrays: bool = False,
 ) -> DatasetInfo:
     """Validates the columns and turns a DataFrame, URL or connector source into a dataset the
     tasks can stream (a DataFrame is materialized with the columns to train on and filter by).
     ``plan`` may also be a list of feature columns (with ``label_col``); ``what`` names a
-    DataFrame in messages (``"the validation DataFrame"``): its copy's path never appears."""
+    DataFrame in messages (``"the validation DataFrame"``): its copy's path never appears.
+    ``pack_arrays`` writes a DataFrame's array columns that dense inputs read as float32 bytes
+    (:mod:`sparkdl.data.tensor_bytes`; for readers with ``reads_tensor_bytes``)."""
     if not isinstance(plan, InputPlan):
         plan = InputPlan.from_feature_cols(plan, label_col)
     columns = plan.columns
@@ -109,12 +113,27 @@ def prepare_dataset(
     _check_spark_types(data, plan)
     if filters is not None:
         columns += [c for c in referenced_columns(filters, _arrow_schema(data), "the DataFrame") if c not in columns]
-    url = materialize(data, columns, num_workers, cache_dir)
+    url = materialize(data, columns, num_workers, cache_dir, packed=_dense_array_columns(data, plan) if pack_arrays else ())
     try:
         dataset = _inspect(url, plan, filters, transform_fn)
     except EmptyDatasetError:
         raise DataError(f"{what} has no rows: there is nothing to train on (check the filters or joins that built it)") from None
     return dataclasses.replace(dataset, origin=what)
+
+
+def _dense_array_columns(df: Any, plan: InputPlan) -> Tuple[str, ...]:
+    """The numeric array columns only :class:`Dense` inputs read: they become float32 anyway."""
+    from pyspark.sql import types as T
+
+    types = {f.name: f.dataType for f in df.schema.fields}
+    dense = {c for _, spec in plan.inputs if isinstance(spec, Dense) for c in spec.source_columns()}
+    others = {c for _, spec in plan.inputs if not isinstance(spec, Dense) for c in spec.source_columns()}
+    if plan.label_column:
+        others.add(plan.label_column)
+    return tuple(sorted(
+        c for c in dense - others
+        if isinstance(types[c], T.ArrayType) and isinstance(types[c].elementType, (T.IntegralType, T.FloatType, T.DoubleType, T.BooleanType))
+    ))
 
 
 def _inspect(data: Any, plan: InputPlan, filters: Filters, transform_fn: Optional[TransformFn]) -> DatasetInfo:

@@ -35,6 +35,7 @@ class ArrowReader(DataReader):
 
     name = "arrow"
     description = "native pyarrow row groups, read ahead in a background thread (the default)"
+    reads_tensor_bytes = True
 
     def read_pass(self, dataset: DatasetInfo, spec: "DataSpec", rank: int, world_size: int, pass_index: int) -> Iterator[Chunk]:
         selector = RowSelector(dataset, spec.holdout, spec.part, spec.filters, rank, world_size)

@@ -46,6 +46,10 @@ class DataReader(abc.ABC):
     name: ClassVar[str] = ""
     #: One line for ``--help`` and error messages.
     description: ClassVar[str] = ""
+    #: Whether it reads dense arrays stored as float32 bytes (:mod:`sparkdl.data.tensor_bytes`):
+    #: DataFrames materialized for it are then written that way, which decodes several times
+    #: faster than Parquet lists. Readers that decode through :mod:`sparkdl.data.columns` do.
+    reads_tensor_bytes: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

@@ -48,6 +48,12 @@ class PetastormReader(DataReader):
         from sparkdl.data.inputs import Sequence
 
         specs = [(key, spec) for key, spec in dataset.plan.inputs] + ([("label", dataset.plan.label)] if dataset.plan.label else [])
+        packed = [info.name for info in dataset.column_info if info.packed]
+        if packed:
+            raise ConfigError(
+                f"reader='petastorm' cannot read column(s) {', '.join(map(repr, packed))} of {dataset.name}: sparkdl stored "
+                f"them as float32 bytes for the Arrow reader; use reader='arrow', or data Spark wrote itself"
+            )
         ragged = [key for key, spec in specs if isinstance(spec, Sequence)]
         if ragged and not dataset.is_petastorm:
             raise ConfigError(

@@ -345,9 +345,10 @@ def task_resources(barrier: Any) -> Dict[str, Sequence[str]]:
 
 
 @contextlib.contextmanager
-def task_device(barrier: Any, use_gpu: Optional[bool]) -> Iterator[DeviceAssignment]:
+def task_device(barrier: Any, use_gpu: Optional[bool], all_gather: Optional[Callable[[str], Sequence[str]]] = None) -> Iterator[DeviceAssignment]:
     """Task side: select this task's device from its Spark resources, check it against the other
-    ranks, make it current, and restore the process afterwards. Collective (one ``allGather``).
+    ranks, make it current, and restore the process afterwards. Collective: one ``all_gather``
+    (the rendezvous store's, else the barrier's ``allGather``).
 
     Raises:
         ConfigError: see :func:`select_device` and :func:`check_assignments`.
@@ -369,7 +370,8 @@ def task_device(barrier: Any, use_gpu: Optional[bool]) -> Iterator[DeviceAssignm
     uuid = str(torch.cuda.get_device_properties(assignment.index).uuid) if assignment.device_type == "cuda" else None
     rank = barrier.partitionId()
     host = barrier.getTaskInfos()[rank].address.rsplit(":", 1)[0]
-    peers = [json.loads(entry) for entry in barrier.allGather(describe_for_peers(assignment, host, uuid))]
+    gather = all_gather or barrier.allGather
+    peers = [json.loads(entry) for entry in gather(describe_for_peers(assignment, host, uuid))]
     check_assignments(peers)
     with selected(assignment):
         yield assignment

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import secrets
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,32 +44,39 @@ def rendezvous(
     rank: int,
     world_size: int,
     task_addresses: Sequence[str],
-    all_gather: Callable[[str], Sequence[str]],
+    all_gather: Optional[Callable[[str], Sequence[str]]],
     device: torch.device,
     timeout_s: float,
     secret: Optional[bytes] = None,
     encrypt: bool = False,
+    store_address: Optional[Tuple[str, int]] = None,
 ) -> DistEnv:
     """Creates the default process group of this job, rendezvousing through sparkdl's store.
 
-    Rank 0 starts a :class:`~sparkdl._store.StoreServer` on its own task address only, port 0
-    (the kernel picks a free port that is already bound: no pick-then-bind race), which admits
-    only peers proving the job's secret; ``all_gather`` (the barrier context's) hands its
-    address to the others, which is also the barrier that orders the two. Every rank, rank 0
-    too, talks to it through a :class:`~sparkdl._store.StoreClient`, the store
-    ``init_process_group`` gets. :func:`teardown` closes both.
+    With ``store_address`` (what the launcher does) the store is the driver's
+    :class:`~sparkdl._store.StoreServer`, whose address every task already has: no Spark
+    barrier round is needed (each ``allGather`` costs a second: Spark polls it once a second),
+    and ``DistEnv.all_gather`` goes through the store too (:func:`store_all_gather`).
+    Without one (launchers without a driver, tests), rank 0 starts the server on its own task
+    address only, port 0 (the kernel picks a free port that is already bound: no pick-then-bind
+    race), and ``all_gather`` hands its address to the others. Either way every rank talks to it
+    through a :class:`~sparkdl._store.StoreClient` (admitted only with the job's secret), the
+    store ``init_process_group`` gets; no rank returns before every rank is in the group.
+    :func:`teardown` closes this process's part.
 
     Args:
         rank: this task's rank (its barrier partition id).
         world_size: number of tasks.
         task_addresses: each task's ``host:port`` from ``BarrierTaskContext.getTaskInfos()``.
-        all_gather: ``BarrierTaskContext.allGather``.
+        all_gather: ``BarrierTaskContext.allGather``; with ``store_address``, the task's
+            :func:`store_all_gather` if it already gathered (its rounds go on), else None.
         device: the task's device; CUDA selects NCCL, anything else gloo.
         timeout_s: bound on store connection and on every collective.
         secret: the per-job secret every rank shares (the launcher's); may be omitted for a
             single rank only, which then gets a fresh random one.
         encrypt: encrypt the store's frames (they are authenticated either way), and tell the
             strategies to encrypt theirs (``DistEnv.encrypt``).
+        store_address: the driver's store, (host, port).
 
     Raises:
         ValueError: no secret for more than one rank.
@@ -80,29 +88,15 @@ def rendezvous(
         if world_size != 1:
             raise ValueError("rendezvous of more than one rank needs the job's secret")
         secret = secrets.token_bytes(32)
-    # A process runs one job's tasks at a time: a store an earlier one left (it never reached
-    # its teardown) closes now, so that it does not keep listening.
-    _close_store()
-    host = _host_of(task_addresses[0])
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    server: Optional[StoreServer] = None
     try:
-        if rank == 0:
-            try:
-                server = StoreServer(host, secret, timeout_s, encrypt=encrypt)
-            except OSError as exc:
-                raise OSError(exc.errno, f"rank 0 cannot listen for the rendezvous on its task address {host}: {exc.strerror or exc}") from exc
-            _active = _Rendezvous(server, None)
-            # The bound address, not the name: every rank then connects to the very address
-            # rank 0 listens on, however each resolves the host name.
-            published = all_gather(f"{server.address[0]} {server.port}")
+        if store_address is not None:
+            client = join_store(store_address, secret, rank, timeout_s, encrypt)
+            gather = all_gather or store_all_gather(client, rank, world_size, timeout_s)
         else:
-            published = all_gather("")
-        store_host, port_text = published[0].rsplit(" ", 1)
-        port = int(port_text)
-        client = StoreClient((store_host, port), secret, rank, timeout, encrypt=encrypt)
-        _active = _Rendezvous(server, client)
+            client = _rank0_store(rank, task_addresses, all_gather, secret, timeout_s, encrypt)
+            gather = all_gather
         dist.init_process_group(backend, store=client, rank=rank, world_size=world_size, timeout=timeout)
         # gloo's init returns on a rank as soon as its own side of every pair is connected; a
         # rank whose function then ends at once would tear the group down while a slower peer
@@ -117,12 +111,69 @@ def rendezvous(
         world_size=world_size,
         device=device,
         backend=backend,
-        master_addr=store_host,
-        master_port=port,
+        master_addr=client.address[0],
+        master_port=client.address[1],
         peer_addresses=tuple(task_addresses),
-        all_gather=all_gather,
+        all_gather=gather,
         encrypt=encrypt,
     )
+
+
+def join_store(address: Tuple[str, int], secret: bytes, rank: int, timeout_s: float, encrypt: bool = False) -> StoreClient:
+    """This process's client of the store at ``address`` (the driver's): the one it already
+    has for that address, else a new one (closing what an earlier task left behind)."""
+    global _active
+    address = (address[0], int(address[1]))
+    if _active is not None and _active.server is None and _active.client is not None and _active.client.address == address and not _active.client.closed:
+        return _active.client
+    # A process runs one job's tasks at a time: a store an earlier one left (it never reached
+    # its teardown) closes now, so that it does not keep listening.
+    _close_store()
+    client = StoreClient(address, secret, rank, datetime.timedelta(seconds=timeout_s), encrypt=encrypt, served_by="the driver")
+    _active = _Rendezvous(None, client)
+    return client
+
+
+def store_all_gather(client: StoreClient, rank: int, world_size: int, timeout_s: float) -> Callable[[str], List[str]]:
+    """An ``allGather`` through the store: every rank's string in rank order, once all ranks
+    called it (the n-th call of every rank pairs up, as with Spark's)."""
+    rounds = itertools.count()
+    timeout = datetime.timedelta(seconds=timeout_s)
+
+    def all_gather(value: str) -> List[str]:
+        prefix = f"{_GATHER_PREFIX}{next(rounds)}/"
+        client.set(f"{prefix}{rank}", value.encode("utf-8"))
+        keys = [f"{prefix}{peer}" for peer in range(world_size)]
+        client.wait(keys, timeout)
+        return [client.get(key).decode("utf-8") for key in keys]
+
+    return all_gather
+
+
+def _rank0_store(
+    rank: int, task_addresses: Sequence[str], all_gather: Callable[[str], Sequence[str]], secret: bytes, timeout_s: float, encrypt: bool
+) -> StoreClient:
+    """Without a driver's store: rank 0 serves one on its task address, ``all_gather`` tells
+    the others where; returns this rank's client."""
+    global _active
+    _close_store()
+    host = _host_of(task_addresses[0])
+    server: Optional[StoreServer] = None
+    if rank == 0:
+        try:
+            server = StoreServer(host, secret, timeout_s, encrypt=encrypt)
+        except OSError as exc:
+            raise OSError(exc.errno, f"rank 0 cannot listen for the rendezvous on its task address {host}: {exc.strerror or exc}") from exc
+        _active = _Rendezvous(server, None)
+        # The bound address, not the name: every rank then connects to the very address
+        # rank 0 listens on, however each resolves the host name.
+        published = all_gather(f"{server.address[0]} {server.port}")
+    else:
+        published = all_gather("")
+    store_host, port_text = published[0].rsplit(" ", 1)
+    client = StoreClient((store_host, int(port_text)), secret, rank, datetime.timedelta(seconds=timeout_s), encrypt=encrypt)
+    _active = _Rendezvous(server, client)
+    return client
 
 
 def _wait_for_every_rank(client: StoreClient, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
@@ -132,6 +183,7 @@ def _wait_for_every_rank(client: StoreClient, rank: int, world_size: int, timeou
 
 
 _JOINED_PREFIX = "sparkdl/joined/"
+_GATHER_PREFIX = "sparkdl/gather/"
 
 
 def _host_of(address: str) -> str:

@@ -2,10 +2,11 @@
 
 torch's ``TCPStore`` listens on every interface whatever address it is given, answers anyone
 and accepts their writes, and lives as long as something holds a process group using it (DDP
-does, past ``fit``, in a reused Python worker). Instead rank 0 runs a :class:`StoreServer` on
-its own task address only, every rank talks to it through a :class:`StoreClient` (a Python
+does, past ``fit``, in a reused Python worker). Instead the driver runs a :class:`StoreServer`
+for each launch on its channel address only (rank 0 on its own task address, for launchers
+without a driver), every rank talks to it through a :class:`StoreClient` (a Python
 ``torch.distributed.Store``, which ``init_process_group(store=...)``, gloo and NCCL use like any
-other), and :func:`sparkdl._rendezvous.teardown` closes both with the job.
+other); the launch closes the server, :func:`sparkdl._rendezvous.teardown` the clients.
 
 The protocol (an HMAC-SHA256 handshake over both sides' nonces, keyed from the per-job secret;
 small length-prefixed frames; the requests) is in :mod:`sparkdl._store_wire`. Blocking requests
@@ -47,8 +48,9 @@ class StoreError(dist.DistStoreError):
 
 
 class StoreUnavailableError(StoreError, PeerLostError):
-    """Unreachable, failed handshake or broken connection: the store lives in rank 0's task, so
-    this usually means rank 0 is gone (a consequence, not a cause)."""
+    """Unreachable, failed handshake or broken connection: the store lives on the driver (or in
+    rank 0's task), so this usually means the job ended or rank 0 is gone (a consequence, not a
+    cause)."""
 
 
 class StoreTimeoutError(StoreError, PeerLostError):
@@ -81,7 +83,7 @@ class StoreServer(ThreadedServer):
         """Listens on ``(host, 0)``: that address only, the kernel picks the port.
 
         Args:
-            host: rank 0's task address.
+            host: the address to listen on (the driver's channel host, or rank 0's task address).
             secret: the per-job secret (the key is :func:`store_key` of it).
             timeout_s: bound on the rest of a request once it started, and on each reply.
             handshake_timeout_s: how long a new peer has to authenticate (``min(timeout_s, 30)``).
@@ -255,7 +257,9 @@ class StoreClient(dist.Store):
     a Python store: keep a reference while a process group may use it.
     """
 
-    def __init__(self, address: Tuple[str, int], secret: bytes, rank: int, timeout: datetime.timedelta, encrypt: bool = False) -> None:
+    def __init__(
+        self, address: Tuple[str, int], secret: bytes, rank: int, timeout: datetime.timedelta, encrypt: bool = False, served_by: str = "rank 0"
+    ) -> None:
         """Connects and authenticates.
 
         Args:
@@ -272,6 +276,7 @@ class StoreClient(dist.Store):
         super().__init__()
         self.set_timeout(timeout)
         self.address, self.rank = (str(address[0]), int(address[1])), int(rank)
+        self.served_by = served_by  # where the server runs, for messages: "rank 0" or "the driver"
         self._secret, self._key, self._encrypt = checked_secret(secret), store_key(secret), encrypt
         self._pool = threading.Condition()
         self._idle: List[Tuple[socket.socket, Framing]] = []
@@ -289,7 +294,7 @@ class StoreClient(dist.Store):
         try:
             sock = socket.create_connection(self.address, timeout=bound)
         except OSError as exc:
-            raise StoreUnavailableError(f"rank {self.rank} cannot reach the rendezvous store on rank 0 at {where}: {exc}") from exc
+            raise StoreUnavailableError(f"rank {self.rank} cannot reach the rendezvous store on {self.served_by} at {where}: {exc}") from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             return sock, Framing(sock, client_handshake(sock, self._key, self.rank, time.monotonic() + bound, self._encrypt))
@@ -358,7 +363,7 @@ class StoreClient(dist.Store):
                 raise StoreError(f"rank {self.rank}: the rendezvous store client was closed during {op.name}") from exc
             raise StoreUnavailableError(
                 f"rank {self.rank} lost the rendezvous store at {self.address[0]}:{self.address[1]} during {op.name} ({exc}); "
-                "it runs in rank 0's task, which has probably failed: see its error"
+                f"it runs on {self.served_by}, which has probably failed or ended the job: see its error"
             ) from exc
         finally:
             self._release(connection, healthy)
@@ -439,7 +444,7 @@ class StoreClient(dist.Store):
     def clone(self) -> "StoreClient":
         """Another client of the store (torch clones a group's store to split or shrink it);
         kept by this one, and closed with it."""
-        twin = StoreClient(self.address, self._secret, self.rank, self.timeout, self._encrypt)
+        twin = StoreClient(self.address, self._secret, self.rank, self.timeout, self._encrypt, self.served_by)
         with self._pool:
             if not self._closed:
                 self._clones.append(twin)

@@ -26,6 +26,7 @@ from sparkdl._launcher.monitor import JobMonitor
 from sparkdl._launcher.task import _task_main, _TaskPayload
 from sparkdl._progress import ProgressDisplay
 from sparkdl._security import security_policy
+from sparkdl._store import StoreServer
 from sparkdl._session import Session
 from sparkdl.checkpoint import CheckpointConfig, open_store
 from sparkdl.data.batching import DataSpec
@@ -133,13 +134,22 @@ def _launch_once(
     monitor = JobMonitor(config.num_workers, lambda: session.cancel(tag), display)
     host = session.channel_host()
     secret = new_secret()
-    server = ChannelServer(host, secret, monitor.on_message, monitor.on_disconnect, encrypt=payload_fields.get("encrypt", False))
+    encrypt = payload_fields.get("encrypt", False)
+    server = ChannelServer(host, secret, monitor.on_message, monitor.on_disconnect, encrypt=encrypt)
+    try:
+        # The launch's rendezvous store, where the channel listens: every task knows its address
+        # from the payload, so the rendezvous needs no Spark barrier round (a second each).
+        rendezvous_store = StoreServer(host, secret, config.timeout_s, encrypt=encrypt)
+    except BaseException:
+        server.close()
+        raise
     payload = _TaskPayload(
         train_fn=train_fn,
         strategy=strategy,
         config=config,
         channel_address=server.address,
         secret=secret,
+        store_address=rendezvous_store.address,
         **payload_fields,
     )
 
@@ -179,6 +189,7 @@ def _launch_once(
         stop_watchdog.set()
         session.remove_tag(tag)
         server.close()
+        rendezvous_store.close()
     if monitor.failures:  # a rank failed but the stage still returned (should not happen)
         raise _AttemptFailed(TrainingError(monitor.failures))
     # Our own tasks' results, through Spark's result path (as mapPartitions' pickles were).

@@ -47,6 +47,8 @@ class _TaskPayload:
     attempt: int = 1
     #: Encrypt sparkdl's own connections (Spark encrypts its RPC; see sparkdl._security).
     encrypt: bool = False
+    #: The driver's rendezvous store for this launch, (host, port).
+    store_address: Optional[tuple] = None
 
 
 def _task_main(payload: _TaskPayload) -> List[tuple]:
@@ -65,17 +67,26 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
         context = None
         runtime = None
         try:
-            from sparkdl._rendezvous import rendezvous
+            from sparkdl._rendezvous import join_store, rendezvous, store_all_gather
             from sparkdl.context import TrainContext
 
             client.send({"kind": "started", "attempt": payload.attempt})
             heartbeat.start()
+            config = payload.config
+            liveness.advance("rendezvous")
+            # Through the driver's store, not Spark's barrier: every allGather of Spark's costs a
+            # second (it polls once a second), every store round trip a millisecond.
+            store = join_store(payload.store_address, payload.secret, rank, config.timeout_s, payload.encrypt)
+            gather = store_all_gather(store, rank, config.num_workers, config.timeout_s)
             liveness.advance("selecting the device")
-            assignment = scopes.enter_context(task_device(barrier, payload.config.use_gpu))
+            assignment = scopes.enter_context(task_device(barrier, config.use_gpu, gather))
             device = assignment.device
             liveness.advance("rendezvous")
             addresses = [info.address for info in barrier.getTaskInfos()]
-            env = rendezvous(rank, payload.config.num_workers, addresses, barrier.allGather, device, payload.config.timeout_s, secret=payload.secret, encrypt=payload.encrypt)
+            env = rendezvous(
+                rank, config.num_workers, addresses, gather, device, config.timeout_s,
+                secret=payload.secret, encrypt=payload.encrypt, store_address=payload.store_address,
+            )
             runtime = payload.strategy.create_runtime(env)
             context = TrainContext(
                 env,

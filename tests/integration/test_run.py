@@ -137,9 +137,10 @@ def test_an_allreduce_fit_closes_its_rendezvous_when_it_returns(spark, digits_df
         from sparkdl._rendezvous import active_store
 
         if dist.is_initialized() and dist.get_rank() == 0:
-            server, _ = active_store()
+            server, client = active_store()
+            assert server is None  # the driver serves the launch's store, no rank does
             with open(record, "w") as handle:
-                json.dump({"address": list(server.address), "probes": _probe_rendezvous(server.address)}, handle)
+                json.dump({"address": list(client.address), "probes": _probe_rendezvous(client.address)}, handle)
         return digits_mlp()
 
     sparkdl.TorchEstimator(

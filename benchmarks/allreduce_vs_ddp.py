@@ -1,23 +1,53 @@
-"""Throughput of sparkdl AllReduce against plain DDP on in-memory tensors, same machine, same run.
+"""Throughput and whole-call time of sparkdl AllReduce against the peers a user would pick instead:
+plain DDP on in-memory tensors, and PySpark's own ``TorchDistributor``. Same machine, same run,
+same Parquet, same model, same per-worker batch, 2 workers, 1 thread each, gloo.
 
-    .venv/bin/python benchmarks/allreduce_vs_ddp.py [--rows 200000] [--epochs 3]
+    .venv-petastorm/bin/python benchmarks/allreduce_vs_ddp.py [--rows 200000] [--epochs 3]
+    .venv/bin/python benchmarks/allreduce_vs_ddp.py --readers arrow      # no petastorm in .venv
 
-Both sides train the same MLP with the same per-worker batch, 2 workers, 1 thread each, gloo.
-sparkdl streams the data from Parquet (Arrow and Petastorm readers) inside Spark barrier tasks
-(local-cluster[2,1,2048]); the baseline is a torch.multiprocessing DDP script holding its shard
-in memory. Prints steady-state samples/s (epochs after the first), their ratio, and start-up
-time (fit called → first batch on rank 0). A script that prints figures, not a test.
+Configurations (the issue's three):
+
+    --model mlp --batch-size 64                   compute-bound (the defaults)
+    --model mlp --batch-size 256 --rows 300000    the MLP with a data-bound-ish batch
+    --model linear --batch-size 1024 --rows 300000  data-bound: Linear(64, 10)
+
+The sides, one table row each:
+
+* plain DDP: a ``torch.multiprocessing`` script, 2 spawned processes, each holding its shard
+  (rows ``r::2``) as tensors in memory; the floor for what training costs on this machine.
+* TorchDistributor: ``TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run``
+  on the same Spark session. It starts a barrier job of 2 tasks, each of which launches
+  ``torchrun`` (one node per task, one process per node); the function, cloudpickled and run by
+  torchrun, loads its rank's contiguous half of the rows (the row groups that overlap it) from
+  the same Parquet with pyarrow into memory, the usual pattern since TorchDistributor does not
+  stream DataFrames, and trains with DDP on those tensors.
+* sparkdl AllReduce: ``TorchEstimator.fit(path)`` streaming the Parquet with the Arrow and/or
+  Petastorm reader (``--readers``; petastorm is skipped with a note where it cannot be imported)
+  inside Spark barrier tasks.
+
+Spark runs on local-cluster[2,1,2048] (two one-core executors). The first sparkdl fit of the
+application starts the executors' Python workers ("cold", 1 epoch); the figures come from the
+fits and the TorchDistributor call after it. DDP and TorchDistributor share one training loop
+(a fresh shuffled order each epoch, ``dist.barrier()`` around each epoch's timing on rank 0).
+
+Columns: steady samples/s (mean of the epochs after the first), its ratio to plain DDP, the whole
+call (fit / run / start_processes called → returned), and start-up (called → first batch on
+rank 0; for TorchDistributor also its launch, called → the function entered on rank 0, and its
+pyarrow load). The machine may be shared: ratios measured side by side matter, not absolute figures.
+A script that prints figures, not a test.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import shutil
 import sys
 import tempfile
 import time
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -28,14 +58,24 @@ sys.path.insert(0, ROOT)
 HIDDEN = 256
 FEATURES = 64
 CLASSES = 10
+WORKERS = 2
 
 
-def make_model() -> torch.nn.Module:
+def make_mlp() -> torch.nn.Module:
+    """Compute-bound: two hidden layers of 256."""
     return torch.nn.Sequential(
         torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(),
         torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
         torch.nn.Linear(HIDDEN, CLASSES),
     )
+
+
+def make_linear() -> torch.nn.Module:
+    """Data-bound: one Linear(64, 10), so the data path dominates."""
+    return torch.nn.Linear(FEATURES, CLASSES)
+
+
+MODELS: Dict[str, Callable[[], torch.nn.Module]] = {"mlp": make_mlp, "linear": make_linear}
 
 
 def make_optimizer(params):
@@ -61,48 +101,24 @@ def write_parquet(path: str, features, labels, row_group: int = 8192) -> None:
     pq.write_table(table, os.path.join(path, "part-0.parquet"), row_group_size=row_group)
 
 
-def run_sparkdl(path: str, batch: int, epochs: int, readers=("arrow", "petastorm")):
-    from _spark import local_cluster
-
-    import sparkdl
-
-    spark = local_cluster("sparkdl-benchmark-allreduce", executor_memory_mb=2048)
-    results = []
-    try:
-        # The first fit of a new Spark application starts the executors' Python workers ("cold");
-        # the steady-state figures come from later fits, one per reader.
-        for attempt, reader in [("cold", readers[0])] + [("warm", r) for r in readers]:
-            estimator = sparkdl.TorchEstimator(
-                model=make_model, optimizer=make_optimizer, num_workers=2, batch_size=batch,
-                epochs=epochs if attempt == "warm" else 1, progress=False, reader=reader,
-            )
-            called = time.time()
-            model = estimator.fit(path)
-            info = model.run_info
-            results.append((attempt, reader, model.history, info["prepare_seconds"] + info["startup_seconds"], time.time() - called))
-    finally:
-        spark.stop()
-    return results
-
-
-def _ddp_worker(rank: int, world: int, port: int, features, labels, batch: int, epochs: int, out):
+def _train_ddp(model_fn, x, y, steps: int, batch: int, epochs: int, rank: int, world: int):
+    """The training loop of both DDP sides (process group already up): the model wrapped in DDP,
+    ``steps`` batches of ``batch`` rows per epoch in a fresh shuffled order. Returns (per-epoch
+    samples/s of all ranks together, time.time() at the first batch)."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(make_model())
+    model = torch.nn.parallel.DistributedDataParallel(model_fn())
     optimizer = make_optimizer(model.parameters())
-    x = torch.from_numpy(features[rank::world].copy())
-    y = torch.from_numpy(labels[rank::world].copy())
-    steps = len(labels) // (batch * world)
     generator = torch.Generator().manual_seed(rank)
-    rates = []
+    rates: List[float] = []
+    first_batch = None
     for _ in range(epochs):
         order = torch.randperm(len(x), generator=generator)
         dist.barrier()
         start = time.time()
+        if first_batch is None:
+            first_batch = start
         for step in range(steps):
             index = order[step * batch:(step + 1) * batch]
             optimizer.zero_grad()
@@ -110,12 +126,27 @@ def _ddp_worker(rank: int, world: int, port: int, features, labels, batch: int, 
             optimizer.step()
         dist.barrier()
         rates.append(steps * batch * world / (time.time() - start))
+    return rates, first_batch
+
+
+# --- plain DDP, in-memory tensors ----------------------------------------------------------------
+
+def _ddp_worker(rank: int, world: int, port: int, model_fn, features, labels, batch: int, epochs: int, out):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    x = torch.from_numpy(features[rank::world].copy())
+    y = torch.from_numpy(labels[rank::world].copy())
+    steps = len(labels) // (batch * world)
+    rates, first_batch = _train_ddp(model_fn, x, y, steps, batch, epochs, rank, world)
     if rank == 0:
-        out.put(rates)
+        out.put({"rates": rates, "first_batch": first_batch, "steps": steps})
     dist.destroy_process_group()
 
 
-def run_ddp(features, labels, batch: int, epochs: int):
+def run_ddp(model_fn, features, labels, batch: int, epochs: int) -> Dict:
     import socket
 
     import torch.multiprocessing as mp
@@ -125,40 +156,182 @@ def run_ddp(features, labels, batch: int, epochs: int):
         port = probe.getsockname()[1]
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
-    mp.start_processes(_ddp_worker, args=(2, port, features, labels, batch, epochs, queue), nprocs=2, start_method="spawn")
-    return queue.get()
+    called = time.time()
+    mp.start_processes(
+        _ddp_worker, args=(WORKERS, port, model_fn, features, labels, batch, epochs, queue), nprocs=WORKERS, start_method="spawn",
+    )
+    whole = time.time() - called
+    result = queue.get()
+    return {**result, "startup": result["first_batch"] - called, "whole": whole}
+
+
+# --- TorchDistributor: pyarrow shard in memory + DDP ---------------------------------------------
+
+def _distributor_train(path: str, model_fn, batch: int, epochs: int):
+    """Run by torchrun on each executor (cloudpickled by value, as this module is ``__main__``):
+    the usual TorchDistributor pattern for Parquet, which it does not stream: read this rank's
+    share of the rows into memory with pyarrow, then DDP over the tensors. Returns rank 0's
+    figures (TorchDistributor returns partition 0's, which is torchrun node 0, rank 0)."""
+    import glob
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch.distributed as dist
+
+    entered = time.time()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # env:// from torchrun: MASTER_ADDR/PORT, RANK, WORLD_SIZE
+    rank, world = dist.get_rank(), dist.get_world_size()
+    started = time.time()
+    files = [pq.ParquetFile(name) for name in sorted(glob.glob(os.path.join(path, "*.parquet")))]
+    total_rows = sum(f.metadata.num_rows for f in files)
+    # This rank's contiguous 1/world of the rows: the row groups that overlap it, then a slice, so
+    # that the shards are equal (as the other sides' are) and each rank reads about its share.
+    low, high = rank * total_rows // world, (rank + 1) * total_rows // world
+    pieces, offset, first = [], 0, None
+    for f in files:
+        for group in range(f.num_row_groups):
+            size = f.metadata.row_group(group).num_rows
+            if offset < high and offset + size > low:
+                first = offset if first is None else first
+                pieces.append((f, group))
+            offset += size
+    table = pa.concat_tables([f.read_row_group(group, columns=["features", "label"]) for f, group in pieces]).slice(low - first, high - low)
+    column = table.column("features").combine_chunks()
+    x = torch.from_numpy(column.flatten().to_numpy().reshape(len(table), -1).copy())
+    y = torch.from_numpy(table.column("label").to_numpy().astype(np.int64))
+    del table, column
+    steps = total_rows // (batch * world)  # the other sides' steps: one pass over the rows
+    loaded = time.time()
+    rates, first_batch = _train_ddp(model_fn, x, y, steps, batch, epochs, rank, world)
+    dist.destroy_process_group()
+    if rank == 0:
+        return {"rates": rates, "first_batch": first_batch, "entered": entered, "load_seconds": loaded - started, "steps": steps}
+    return None
+
+
+def run_distributor(path: str, model_fn, batch: int, epochs: int) -> Dict:
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    # local_mode=False: torchrun runs inside the executors' barrier tasks, one node per task
+    # (nproc_per_node=1 as CUDA_VISIBLE_DEVICES is empty without GPUs), not on the driver.
+    distributor = TorchDistributor(num_processes=WORKERS, local_mode=False, use_gpu=False)
+    called = time.time()
+    result = distributor.run(_distributor_train, path, model_fn, batch, epochs)
+    whole = time.time() - called
+    # launch: run() called -> the function entered on rank 0 (Spark job, torchrun, imports).
+    return {**result, "startup": result["first_batch"] - called, "launch": result["entered"] - called, "whole": whole}
+
+
+# --- sparkdl AllReduce ---------------------------------------------------------------------------
+
+def run_sparkdl(spark, path: str, model_fn, batch: int, epochs: int, readers: List[str]) -> List[Dict]:
+    import sparkdl
+
+    results = []
+    # The first fit of a new Spark application starts the executors' Python workers ("cold");
+    # the steady-state figures come from later fits, one per reader.
+    for attempt, reader in [("cold", readers[0])] + [("warm", r) for r in readers]:
+        estimator = sparkdl.TorchEstimator(
+            model=model_fn, optimizer=make_optimizer, num_workers=WORKERS, batch_size=batch,
+            epochs=epochs if attempt == "warm" else 1, progress=False, reader=reader,
+        )
+        called = time.time()
+        model = estimator.fit(path)
+        whole = time.time() - called
+        info = model.run_info
+        results.append({
+            "attempt": attempt, "reader": reader, "history": model.history, "whole": whole,
+            "startup": info["prepare_seconds"] + (info["startup_seconds"] or 0.0),
+        })
+    return results
+
+
+def steady(rates: List[float]) -> float:
+    return float(np.mean(rates[1:] or rates))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=64, help="per worker")
+    parser.add_argument("--model", choices=sorted(MODELS), default="mlp", help="mlp: compute-bound (default); linear: data-bound Linear(64, 10)")
+    parser.add_argument("--readers", default="arrow,petastorm", help="sparkdl readers, comma-separated ('' for none)")
+    parser.add_argument("--skip-distributor", action="store_true", help="leave out the TorchDistributor side")
     args = parser.parse_args()
+
+    model_fn = MODELS[args.model]
+    readers = [r.strip() for r in args.readers.split(",") if r.strip()]
+    for reader in readers:
+        if reader not in ("arrow", "petastorm"):
+            parser.error(f"unknown reader {reader!r}: arrow or petastorm")
+    if "petastorm" in readers and importlib.util.find_spec("petastorm") is None:
+        print(f"note: petastorm cannot be imported by {sys.executable}; the petastorm reader is skipped (it runs in .venv-petastorm)")
+        readers.remove("petastorm")
 
     features, labels = synthetic(args.rows)
     workdir = tempfile.mkdtemp(prefix="sparkdl-bench-")
+    spark_runs: List[Dict] = []
+    distributor: Optional[Dict] = None
+    distributor_cold: Optional[Dict] = None
     try:
         path = os.path.join(workdir, "data")
         write_parquet(path, features, labels)
-        spark_runs = run_sparkdl(path, args.batch_size, args.epochs)
-        ddp_rates = run_ddp(features, labels, args.batch_size, args.epochs)
+        if readers or not args.skip_distributor:
+            from _spark import local_cluster
+
+            spark = local_cluster("sparkdl-benchmark-allreduce", executor_memory_mb=2048)
+            try:
+                if readers:
+                    spark_runs = run_sparkdl(spark, path, model_fn, args.batch_size, args.epochs, readers)
+                # After the sparkdl fits: TorchDistributor's tasks set MASTER_ADDR/PORT, RANK,
+                # WORLD_SIZE and CUDA_VISIBLE_DEVICES="" in the executors' (reused) Python workers.
+                if not args.skip_distributor:
+                    if not readers:  # its own cold call, as the sparkdl fits would have warmed the application
+                        distributor_cold = run_distributor(path, model_fn, args.batch_size, 1)
+                    distributor = run_distributor(path, model_fn, args.batch_size, args.epochs)
+            finally:
+                spark.stop()
+        ddp = run_ddp(model_fn, features, labels, args.batch_size, args.epochs)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
-    _, _, _, cold_startup, _ = spark_runs[0]
-    ddp_rate = float(np.mean(ddp_rates[1:] or ddp_rates))
-    params = sum(p.numel() for p in make_model().parameters())
-    print(f"\nrows={args.rows} features={FEATURES} model=MLP({params} params) workers=2 batch/worker={args.batch_size} epochs={args.epochs}")
-    print("| run | steady samples/s | ratio to DDP | start-up (fit called → first batch) |")
-    print("|---|---:|---:|---:|")
-    print(f"| plain DDP, in-memory tensors (torch.multiprocessing) | {ddp_rate:,.0f} | 1.00 | – |")
-    for attempt, reader, history, startup, _ in spark_runs[1:]:
-        rate = float(np.mean([r["samples_per_sec"] for r in history[1:]] or [history[0]["samples_per_sec"]]))
+    ddp_rate = steady(ddp["rates"])
+    params = sum(p.numel() for p in model_fn().parameters())
+    name = {"mlp": "MLP", "linear": "Linear(64, 10)"}[args.model]
+    import pyspark
+
+    print(
+        f"\nrows={args.rows} features={FEATURES} model={name} ({params} params) workers={WORKERS} "
+        f"batch/worker={args.batch_size} epochs={args.epochs} steps/epoch={ddp['steps']} pyspark={pyspark.__version__} torch={torch.__version__}"
+    )
+    print("| side | steady samples/s | ratio to DDP | whole call (s) | start-up (s, called → first batch) |")
+    print("|---|---:|---:|---:|---:|")
+    print(f"| plain DDP, in-memory tensors (torch.multiprocessing) | {ddp_rate:,.0f} | 1.00 | {ddp['whole']:.1f} | {ddp['startup']:.1f} |")
+    if distributor is not None:
+        rate = steady(distributor["rates"])
+        cold = f"; first call of the app: {distributor_cold['startup']:.1f}" if distributor_cold else ""
         print(
-            f"| sparkdl AllReduce, Parquet via the {reader} reader, Spark barrier tasks | {rate:,.0f} | {rate / ddp_rate:.2f} "
-            f"| {cold_startup:.1f} s first fit of the app, {startup:.1f} s this fit |"
+            f"| TorchDistributor, pyarrow shard in memory + DDP | {rate:,.0f} | {rate / ddp_rate:.2f} | {distributor['whole']:.1f} "
+            f"| {distributor['startup']:.1f} (launch {distributor['launch']:.1f}, pyarrow load {distributor['load_seconds']:.1f}){cold} |"
         )
+    cold_startup = spark_runs[0]["startup"] if spark_runs else None
+    for run in spark_runs[1:]:
+        rate = steady([r["samples_per_sec"] for r in run["history"]])
+        print(
+            f"| sparkdl AllReduce, Parquet via the {run['reader']} reader | {rate:,.0f} | {rate / ddp_rate:.2f} | {run['whole']:.1f} "
+            f"| {run['startup']:.1f}; first fit of the app: {cold_startup:.1f} |"
+        )
+    print()
+    if distributor is not None and spark_runs:
+        rate = steady(distributor["rates"])
+        for run in spark_runs[1:]:
+            mine = steady([r["samples_per_sec"] for r in run["history"]])
+            print(
+                f"sparkdl {run['reader']} / TorchDistributor: steady samples/s {mine / rate:.2f}x, "
+                f"whole call {run['whole']:.1f} s vs {distributor['whole']:.1f} s ({distributor['whole'] / run['whole']:.2f}x faster)"
+            )
 
 
 if __name__ == "__main__":

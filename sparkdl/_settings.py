@@ -116,7 +116,8 @@ class RunSettings:
         checkpoint = None
         if checkpoint_dir is not None:
             checkpoint = CheckpointConfig(
-                checkpoint_dir, every_steps=every, keep=arguments.get("keep_checkpoints", 3), resume=arguments.get("resume", True)
+                checkpoint_dir, every_steps=every, keep=arguments.get("keep_checkpoints", 3), resume=arguments.get("resume", True),
+                async_write=arguments.get("checkpoint_async", True),
             )
         data = None
         if with_data:

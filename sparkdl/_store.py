@@ -48,9 +48,8 @@ class StoreError(dist.DistStoreError):
 
 
 class StoreUnavailableError(StoreError, PeerLostError):
-    """Unreachable, failed handshake or broken connection: the store lives on the driver (or in
-    rank 0's task), so this usually means the job ended or rank 0 is gone (a consequence, not a
-    cause)."""
+    """Unreachable, failed handshake or broken connection: the store's process (the driver, or
+    rank 0) ended or failed, usually a consequence, not a cause."""
 
 
 class StoreTimeoutError(StoreError, PeerLostError):
@@ -257,9 +256,7 @@ class StoreClient(dist.Store):
     a Python store: keep a reference while a process group may use it.
     """
 
-    def __init__(
-        self, address: Tuple[str, int], secret: bytes, rank: int, timeout: datetime.timedelta, encrypt: bool = False, served_by: str = "rank 0"
-    ) -> None:
+    def __init__(self, address: Tuple[str, int], secret: bytes, rank: int, timeout: datetime.timedelta, encrypt: bool = False, served_by: str = "rank 0") -> None:
         """Connects and authenticates.
 
         Args:

@@ -132,6 +132,7 @@ class FitLoop:
             state = _LoopState(epoch=epoch + 1, global_step=state.global_step, history=state.history, output_shape=state.output_shape)
             self._save(ctx, model, optimizer, state, 0, 0.0)
         ctx.set_phase("finishing")
+        ctx.wait_for_checkpoint()  # the last checkpoint is stored, and counted in the stats below
         final = ctx.final_module(model)
         if ctx.rank != 0:
             return None

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
+import sys
 import threading
 import time
 from typing import Any, Dict, Iterator, Optional, Tuple
@@ -11,14 +13,16 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import numpy as np
 import torch
 
+from sparkdl._checkpoint_writer import CheckpointWriteError, CheckpointWriter, capture
 from sparkdl._device import DeviceAssignment
 from sparkdl._device_feed import DeviceFeed, move_batch, pin_thread_to
 from sparkdl._precision import Precision, PrecisionRuntime
 from sparkdl._rendezvous import DistEnv
-from sparkdl.checkpoint import Checkpoint, CheckpointStore, RankState
+from sparkdl.checkpoint import CheckpointStore
 from sparkdl.data.dataset import DatasetInfo
 from sparkdl.data.batching import DataSpec, batches, to_tensors, validation_batches
 from sparkdl.data.readers.base import DataReader
+from sparkdl.errors import RankFailure
 from sparkdl.strategies.base import StrategyRuntime
 
 #: (inputs, labels): inputs is one tensor with ``feature_cols``, a dict of named tensors with ``inputs=``.
@@ -68,8 +72,11 @@ class TrainContext:
         self._amp = PrecisionRuntime(Precision(precision), env.device, env.world_size)
         #: Batches taken from the stream so far: the reader position a checkpoint records.
         self._batches_taken = 0
-        #: Checkpoints this rank took part in during this attempt, and the seconds they cost.
-        self.checkpoint_stats = {"count": 0, "seconds": 0.0}
+        #: This attempt's checkpoints on this rank: ``count`` and ``seconds``, the stall of the
+        #: training thread (the copy to host memory); ``written`` and ``write_seconds``, the
+        #: writes finished in the background so far and their time.
+        self.checkpoint_stats = {"count": 0, "seconds": 0.0, "written": 0, "write_seconds": 0.0}
+        self._writer: Optional[CheckpointWriter] = None
         self.steps_per_epoch = steps_per_epoch
         self.logger = logging.getLogger(f"sparkdl.rank{env.rank}")
         #: Wall-clock time of the first batch handed out: start-up cost is measured up to here.
@@ -204,32 +211,51 @@ class TrainContext:
         ``state`` is this rank's own part (model and optimizer ``state_dict``s, counters...);
         the strategy's state, this rank's RNG and its data-stream position are added to it.
         ``replicated`` is state that is bit-identical on every rank (the model and optimizer
-        under AllReduce): only rank 0's copy is gathered and written, which keeps the file
-        ``world_size`` times smaller. Rank 0 gathers every rank's part and writes one file
-        atomically. No-op without a ``checkpoint_dir``.
+        under AllReduce): it is stored once, split over the ranks, each storing a share.
+
+        Every tensor is copied to host memory before this returns, so training may change them
+        at once; the write runs in the background, one at a time (this first waits for the
+        previous one and raises its error). Each rank stores its own part in parallel; the
+        checkpoint counts once every part is stored and its manifest is written. With
+        ``async_write=False`` the checkpoint is complete when this returns. No-op without a
+        ``checkpoint_dir``.
         """
         if self._store is None:
             return
         previous = self.phase
         started = time.perf_counter()
         self.set_phase(f"checkpointing step {step}")
-        part = RankState.capture(
+        writer = self._checkpoint_writer()
+        writer.wait()  # the previous write's error, before anything of this one is copied
+        part = capture(
             user=state,
-            replicated=replicated if self.rank == 0 else None,
+            replicated=replicated,
             strategy=self._runtime.state_dict(),
             grad_scaler=self._amp.state_dict(),
             batches_taken=self._batches_taken,
             device=self.device,
+            rank=self.rank,
+            world_size=self.world_size,
         )
-        parts = [None] * self.world_size if self.rank == 0 else None
-        torch.distributed.gather_object(part, parts, dst=0)
-        if self.rank == 0:
-            self._store.save(Checkpoint(step, self.world_size, parts))
-        # Nobody runs ahead of a checkpoint that is not on disk yet.
-        torch.distributed.barrier()
+        writer.submit(step, part)
+        if not self._store.async_write:
+            # Nobody runs ahead of a checkpoint that is not committed yet.
+            torch.distributed.barrier()
         self.checkpoint_stats["count"] += 1
         self.checkpoint_stats["seconds"] += time.perf_counter() - started
         self.set_phase(previous)
+
+    def wait_for_checkpoint(self) -> None:
+        """Blocks until this rank's checkpoint write in flight is done, and raises its error
+        (:class:`~sparkdl._checkpoint_writer.CheckpointWriteError`, naming the rank and the
+        checkpoint). ``close`` calls it; the checkpoint is complete once every rank's is done."""
+        if self._writer is not None:
+            self._writer.wait()
+
+    def _checkpoint_writer(self) -> CheckpointWriter:
+        if self._writer is None:
+            self._writer = CheckpointWriter(self._store, self.rank, self.world_size, self.checkpoint_stats)
+        return self._writer
 
     def load_checkpoint(self) -> Optional[Dict[str, Any]]:
         """This rank's ``state`` from the newest complete checkpoint, merged with the
@@ -241,6 +267,7 @@ class TrainContext:
         if self._store is None:
             return None
         self.set_phase("loading checkpoint")
+        self.wait_for_checkpoint()
         checkpoint = self._store.load_latest()
         if checkpoint is None:
             return None
@@ -278,9 +305,24 @@ class TrainContext:
         return {n: v / self.world_size for n, v in zip(names, tensor.tolist())}
 
     def close(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
+        """Ends the data stream and waits for the checkpoint write in flight. Its error is
+        reported to the driver and raised — unless the rank is failing already: then it is
+        logged, and the original error stays the one reported."""
+        failing = sys.exc_info()[1] is not None
+        try:
+            self.wait_for_checkpoint()
+        except CheckpointWriteError as exc:
+            if failing:
+                self.logger.warning("%s (while this rank was failing already)", exc)
+            else:
+                # close runs after the task reported "done": the driver learns of it here.
+                with contextlib.suppress(Exception):
+                    self._send({"kind": "error", "failure": RankFailure.from_exception(self.rank, exc, "writing a checkpoint").to_json()})
+                raise
+        finally:
+            if self._stream is not None:
+                self._stream.close()
+                self._stream = None
 
 
 def _jsonable(metrics: Dict[str, Any]) -> Dict[str, Any]:

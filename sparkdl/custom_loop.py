@@ -46,6 +46,7 @@ def run(
     checkpoint_dir: Optional[str] = None,
     resume: bool = True,
     keep_checkpoints: int = 3,
+    checkpoint_async: bool = True,
     max_failures: int = 0,
     watchdog_timeout_s: Optional[float] = 600.0,
 ) -> Any:
@@ -98,6 +99,8 @@ def run(
             stored result without running again.
         resume: False ignores (and replaces) what ``checkpoint_dir`` holds.
         keep_checkpoints: how many checkpoints to keep.
+        checkpoint_async: ``ctx.save_checkpoint`` writes in the background after a copy to host
+            memory (the default); False writes before it returns.
         max_failures: relaunch the stage up to this many times after a failure.
         watchdog_timeout_s: fail when a rank makes no progress for this long (None: never).
 

@@ -62,6 +62,8 @@ class TorchEstimator(Estimator, _TorchParams):
             returns its stored model instead of training again (unless ``resume=False``).
         checkpoint_every: also checkpoint every this many steps (default: at each epoch's end).
         keep_checkpoints: how many checkpoints to keep.
+        checkpoint_async: write checkpoints in the background after a copy to host memory (the
+            default; training stalls only for the copy); False writes before training goes on.
         resume: False ignores (and replaces) what ``checkpoint_dir`` holds.
         max_failures: relaunch the stage up to this many times after a failure (a lost
             executor, a killed process, a hang...).
@@ -110,6 +112,7 @@ class TorchEstimator(Estimator, _TorchParams):
         checkpoint_dir: Optional[str] = None,
         checkpoint_every: Optional[int] = None,
         keep_checkpoints: int = 3,
+        checkpoint_async: bool = True,
         resume: bool = True,
         max_failures: int = 0,
         watchdog_timeout_s: Optional[float] = 600.0,

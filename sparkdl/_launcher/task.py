@@ -103,6 +103,8 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
             )
             context.set_phase("training")
             value = payload.train_fn(context)
+            # A checkpoint still being written fails the rank here, reported like any error.
+            context.wait_for_checkpoint()
             client.send({"kind": "done"})
             return [(rank, value if rank == 0 else None)]
         except BaseException as exc:

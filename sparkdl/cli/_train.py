@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
         "or returns the finished run's model without training",
     )
     recovery.add_argument("--checkpoint-every", type=int, default=None, help="also checkpoint every N steps (default: each epoch's end)")
+    recovery.add_argument(
+        "--checkpoint-sync", dest="checkpoint_async", action="store_false",
+        help="write each checkpoint before training goes on (default: in the background after a copy to host memory)",
+    )
     recovery.add_argument("--max-failures", type=int, default=0, help="relaunch the training stage up to N times after a failure (default 0)")
     recovery.add_argument("--no-resume", dest="resume", action="store_false", help="ignore existing checkpoints and train from scratch")
     tracking = parser.add_argument_group("tracking (pip install 'sparkdl[tracking]')")
@@ -223,6 +227,7 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
         precision=args.precision,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
+        checkpoint_async=args.checkpoint_async,
         max_failures=args.max_failures,
         resume=args.resume,
         mlflow_experiment=args.mlflow_experiment,

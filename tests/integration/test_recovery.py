@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import threading
 import time
 
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 import sparkdl
-from sparkdl.checkpoint import CheckpointConfig, open_store
+from sparkdl.checkpoint import MANIFEST, CheckpointConfig, decode_part, open_store
 from tests.integration.test_strategy_contract import STRATEGIES
 from tests.models import accuracy, digits_mlp
 
@@ -24,7 +26,12 @@ KILL_AT_STEP = 27  # mid-epoch 2 (22 steps per epoch), 3 steps after the checkpo
 class _KillOnce:
     """A cross-entropy loss that kills rank 1's process outright at its ``at``-th call — once per
     ``marker`` file, so the relaunched attempt trains on. ``os._exit`` is what an OOM kill looks
-    like from inside: no exception, no report, no cleanup."""
+    like from inside: no exception, no report, no cleanup.
+
+    It first joins the rank's checkpoint writer thread: the kill comes after the rank's part of
+    the last checkpoint is stored, so which checkpoint the relaunch resumes from is certain (a
+    rank killed while writing leaves that checkpoint incomplete, and the relaunch resumes from
+    the one before: test_a_checkpoint_a_rank_did_not_finish_is_skipped_on_resume)."""
 
     def __init__(self, marker: str, at: int) -> None:
         self.marker = marker
@@ -35,6 +42,9 @@ class _KillOnce:
         self.calls += 1
         if self.calls == self.at and _rank() == 1 and not os.path.exists(self.marker):
             open(self.marker, "w").close()
+            for thread in threading.enumerate():
+                if thread.name.startswith("sparkdl-checkpoint"):
+                    thread.join()
             os._exit(9)
         return torch.nn.functional.cross_entropy(output, label)
 
@@ -84,6 +94,15 @@ def test_killed_trainer_resumes_from_the_checkpoint_exactly(spark, digits_df, di
     checkpoint = open_store(CheckpointConfig(str(tmp_path / "resumed"))).load_latest()
     copies = sum("model" in part.user for part in checkpoint.ranks) + sum("model" in (part.replicated or {}) for part in checkpoint.ranks)
     assert copies == (1 if isinstance(strategy, sparkdl.AllReduce) else 2)
+    # torch DCP's layout: each rank wrote its own part, the manifest names both. Under AllReduce
+    # that one copy is split: each rank's part holds a share of the model's tensors.
+    directory = tmp_path / "resumed" / f"ckpt-{checkpoint.step:012d}"
+    assert sorted(os.listdir(directory)) == [MANIFEST, "rank-00000.pt", "rank-00001.pt"]
+    assert [p["name"] for p in json.loads((directory / MANIFEST).read_text())["parts"]] == ["rank-00000.pt", "rank-00001.pt"]
+    parts = [decode_part((directory / f"rank-0000{r}.pt").read_bytes(), checkpoint.step, 2, r) for r in range(2)]
+    assert all(bool(part.replicated_leaves) for part in parts) == isinstance(strategy, sparkdl.AllReduce)
+    stats = resumed.run_info["checkpoints"]
+    assert stats["count"] > 0 and stats["seconds"] > 0 and 0 < stats["written"] <= stats["count"]
     if getattr(type(strategy), "deterministic", True):
         # Same batches, RNG, optimizer and strategy state after the resume: bit-identical result.
         assert [r["loss"] for r in resumed.history] == [r["loss"] for r in reference.history]
@@ -156,6 +175,7 @@ def test_custom_loop_checkpoints_resume_after_a_kill(spark, tmp_path):
             value = value + step
             if step == 7 and ctx.rank == 1 and not os.path.exists(marker):
                 open(marker, "w").close()
+                ctx.wait_for_checkpoint()  # dies after its part of checkpoint 6 is stored
                 os._exit(1)
             if step % 3 == 0:
                 ctx.save_checkpoint({"step": step, "value": value}, step=step)
@@ -184,3 +204,54 @@ def test_checkpoints_resume_and_models_save_on_a_scheme_only_fsspec_knows(spark,
         assert torch.equal(value, loaded.module.state_dict()[key]), key
     again = _estimator(sparkdl.AllReduce(), "sparkdltest://runs/one").fit(digits_df)
     assert again.run_info["from_finished_checkpoint"] is True and again.history == model.history
+
+
+@pytest.mark.parametrize("last_save, raised_at", [(9, "the next save"), (6, "close")])
+def test_a_background_write_error_surfaces_on_the_driver_with_the_rank(spark, tmp_path, last_save, raised_at):
+    # Rank 1's part of checkpoint 6 cannot be stored: its path is a directory (a real failure of
+    # the rename). The write fails in the background; rank 1 raises it at its next save or, when
+    # 6 was the last one, when the task closes its context.
+    (tmp_path / "ckpt" / "ckpt-000000000006" / "rank-00001.pt").mkdir(parents=True)
+
+    def train_fn(ctx):
+        for step in range(3, last_save + 1, 3):
+            ctx.save_checkpoint({"step": step, "value": torch.full((1000,), float(step))}, step=step)
+        return "done"
+
+    with pytest.raises(sparkdl.TrainingError) as info:
+        sparkdl.run(train_fn, num_workers=2, spark=spark, progress=False, checkpoint_dir=str(tmp_path / "ckpt"))
+    error = info.value
+    assert (error.rank, error.exc_type) == (1, "CheckpointWriteError"), raised_at
+    assert f"rank 1 could not write checkpoint file://{tmp_path}/ckpt/ckpt-000000000006: " in str(error)
+    # Rank 0's part of 6 is there, but without rank 1's there is no manifest: 3 is the newest.
+    assert (tmp_path / "ckpt" / "ckpt-000000000006" / "rank-00000.pt").is_file()
+    assert open_store(CheckpointConfig(str(tmp_path / "ckpt"))).load_latest().step == 3
+
+
+def test_a_checkpoint_a_rank_did_not_finish_is_skipped_on_resume(spark, tmp_path):
+    """Rank 1 never stores its part of checkpoint 6 and then dies: 6 has rank 0's part and no
+    manifest, so the relaunch resumes from 3 and redoes 4..10 exactly."""
+    blocked = tmp_path / "ckpt" / "ckpt-000000000006" / "rank-00001.pt"
+    blocked.mkdir(parents=True)
+    marker = str(tmp_path / "died")
+
+    def train_fn(ctx):
+        if ctx.rank == 1 and os.path.exists(marker):
+            shutil.rmtree(str(blocked))  # the relaunch's storage works again
+        state = ctx.load_checkpoint() or {"step": 0, "value": torch.zeros(())}
+        started_at, value = state["step"], state["value"]
+        for step in range(state["step"] + 1, 11):
+            value = value + step
+            if step == 8 and ctx.rank == 1 and not os.path.exists(marker):
+                open(marker, "w").close()
+                os._exit(1)  # before its next save could report the failed write
+            if step % 3 == 0:
+                ctx.save_checkpoint({"step": step, "value": value}, step=step)
+        return started_at, float(value)
+
+    started_at, value = sparkdl.run(
+        train_fn, num_workers=2, spark=spark, progress=False, checkpoint_dir=str(tmp_path / "ckpt"), max_failures=1
+    )
+    assert started_at == 3 and value == sum(range(1, 11))
+    newest = open_store(CheckpointConfig(str(tmp_path / "ckpt"))).load_latest()
+    assert newest.step == 9 and float(newest.user_state(1)["value"]) == sum(range(1, 10))

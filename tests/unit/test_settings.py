@@ -16,7 +16,7 @@ from sparkdl.errors import ConfigError
 COMMON = dict(
     num_workers=3, batch_size=16, shuffle=False, seed=7, reader="arrow", validation=0.25, timeout_s=42.0,
     precision="bf16-mixed", max_failures=2, watchdog_timeout_s=30.0, checkpoint_dir="/tmp/sparkdl-settings",
-    keep_checkpoints=5, resume=False, decode_threads=2, feature_cols=["a", "b"], label_col="y",
+    keep_checkpoints=5, checkpoint_async=False, resume=False, decode_threads=2, feature_cols=["a", "b"], label_col="y",
 )
 
 
@@ -30,6 +30,7 @@ def test_estimator_and_run_build_the_same_configs_from_the_same_arguments():
     assert estimator.settings == direct
     assert direct.launch.num_workers == 3 and direct.launch.precision == "bf16-mixed" and direct.launch.max_failures == 2
     assert (direct.checkpoint.keep, direct.checkpoint.resume, direct.checkpoint.every_steps) == (5, False, None)
+    assert direct.checkpoint.async_write is False
     assert direct.data.spec.holdout == 0.25 and direct.data.spec.batch_size == 16 and direct.data.spec.decode_threads == 2
     assert direct.data.plan.columns == ["a", "b", "y"]
 
@@ -44,6 +45,7 @@ def test_default_strategy_is_allreduce():
         ({"strategy": "allreduce"}, "strategy='allreduce' is not a sparkdl strategy"),
         ({"num_workers": 0}, "num_workers=0 must be a positive integer"),
         ({"keep_checkpoints": 0, "checkpoint_dir": "/tmp/x"}, "keep_checkpoints=0 must be a positive integer"),
+        ({"checkpoint_async": "no", "checkpoint_dir": "/tmp/x"}, "checkpoint_async='no' must be True or False"),
         ({"reader": "parquet-magic"}, "reader='parquet-magic' is unknown; valid: .*arrow"),
         ({"metrics": {"acc": len}}, "metrics= are computed on validation data"),
         ({"validation": 1.5}, "validation=1.5: a fraction of the rows must be in \\(0, 1\\)"),

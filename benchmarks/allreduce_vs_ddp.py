@@ -225,9 +225,12 @@ def run_distributor(path: str, model_fn, batch: int, epochs: int) -> Dict:
 
 # --- sparkdl AllReduce ---------------------------------------------------------------------------
 
-def run_sparkdl(spark, path: str, model_fn, batch: int, epochs: int, readers: List[str]) -> List[Dict]:
+def run_sparkdl(spark, path: str, model_fn, batch: int, epochs: int, readers: List[str], dataframe: bool = False) -> List[Dict]:
     import sparkdl
 
+    # A DataFrame is materialized by sparkdl in the layout of its reader (float32 bytes for the
+    # Arrow reader, Spark's lists for Petastorm); a path is read as the benchmark wrote it.
+    data = spark.read.parquet(path) if dataframe else path
     results = []
     # The first fit of a new Spark application starts the executors' Python workers ("cold");
     # the steady-state figures come from later fits, one per reader.
@@ -237,7 +240,7 @@ def run_sparkdl(spark, path: str, model_fn, batch: int, epochs: int, readers: Li
             epochs=epochs if attempt == "warm" else 1, progress=False, reader=reader,
         )
         called = time.time()
-        model = estimator.fit(path)
+        model = estimator.fit(data)
         whole = time.time() - called
         info = model.run_info
         results.append({
@@ -259,6 +262,10 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="mlp", help="mlp: compute-bound (default); linear: data-bound Linear(64, 10)")
     parser.add_argument("--readers", default="arrow,petastorm", help="sparkdl readers, comma-separated ('' for none)")
     parser.add_argument("--skip-distributor", action="store_true", help="leave out the TorchDistributor side")
+    parser.add_argument(
+        "--dataframe", action="store_true",
+        help="sparkdl fits spark.read.parquet(path), a DataFrame it materializes in its reader's layout, instead of the path",
+    )
     args = parser.parse_args()
 
     model_fn = MODELS[args.model]
@@ -284,7 +291,7 @@ def main() -> None:
             spark = local_cluster("sparkdl-benchmark-allreduce", executor_memory_mb=2048)
             try:
                 if readers:
-                    spark_runs = run_sparkdl(spark, path, model_fn, args.batch_size, args.epochs, readers)
+                    spark_runs = run_sparkdl(spark, path, model_fn, args.batch_size, args.epochs, readers, args.dataframe)
                 # After the sparkdl fits: TorchDistributor's tasks set MASTER_ADDR/PORT, RANK,
                 # WORLD_SIZE and CUDA_VISIBLE_DEVICES="" in the executors' (reused) Python workers.
                 if not args.skip_distributor:
@@ -320,7 +327,7 @@ def main() -> None:
     for run in spark_runs[1:]:
         rate = steady([r["samples_per_sec"] for r in run["history"]])
         print(
-            f"| sparkdl AllReduce, Parquet via the {run['reader']} reader | {rate:,.0f} | {rate / ddp_rate:.2f} | {run['whole']:.1f} "
+            f"| sparkdl AllReduce, {'a DataFrame' if args.dataframe else 'Parquet'} via the {run['reader']} reader | {rate:,.0f} | {rate / ddp_rate:.2f} | {run['whole']:.1f} "
             f"| {run['startup']:.1f}; first fit of the app: {cold_startup:.1f} |"
         )
     print()

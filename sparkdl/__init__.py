@@ -4,6 +4,7 @@ Public surface::
 
     sparkdl.TorchEstimator / sparkdl.TorchModel   Spark ML estimator and model
     sparkdl.run                                    custom training loops on barrier tasks
+    sparkdl.warm_up                                start the executors' Python workers ahead of the first fit
     sparkdl.Image, sparkdl.Sequence                input specs for inputs= (images as bytes, token ids)
     sparkdl.AllReduce, ParameterServer, ...        strategies
     sparkdl.TrainContext                           what a custom loop receives
@@ -12,6 +13,7 @@ Public surface::
 
 __version__ = "0.1.0"
 
+from sparkdl._warmup import warm_up
 from sparkdl.custom_loop import run
 from sparkdl.context import TrainContext
 from sparkdl.data.cache import clear_cache
@@ -49,4 +51,5 @@ __all__ = [
     "TrainingError",
     "clear_cache",
     "run",
+    "warm_up",
 ]

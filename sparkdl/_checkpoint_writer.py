@@ -47,7 +47,7 @@ class CheckpointWriteError(RuntimeError):
 
 
 class CheckpointPeerLostError(CheckpointWriteError, PeerLostError):
-    """The write failed because the rendezvous store (rank 0's task) is gone: a consequence."""
+    """The write failed because the rendezvous store (the driver's) is gone: a consequence."""
 
 
 def snapshot(value: Any) -> Any:

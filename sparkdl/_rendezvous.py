@@ -194,7 +194,8 @@ def _host_of(address: str) -> str:
 
 @dataclasses.dataclass
 class _Rendezvous:
-    """This process's store: rank 0's server (None elsewhere) and the rank's client. Held here,
+    """This process's store: the server if this rank serves it (rank 0 without a driver's
+    store; None otherwise) and the rank's client. Held here,
     not by torch (which keeps only the C++ half of a Python store), until :func:`teardown`."""
 
     server: Optional[StoreServer]
@@ -212,7 +213,7 @@ def active_store() -> Optional[Tuple[Optional[StoreServer], Optional[StoreClient
 
 def teardown() -> None:
     """Destroys the process group if this process has one, then closes the rendezvous store:
-    this rank's client connections and, on rank 0, the server, listener included — whatever
+    this rank's client connections and, on a rank that serves it, the server, listener included — whatever
     still refers to the store (a DDP module, a group) cannot keep it listening. Safe after
     failures and when called twice."""
     if dist.is_available() and dist.is_initialized():

@@ -7,6 +7,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 from sparkdl._launcher import launch
 from sparkdl._progress import ProgressCallback, ProgressDisplay
 from sparkdl._settings import RunSettings
+from sparkdl._warmup import warm_up
 from sparkdl.context import TrainContext
 from sparkdl.data.batching import MetricFn, TransformFn
 from sparkdl.data.dataset import Filters
@@ -112,6 +113,8 @@ def run(
     if not callable(train_fn):
         raise ConfigError(f"train_fn={train_fn!r} is not callable")
     settings = RunSettings.from_arguments(locals(), with_data=data is not None)
+    if getattr(data, "sparkSession", None) is not None:  # a DataFrame: workers start while it is materialized
+        warm_up(data.sparkSession, num_workers)
     dataset = spec = data_reader = steps = None
     if settings.data is not None:
         dataset, spec, data_reader, steps = prepare_data(data, settings.data, num_workers, spark)

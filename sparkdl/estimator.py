@@ -17,6 +17,7 @@ from sparkdl._preflight import check_loss, check_optimizer
 from sparkdl._progress import ProgressCallback, ProgressDisplay
 from sparkdl._settings import DataSettings, RunSettings
 from sparkdl._training import FitLoop, LossFn, ModelFactory, OptimizerFactory, default_optimizer
+from sparkdl._warmup import warm_up
 from sparkdl.data.batching import MetricFn, TransformFn
 from sparkdl.data.plan import InputPlan
 from sparkdl.data.prepare import DataSource, prepare_data
@@ -159,6 +160,8 @@ class TorchEstimator(Estimator, _TorchParams):
         config = dataclasses.replace(self.settings.launch, num_workers=num_workers)
         data_settings = self._data_settings()
         spark = getattr(dataset, "sparkSession", None)  # None for URLs and connector sources
+        if spark is not None:  # a DataFrame: the executors' Python workers start while it is materialized
+            warm_up(spark, num_workers)
         # The model, built once on the driver: its forward must take the inputs, checked before
         # anything launches; it also receives the trained weights at the end.
         module = _build_checked(self.model_fn, data_settings.plan)

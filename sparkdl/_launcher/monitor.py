@@ -207,5 +207,5 @@ def _root_cause_first(failure: RankFailure) -> Tuple[bool, bool, Tuple[int, int]
     same periodic check, so the first bad step is the rank that went wrong."""
     match = _NONFINITE_AT.search(failure.message) if failure.exc_type == "NonFiniteLossError" else None
     position = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
-    return (failure.exc_type != "WorkerLost", failure.peer_loss, position)
+    return (failure.exc_type != "WorkerLost", _is_peer_loss(failure), position)
 

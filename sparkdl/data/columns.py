@@ -17,7 +17,7 @@ import typing as t
 import numpy as np
 import pyarrow as pa
 
-from sparkdl.data.tensor_bytes import tensor_rows
+from sparkdl.data.tensor_bytes import row_width, tensor_rows
 from sparkdl.errors import DataError
 
 if t.TYPE_CHECKING:  # pragma: no cover
@@ -85,17 +85,7 @@ def numeric_values(values: ColumnData, info: ColumnInfo, role: str, source: str)
 
 def list_matrix(array: pa.Array, info: ColumnInfo, role: str, source: str) -> np.ndarray:
     rows = len(array)
-    offsets = array.offsets.to_numpy()
-    lengths = np.diff(offsets)
-    width = int(lengths[0]) if rows else 0
-    if rows and (lengths != width).any():
-        raise DataError(
-            f"{role} column {info.name!r} holds arrays of different lengths in {source} "
-            f"(from {int(lengths.min())} to {int(lengths.max())}); every row must have the same number of elements"
-            f" (use sparkdl.Sequence for variable-length token ids)"
-        )
-    if rows and width == 0:
-        raise DataError(f"{role} column {info.name!r} holds empty arrays in {source}")
+    width = row_width(array.offsets.to_numpy(), info.name, role, source)
     values = array.flatten()
     if values.null_count:
         raise DataError(f"{role} column {info.name!r} has {values.null_count} null elements in {source}")

@@ -110,19 +110,26 @@ def tensor_rows(array: pa.Array, name: str, role: str, source: str) -> np.ndarra
     # The offsets buffer itself (BinaryArray.offsets is missing from older pyarrow), from this
     # (possibly sliced) array's first row.
     offsets = np.frombuffer(array.buffers()[1], dtype=np.int32, count=rows + 1, offset=array.offset * 4)
+    width = row_width(offsets // 4, name, role, source)
+    flat = np.frombuffer(array.buffers()[2], dtype="<f4", count=rows * width, offset=int(offsets[0]))
+    return flat.reshape(rows, width)
+
+
+def row_width(offsets: np.ndarray, name: str, role: str, source: str) -> int:
+    """The elements per row of a column with these row offsets, which must be the same for every
+    row and not zero (dense inputs are matrices)."""
+    rows = len(offsets) - 1
     lengths = np.diff(offsets)
-    width_bytes = int(lengths[0]) if rows else 0
-    if rows and (lengths != width_bytes).any():
+    width = int(lengths[0]) if rows else 0
+    if rows and (lengths != width).any():
         raise DataError(
             f"{role} column {name!r} holds arrays of different lengths in {source} "
-            f"(from {int(lengths.min()) // 4} to {int(lengths.max()) // 4}); every row must have the same number of elements"
+            f"(from {int(lengths.min())} to {int(lengths.max())}); every row must have the same number of elements"
             f" (use sparkdl.Sequence for variable-length token ids)"
         )
-    if rows and width_bytes == 0:
+    if rows and width == 0:
         raise DataError(f"{role} column {name!r} holds empty arrays in {source}")
-    data = array.buffers()[2]
-    flat = np.frombuffer(data, dtype="<f4", count=rows * width_bytes // 4, offset=int(offsets[0]))
-    return flat.reshape(rows, width_bytes // 4)
+    return width
 
 
 def spark_footer_metadata(schema: pa.Schema, packed: Sequence[str]) -> Dict[bytes, bytes]:

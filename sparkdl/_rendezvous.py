@@ -21,9 +21,10 @@ class DistEnv:
     Attributes:
         peer_addresses: every task's ``host:port``, by rank (``BarrierTaskContext.getTaskInfos()``);
             empty outside a barrier task (tests build a DistEnv by hand).
-        all_gather: the barrier's ``allGather`` (one string from every rank, in rank order; every
-            rank must call it at the same point); None outside a barrier task. Strategies that
-            need the barrier use these two instead of importing pyspark.
+        all_gather: one string from every rank, in rank order (every rank must call it at the
+            same point), through the rendezvous store (:func:`store_all_gather`; the barrier's
+            ``allGather`` for launchers without a driver's store); None outside a launch.
+            Strategies use these two instead of importing pyspark.
         encrypt: whether servers and clients a strategy opens must encrypt their traffic
             (Spark's own RPC is encrypted: ``spark.network.crypto.enabled`` or ``spark.ssl``);
             every frame is integrity-checked either way. See :mod:`sparkdl._security`.

@@ -71,12 +71,12 @@ class ParameterServer(Strategy):
     def create_runtime(self, env: "DistEnv") -> StrategyRuntime:
         if env.all_gather is None or len(env.peer_addresses) != env.world_size:
             raise RuntimeError(
-                "ParameterServer needs the barrier stage's task addresses and allGather (DistEnv.peer_addresses "
+                "ParameterServer needs the barrier stage's task addresses and an all_gather (DistEnv.peer_addresses "
                 f"and DistEnv.all_gather, which the launcher's rendezvous fills in); this one has "
                 f"{len(env.peer_addresses)} address(es) for {env.world_size} ranks and all_gather={env.all_gather!r}"
             )
         address = env.peer_addresses[env.rank]
         host = address.rsplit(":", 1)[0].strip("[]")  # "[::1]:port" for IPv6
         # Every rank calls create_runtime at the same point (after rendezvous), so this
-        # allGather pairs up across ranks like the rendezvous one does.
+        # all_gather (the rendezvous store's) pairs up across ranks.
         return ParameterServerRuntime(self, env, env.all_gather, host)

@@ -59,7 +59,7 @@ class ParameterServerRuntime(StrategyRuntime):
         Args:
             config: the strategy.
             env: this rank's place in the process group.
-            all_gather: ``env.all_gather`` (the barrier's ``allGather``) or an equivalent in tests:
+            all_gather: ``env.all_gather`` (through the rendezvous store) or an equivalent in tests:
                 carries each rank's port and rank 0's secret.
             host: the address this rank's server binds to and the others connect to.
         """
@@ -88,8 +88,9 @@ class ParameterServerRuntime(StrategyRuntime):
         try:
             own_secret = secrets.token_bytes(32) if env.rank == 0 else b""
             port = listener.getsockname()[1]
-            # Hex in JSON: allGather carries strings. The secret travels only inside the barrier
-            # coordinator's messages, never on a command line or in a log line.
+            # Hex in JSON: all_gather carries strings. The secret travels only in the rendezvous
+            # store's authenticated frames (encrypted when Spark encrypts), never on a command
+            # line or in a log line.
             replies = [json.loads(m) for m in all_gather(json.dumps({"host": host, "port": port, "secret": own_secret.hex()}))]
             if len(replies) != env.world_size:
                 raise RuntimeError(f"ParameterServer: allGather returned {len(replies)} entries for {env.world_size} ranks")

@@ -146,7 +146,7 @@ def store_all_gather(client: StoreClient, rank: int, world_size: int, timeout_s:
         client.set(f"{prefix}{rank}", value.encode("utf-8"))
         keys = [f"{prefix}{peer}" for peer in range(world_size)]
         client.wait(keys, timeout)
-        return [client.get(key).decode("utf-8") for key in keys]
+        return [value.decode("utf-8") for value in client.multi_get(keys)]
 
     return all_gather
 

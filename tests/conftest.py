@@ -20,16 +20,11 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def spark(tmp_path_factory):
     """A ``local-cluster[2,1,1024]`` session: two executors with one core each, like a tiny real
     cluster (separate executor JVMs and Python workers), shared by every Spark test."""
-    from pyspark.sql import SparkSession
+    from tests.cluster import local_cluster_builder
 
     cache_dir = tmp_path_factory.mktemp("sparkdl-cache")
     session = (
-        SparkSession.builder.master("local-cluster[2,1,1024]")
-        .appName("sparkdl-tests")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
+        local_cluster_builder("sparkdl-tests")
         .config("spark.sql.shuffle.partitions", "4")
         .config("spark.executorEnv.PYTHONPATH", REPO_ROOT + os.pathsep + os.path.join(REPO_ROOT, "tests"))
         .config("spark.sparkdl.cacheDir", str(cache_dir))

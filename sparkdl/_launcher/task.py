@@ -73,7 +73,7 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
             client.send({"kind": "started", "attempt": payload.attempt})
             heartbeat.start()
             config = payload.config
-            liveness.advance("rendezvous")
+            liveness.advance("connecting to the rendezvous store")
             # Through the driver's store, not Spark's barrier: every allGather of Spark's costs a
             # second (it polls once a second), every store round trip a millisecond.
             store = join_store(payload.store_address, payload.secret, rank, config.timeout_s, payload.encrypt)

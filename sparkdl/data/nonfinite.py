@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from sparkdl.data.dataset import DatasetInfo
+from sparkdl.data.tensor_bytes import tensor_rows
 from sparkdl.filesystem import file_paths, filesystem_and_path
 
 #: A failing run should not spend long explaining itself.
@@ -74,10 +75,9 @@ def describe_non_finite(dataset: DatasetInfo, budget_s: float = SCAN_BUDGET_S) -
 
 
 def _unpacked(array: pa.Array) -> pa.Array:
-    """A packed column as the list array it was written from."""
-    offsets = np.frombuffer(array.buffers()[1], dtype=np.int32, count=len(array) + 1, offset=array.offset * 4)
-    values = np.frombuffer(array.buffers()[2], dtype="<f4", count=int(offsets[-1] - offsets[0]) // 4, offset=int(offsets[0]))
-    return pa.ListArray.from_arrays(pa.array((offsets - offsets[0]) // 4), pa.array(values))
+    """A packed column as a fixed-size list array of its rows (sparkdl writes equal widths)."""
+    rows = tensor_rows(array, "", "input", "the dataset")
+    return pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), rows.shape[1])
 
 
 def _value_name(column: pa.ChunkedArray, row: int) -> str:

@@ -32,18 +32,12 @@ def what_the_ranks_see(ctx: Any) -> Dict[str, Any]:
 
 
 def main(output: str) -> None:
-    from pyspark.sql import SparkSession
-
     import sparkdl
+    from tests.cluster import local_cluster_builder
     from tests.models import digits_mlp
 
     spark = (
-        SparkSession.builder.master("local-cluster[2,1,1024]")
-        .appName("sparkdl-encrypted")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
+        local_cluster_builder("sparkdl-encrypted")
         .config("spark.authenticate", "true")
         .config("spark.authenticate.secret", "sparkdl-test-secret")
         .config("spark.network.crypto.enabled", "true")

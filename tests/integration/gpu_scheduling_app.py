@@ -81,17 +81,11 @@ class Collect(logging.Handler):
 
 
 def main(discovery_script: str, output: str) -> None:
-    from pyspark.sql import SparkSession
-
     import sparkdl
+    from tests.cluster import local_cluster_builder
 
     spark = (
-        SparkSession.builder.master("local-cluster[2,1,1024]")
-        .appName("sparkdl-gpu-scheduling")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
+        local_cluster_builder("sparkdl-gpu-scheduling")
         .config("spark.worker.resource.gpu.amount", "1")
         .config("spark.worker.resource.gpu.discoveryScript", discovery_script)
         .config("spark.executor.resource.gpu.amount", "1")

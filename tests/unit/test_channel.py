@@ -199,18 +199,25 @@ def test_round_trip_in_order_per_rank_and_clean_close(server, secret, rec):
     assert rec.messages.empty()  # hello and bye are not delivered
 
 
+def _send_from_threads(client, rec, threads: int, per_thread: int, message):
+    """``message(thread, i)`` sent by ``threads`` threads at once, ``per_thread`` each; returns
+    the (rank, message) pairs the server received, in arrival order."""
+
+    def worker(t: int) -> None:
+        for i in range(per_thread):
+            client.send(message(t, i))
+
+    started = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    for thread in started:
+        thread.start()
+    for thread in started:
+        thread.join(WAIT)
+    return [get(rec.messages) for _ in range(threads * per_thread)]
+
+
 def test_concurrent_sends_from_threads_arrive_intact(server, secret, rec):
     with ChannelClient(server.address, secret, rank=2) as client:
-        def worker(t: int) -> None:
-            for i in range(50):
-                client.send({"kind": "log", "thread": t, "i": i, "pad": "x" * 1000})
-
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(WAIT)
-        got = [get(rec.messages) for _ in range(200)]
+        got = _send_from_threads(client, rec, 4, 50, lambda t, i: {"kind": "log", "thread": t, "i": i, "pad": "x" * 1000})
     assert all(rank == 2 for rank, _ in got)
     for t in range(4):
         assert [m["i"] for _, m in got if m["thread"] == t] == list(range(50))
@@ -548,17 +555,7 @@ def test_both_modes_round_trip_with_concurrent_senders(make_server, secret, rec,
     assert server.encrypt is encrypt
     with ChannelClient(server.address, secret, rank=5, encrypt=encrypt) as client:
         assert client.encrypt is encrypt
-
-        def worker(t: int) -> None:
-            for i in range(25):
-                client.send({"kind": "log", "thread": t, "i": i, "line": "ünïcode ✓" * (i + 1)})
-
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(WAIT)
-        got = [get(rec.messages) for _ in range(100)]
+        got = _send_from_threads(client, rec, 4, 25, lambda t, i: {"kind": "log", "thread": t, "i": i, "line": "ünïcode ✓" * (i + 1)})
     for t in range(4):  # frame counters follow the wire order even with threads racing
         assert [m["i"] for _, m in got if m["thread"] == t] == list(range(25))
     assert get(rec.disconnects) == (5, True)

@@ -213,6 +213,16 @@ def proxies() -> Iterator[Callable[[Tuple[str, int]], TappingProxy]]:
         proxy.close()
 
 
+def _expect_dropped(rec, caplog, rank: int, act) -> None:
+    """``act()`` makes the channel server drop ``rank``'s connection for a frame that failed its
+    integrity check, having delivered nothing of it."""
+    with caplog.at_level(logging.WARNING, logger="sparkdl.channel"):
+        act()
+        assert rec.disconnects.get(timeout=WAIT) == (rank, False)
+    assert rec.messages.empty()
+    assert "failed its integrity check" in _warnings(caplog, "sparkdl.channel")
+
+
 def _warnings(caplog, logger: str) -> str:
     return "\n".join(r.getMessage() for r in caplog.records if r.name == logger and r.levelno >= logging.WARNING)
 
@@ -382,11 +392,7 @@ def test_channel_server_drops_a_frame_with_one_flipped_byte(channel, proxies, ca
     # The length's low bit makes it one shorter: the server then reads a shifted tag.
     position = {"length": base + 3, "body": base + 10, "tag": base + size - 3}[where]
     proxy.tamper = flip_at(0, C2S, position)
-    with caplog.at_level(logging.WARNING, logger="sparkdl.channel"):
-        client.send(message)
-        assert rec.disconnects.get(timeout=WAIT) == (1, False)
-    assert rec.messages.empty()
-    assert "failed its integrity check" in _warnings(caplog, "sparkdl.channel")
+    _expect_dropped(rec, caplog, 1, lambda: client.send(message))
     client.close()
 
 
@@ -410,11 +416,7 @@ def test_channel_server_drops_a_replayed_frame(channel, proxies, caplog, encrypt
     client.send(message)
     assert rec.messages.get(timeout=WAIT) == (2, message)
     frame = link.wait_for(C2S, base + _channel_frame_bytes(message))[base:]
-    with caplog.at_level(logging.WARNING, logger="sparkdl.channel"):
-        link.inject(C2S, frame)  # the same bytes again: a second "epoch 1"
-        assert rec.disconnects.get(timeout=WAIT) == (2, False)
-    assert rec.messages.empty()
-    assert "failed its integrity check" in _warnings(caplog, "sparkdl.channel")
+    _expect_dropped(rec, caplog, 2, lambda: link.inject(C2S, frame))  # the same bytes again: a second "epoch 1"
     client.close()
 
 
@@ -432,11 +434,7 @@ def test_channel_server_drops_reordered_frames(channel, proxies, caplog, encrypt
     size = _channel_frame_bytes(first)
     link.wait_for(C2S, base + 2 * size)
     held = link.take_held(C2S)
-    with caplog.at_level(logging.WARNING, logger="sparkdl.channel"):
-        link.inject(C2S, held[size:] + held[:size])
-        assert rec.disconnects.get(timeout=WAIT) == (4, False)
-    assert rec.messages.empty()
-    assert "failed its integrity check" in _warnings(caplog, "sparkdl.channel")
+    _expect_dropped(rec, caplog, 4, lambda: link.inject(C2S, held[size:] + held[:size]))
     client.close()
 
 
@@ -459,11 +457,7 @@ def test_channel_server_drops_a_frame_spliced_from_another_connection(channel, p
     assert own_frame != donor_frame  # keys differ per connection: so do tags (and ciphertexts)
     assert own_frame[:4] == donor_frame[:4] and (own_frame[4:-TAG_BYTES] == donor_frame[4:-TAG_BYTES]) is not encrypt
     victim_link.take_held(C2S)
-    with caplog.at_level(logging.WARNING, logger="sparkdl.channel"):
-        victim_link.inject(C2S, donor_frame)
-        assert rec.disconnects.get(timeout=WAIT) == (1, False)
-    assert rec.messages.empty()
-    assert "failed its integrity check" in _warnings(caplog, "sparkdl.channel")
+    _expect_dropped(rec, caplog, 1, lambda: victim_link.inject(C2S, donor_frame))
     donor.close()
     victim.close()
     assert rec.disconnects.get(timeout=WAIT) == (0, True)

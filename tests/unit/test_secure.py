@@ -56,6 +56,7 @@ class Link:
         self.hold: Dict[str, bool] = {C2S: False, S2C: False}
         self.held: Dict[str, bytearray] = {C2S: bytearray(), S2C: bytearray()}
         self.seen: Dict[str, int] = {C2S: 0, S2C: 0}
+        self.ended: Dict[str, bool] = {C2S: False, S2C: False}
         self.send_locks = {C2S: threading.Lock(), S2C: threading.Lock()}
         self.threads = [
             threading.Thread(target=self._pump, args=(C2S, client), daemon=True),
@@ -84,6 +85,8 @@ class Link:
                             holding = self.hold[direction]
                             if holding:
                                 self.held[direction] += chunk
+                        else:
+                            self.ended[direction] = True
                         self.proxy.cond.notify_all()
                     if not chunk:
                         break
@@ -104,6 +107,12 @@ class Link:
             assert self.proxy.cond.wait_for(lambda: len(self.data[direction]) >= count, timeout=WAIT), (
                 f"only {len(self.data[direction])} of {count} bytes {direction}"
             )
+            return bytes(self.data[direction])
+
+    def wait_ended(self, direction: str) -> bytes:
+        """The direction's bytes once its sender has closed: everything it will ever carry."""
+        with self.proxy.cond:
+            assert self.proxy.cond.wait_for(lambda: self.ended[direction], timeout=WAIT), f"{direction} still open"
             return bytes(self.data[direction])
 
     def inject(self, direction: str, data: bytes) -> None:
@@ -548,13 +557,14 @@ def test_ps_tensors_are_visible_on_the_wire_only_without_encryption(ps_servers, 
     finally:
         client.close()
     link = proxy.link(0)
+    sent = link.wait_ended(C2S)  # close() sends its BYE frame just before it closes
     wire = proxy.recorded()
     for tensor in (PATTERN, -PATTERN):  # the pushed gradient, the values sent back
         raw = bytes(byte_view(tensor))
         assert (raw[:64] in wire) is not encrypt
         assert (raw[-64:] in wire) is not encrypt
     # Headers travel in clear in both modes (they delimit frames); they are authenticated.
-    assert bytes(link.data[C2S]).count(b"SDPS") >= 3
+    assert sent.count(b"SDPS") == 3  # push, pull, bye
     assert srv.shard.updates == 1
 
 

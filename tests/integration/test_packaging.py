@@ -101,3 +101,28 @@ def test_sparkdl_zip_on_py_files_trains_on_executors_without_sparkdl(executor_py
     assert metrics["history"][-1]["loss"] < metrics["history"][0]["loss"]
     model = sparkdl.TorchModel.load(os.path.join(output, "model"), model=digits_mlp)
     assert sum(p.numel() for p in model.module.parameters()) == sum(p.numel() for p in digits_mlp().parameters())
+
+
+def test_building_sparkdl_prints_no_warning_of_its_own_packaging(tmp_path):
+    """What `pip install sparkdl` runs (an isolated PEP 517 build), on a copy of the sources so
+    nothing is written into the checkout; setuptools' deprecation warnings would show here."""
+    import shutil
+
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(REPO_ROOT, name), source / name)
+    for package in ("sparkdl", "connectors"):
+        shutil.copytree(os.path.join(REPO_ROOT, package), source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", str(source), "-w", str(tmp_path / "wheel")],
+        capture_output=True, text=True, timeout=300,
+    )
+    output = built.stdout + built.stderr
+    assert built.returncode == 0, output
+    ours = [line for line in output.splitlines() if "warning" in line.lower() and "is ignored" not in line]  # pip's own index notes
+    assert ours == [], output
+    [wheel] = os.listdir(tmp_path / "wheel")
+    with zipfile.ZipFile(tmp_path / "wheel" / wheel) as archive:
+        metadata = archive.read(f"sparkdl-{sparkdl.__version__}.dist-info/METADATA").decode()
+    assert "License-Expression: Apache-2.0" in metadata

@@ -5,6 +5,7 @@ Public surface::
     sparkdl.TorchEstimator / sparkdl.TorchModel   Spark ML estimator and model
     sparkdl.run                                    custom training loops on barrier tasks
     sparkdl.warm_up                                start the executors' Python workers ahead of the first fit
+    sparkdl.plot_history                           loss and validation metrics per epoch (matplotlib)
     sparkdl.Image, sparkdl.Sequence                input specs for inputs= (images as bytes, token ids)
     sparkdl.AllReduce, ParameterServer, ...        strategies
     sparkdl.TrainContext                           what a custom loop receives
@@ -29,6 +30,7 @@ from sparkdl.errors import (
 )
 from sparkdl.estimator import TorchEstimator
 from sparkdl.model import TorchModel
+from sparkdl.plotting import plot_history
 from sparkdl.strategies import AllReduce, ElasticAveraging, ModelAveraging, ParameterServer, Strategy
 
 __all__ = [
@@ -50,6 +52,7 @@ __all__ = [
     "TrainContext",
     "TrainingError",
     "clear_cache",
+    "plot_history",
     "run",
     "warm_up",
 ]

@@ -1,5 +1,6 @@
 """``sparkdl inspect``: describe a Parquet dataset (schema, rows, row groups, first rows), a saved
-model's metadata, or a run's metrics.json; no Spark needed."""
+model's metadata, or a run's metrics.json; several runs side by side, and their loss curves as a
+PNG (``--plot``); no Spark needed."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from sparkdl.cli._common import UsageError, rank_rates
 def build_inspect_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sparkdl inspect",
-        description="Describe a Parquet dataset (schema, rows, row groups, first rows), a saved model, or a run's metrics.json.",
+        description="Describe a Parquet dataset (schema, rows, row groups, first rows), a saved model, or a run's metrics.json; "
+        "several runs (or models) side by side.",
     )
-    parser.add_argument("path", help="dataset URL/path, model directory, run directory or metrics.json")
+    parser.add_argument("path", nargs="+", help="dataset URL/path, model directory, run directory or metrics.json (several runs to compare)")
+    parser.add_argument("--plot", default=None, metavar="PNG", help="write loss (and validation metrics) per epoch of the run(s) here; needs matplotlib")
     parser.add_argument("--rows", type=int, default=3, help="rows of a dataset to show (default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     return parser
@@ -145,23 +148,89 @@ def format_description(doc: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _validation_keys(history: List[Dict[str, Any]]) -> List[str]:
+    found = {key for record in history for key in record if key.startswith("val_")}
+    return sorted(found, key=lambda key: (key != "val_loss", key))
+
+
 def _history_lines(history: List[Dict[str, Any]]) -> List[str]:
     if not history:
         return []
-    lines = ["  epoch  loss        samples/s   seconds   per-rank samples/s"]
+    validation = _validation_keys(history)
+    lines = ["  epoch  loss        " + "".join(key.ljust(_width(key)) for key in validation) + "samples/s   seconds   per-rank samples/s"]
     for r in history:
         ranks = ", ".join(f"{x:.0f}" for x in rank_rates(r))
-        lines.append(f"  {r.get('epoch', '?'):<6} {r.get('loss', float('nan')):<11.4f} {r.get('samples_per_sec', 0):<11.0f} {r.get('seconds', 0):<9.3f} {ranks}")
+        measured = "".join(_number(r.get(key)).ljust(_width(key)) for key in validation)
+        lines.append(f"  {r.get('epoch', '?'):<6} {r.get('loss', float('nan')):<11.4f} {measured}{r.get('samples_per_sec', 0):<11.0f} {r.get('seconds', 0):<9.3f} {ranks}")
     return lines
+
+
+def _width(key: str) -> int:
+    return max(12, len(key) + 2)
+
+
+def _number(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
+
+
+def run_label(doc: Dict[str, Any]) -> str:
+    """A run's strategy and directory, e.g. ``allreduce (runs/a)``: what tables and plots call it."""
+    run = doc.get("run") or doc.get("run_info") or {}
+    strategy = (run.get("strategy") or {}).get("name") or "?"
+    where = doc["path"][: -len("/metrics.json")] if doc["path"].endswith("/metrics.json") else doc["path"]
+    return f"{strategy} ({os.path.basename(where.rstrip('/')) or where})"
+
+
+def comparison_lines(docs: List[Dict[str, Any]]) -> List[str]:
+    """One line per run: the last epoch's loss and validation metrics, mean samples/s, wall time."""
+    validation = sorted({key for doc in docs for key in _validation_keys(doc.get("history") or [])}, key=lambda key: (key != "val_loss", key))
+    labels = [run_label(doc) for doc in docs]
+    width = max(len("run"), *(len(label) for label in labels)) + 2
+    lines = ["run".ljust(width) + "epochs  final loss  " + "".join(key.ljust(_width(key)) for key in validation) + "samples/s   wall s"]
+    for label, doc in zip(labels, docs):
+        history = doc.get("history") or []
+        last = history[-1] if history else {}
+        rates = [r["samples_per_sec"] for r in history if isinstance(r.get("samples_per_sec"), (int, float))]
+        wall = doc.get("wall_seconds")
+        lines.append(
+            label.ljust(width) + f"{len(history):<8}{_number(last.get('loss')):<12}" + "".join(_number(last.get(key)).ljust(_width(key)) for key in validation)
+            + f"{(sum(rates) / len(rates)) if rates else float('nan'):<12.0f}" + (f"{wall:.1f}" if isinstance(wall, (int, float)) else "-")
+        )
+    return lines
+
+
+def _plot(docs: List[Dict[str, Any]], path: str) -> None:
+    from sparkdl.errors import ConfigError
+    from sparkdl.plotting import plot_history
+
+    labelled: Dict[str, Any] = {}
+    for doc in docs:
+        labelled[run_label(doc)] = doc.get("history") or []
+    try:
+        plot_history(labelled if len(labelled) > 1 else next(iter(labelled.values())), path=path)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def inspect_main(argv: Optional[List[str]] = None) -> int:
     args = build_inspect_parser().parse_args(argv)
     try:
-        doc = describe(args.path, rows=args.rows)
+        docs = [describe(path, rows=args.rows) for path in args.path]
+        if (len(docs) > 1 or args.plot) and any(doc["kind"] == "dataset" for doc in docs):
+            dataset = next(doc["path"] for doc in docs if doc["kind"] == "dataset")
+            raise UsageError(f"{dataset!r} is a dataset: several paths and --plot take runs (metrics.json) or saved models")
+        if args.plot:
+            _plot(docs, args.plot)
     except UsageError as exc:
         print(f"sparkdl inspect: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(doc, indent=2, default=str) if args.json else format_description(doc))
+    if args.json:
+        print(json.dumps(docs[0] if len(docs) == 1 else docs, indent=2, default=str))
+    else:
+        print("\n\n".join(format_description(doc) for doc in docs))
+        if len(docs) > 1:
+            print("\nruns compared (last epoch):\n" + "\n".join(comparison_lines(docs)))
+    if args.plot:
+        print(f"sparkdl inspect: wrote {args.plot}")
     return 0
 

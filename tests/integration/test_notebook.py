@@ -129,8 +129,16 @@ def test_held_out_rows_are_scored_by_transform(executed):
     assert float(found.group(1)) > 0.85
 
 
-def test_the_loss_curve_is_drawn(executed):
+def test_the_loss_curves_are_drawn_once(executed):
+    import base64
+    import io
+
+    from PIL import Image as PILImage
+
     notebook, _ = executed
-    cell = notebook.cells[_cell_index(notebook, "plt.subplots")]
-    images = [out for out in cell.outputs if out.output_type == "display_data" and "image/png" in out.get("data", {})]
-    assert len(images) == 1 and len(images[0]["data"]["image/png"]) > 1000
+    cell = notebook.cells[_cell_index(notebook, "sparkdl.plot_history(model")]
+    images = [out["data"]["image/png"] for out in cell.outputs if "image/png" in out.get("data", {})]
+    assert len(images) == 1, [out.output_type for out in cell.outputs]
+    with PILImage.open(io.BytesIO(base64.b64decode(images[0]))) as image:
+        width, height = image.size
+    assert width > 1.5 * height  # two panels side by side: loss, val_accuracy

@@ -6,7 +6,7 @@ import html
 import logging
 import sys
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 logger = logging.getLogger("sparkdl")
 
@@ -83,10 +83,17 @@ def format_epoch(record: Dict[str, Any], total_epochs: Optional[int] = None) -> 
     epoch = record.get("epoch", "?")
     of = f"/{total_epochs}" if total_epochs else ""
     parts = [f"[sparkdl] epoch {epoch}{of}"]
-    for key in ("loss", "val_loss", "samples_per_sec", "seconds", "comm_bytes"):
+    for key in ("loss", *validation_figures([record]), "samples_per_sec", "seconds", "comm_bytes"):
         if key in record:
             parts.append(f"{key} {_fmt(record[key])}")
     return "  ".join(parts)
+
+
+def validation_figures(history: Sequence[Mapping[str, Any]]) -> List[str]:
+    """The validation figures the records hold, ``val_loss`` first, then each ``val_<metric>``
+    by name; ``val_samples`` is a row count, not a figure."""
+    keys = {key for record in history for key in record if key.startswith("val_") and key != "val_samples"}
+    return sorted(keys, key=lambda key: (key != "val_loss", key))
 
 
 def _fmt(value: Any) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
+from sparkdl._progress import validation_figures
 from sparkdl.errors import ConfigError
 
 History = Sequence[Mapping[str, Any]]
@@ -31,8 +32,7 @@ def plot_history(runs: Runs, path: Optional[str] = None, title: Optional[str] = 
     except ImportError as exc:
         raise ConfigError("plotting needs matplotlib: pip install 'sparkdl[notebook]' (or pip install matplotlib)") from exc
     labelled = _labelled_histories(runs)
-    metrics = sorted({key for history in labelled.values() for record in history for key in record
-                      if key.startswith("val_") and key != "val_loss" and _is_number(record[key])})
+    metrics = [key for key in validation_figures([record for history in labelled.values() for record in history]) if key != "val_loss"]
     figure, axes = plt.subplots(1, 1 + len(metrics), figsize=(5 * (1 + len(metrics)), 3.4), squeeze=False)
     loss_axis, metric_axes = axes[0][0], axes[0][1:]
     for index, (label, history) in enumerate(labelled.items()):

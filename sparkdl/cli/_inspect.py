@@ -10,6 +10,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
+from sparkdl._progress import validation_figures
 from sparkdl.cli._common import UsageError, rank_rates
 
 
@@ -148,15 +149,10 @@ def format_description(doc: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _validation_keys(history: List[Dict[str, Any]]) -> List[str]:
-    found = {key for record in history for key in record if key.startswith("val_")}
-    return sorted(found, key=lambda key: (key != "val_loss", key))
-
-
 def _history_lines(history: List[Dict[str, Any]]) -> List[str]:
     if not history:
         return []
-    validation = _validation_keys(history)
+    validation = validation_figures(history)
     lines = ["  epoch  loss        " + "".join(key.ljust(_width(key)) for key in validation) + "samples/s   seconds   per-rank samples/s"]
     for r in history:
         ranks = ", ".join(f"{x:.0f}" for x in rank_rates(r))
@@ -183,7 +179,7 @@ def run_label(doc: Dict[str, Any]) -> str:
 
 def comparison_lines(docs: List[Dict[str, Any]]) -> List[str]:
     """One line per run: the last epoch's loss and validation metrics, mean samples/s, wall time."""
-    validation = sorted({key for doc in docs for key in _validation_keys(doc.get("history") or [])}, key=lambda key: (key != "val_loss", key))
+    validation = validation_figures([record for doc in docs for record in doc.get("history") or []])
     labels = [run_label(doc) for doc in docs]
     width = max(len("run"), *(len(label) for label in labels)) + 2
     lines = ["run".ljust(width) + "epochs  final loss  " + "".join(key.ljust(_width(key)) for key in validation) + "samples/s   wall s"]

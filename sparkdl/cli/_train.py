@@ -1,5 +1,6 @@
 """``sparkdl train`` (= ``sparkdl-train`` and ``jobs/train.py``): options, ``--input`` specs,
-the estimator run, and metrics.json with throughput and a hint for executors' missing modules."""
+the estimator run, metrics.json with throughput and a hint for executors' missing modules, and
+the one summary line a run ends with."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+from sparkdl._progress import validation_figures
 from sparkdl.cli._common import UsageError, _config, _versions, _write_metrics, load_factory, rank_rates
 from sparkdl.data.readers import registered_readers
 
@@ -44,6 +46,23 @@ LOSSES: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "mse": _squeezed(F.mse_loss),
     "l1": _squeezed(F.l1_loss),
     "bce_with_logits": _squeezed(F.binary_cross_entropy_with_logits),
+}
+
+
+def accuracy(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """Share of rows whose predicted class is the label: the argmax of the outputs, or for one
+    output (a binary logit) whether it is positive."""
+    if output.dim() == label.dim() + 1 and output.shape[-1] == 1:
+        predicted = (output.squeeze(-1) > 0).to(label.dtype)
+    else:
+        predicted = output.argmax(dim=-1)
+    return (predicted == label).float().mean()
+
+
+METRICS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "accuracy": accuracy,
+    "mae": _squeezed(F.l1_loss),
+    "mse": _squeezed(F.mse_loss),
 }
 
 
@@ -89,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--validation", type=float, default=None, metavar="FRACTION",
         help="hold out this fraction of the rows (deterministically) and report val_loss per epoch",
+    )
+    parser.add_argument(
+        "--metric", action="append", default=[], choices=sorted(METRICS), dest="metrics",
+        help="also report val_<metric> per epoch on the --validation rows (repeatable)",
     )
     parser.add_argument(
         "--precision", choices=["32", "bf16-mixed", "16-mixed"], default="32",
@@ -200,6 +223,8 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
     inputs = parse_inputs(args.inputs) if args.inputs else None
     if bool(inputs) == bool(args.features):
         raise UsageError("give --features (one positional input) or --input NAME=SPEC (named inputs), not both and not neither")
+    if args.metrics and args.validation is None:
+        raise UsageError("--metric is computed on held-out rows: give --validation FRACTION as well")
     factory = load_factory(args.model)
     strategy = strategy_from_name(args.strategy, **_strategy_kwargs(args.strategy_arg))
     if args.mlflow_tracking_uri:
@@ -224,6 +249,7 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
         progress=not args.quiet,
         reader=args.reader,
         validation=args.validation,
+        metrics={name: METRICS[name] for name in args.metrics} or None,
         precision=args.precision,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
@@ -322,7 +348,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     document.setdefault("versions", _safe_versions())
     _write_metrics(args.output, document)
     if code == 0:
-        last = document["history"][-1] if document.get("history") else {}
-        print(f"sparkdl-train: done in {document['wall_seconds']:.1f}s; final loss {last.get('loss', float('nan')):.4f}; model in {os.path.join(args.output, 'model')}")
+        print(summary_line(document, args.output))
     return code
+
+
+def summary_line(document: Dict[str, Any], output: str) -> str:
+    """The run's last line: what a user wants first (the final loss, the validation figures,
+    where the model and metrics.json are)."""
+    last = document["history"][-1] if document.get("history") else {}
+    figures = [f"final loss {last.get('loss', float('nan')):.4f}"]
+    figures += [f"{key} {last[key]:.4f}" for key in validation_figures([last]) if isinstance(last[key], (int, float))]
+    return (
+        f"sparkdl-train: done in {document['wall_seconds']:.1f}s, {len(document.get('history') or [])} epoch(s): {', '.join(figures)}; "
+        f"model in {os.path.join(output, 'model')}, metrics in {os.path.join(output, 'metrics.json')}"
+    )
 

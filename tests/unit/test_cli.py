@@ -210,3 +210,31 @@ def test_input_arguments_become_input_specs():
     with pytest.raises(cli.UsageError, match="given twice"):
         cli.parse_inputs(["a=x", "a=y"])
     assert "image:COLUMN:HxW" in cli.build_parser().format_help()
+
+
+def test_metric_options_reach_the_estimator_and_compute_what_they_name(tmp_path, monkeypatch, capsys):
+    captured = {}
+    _fake_spark(monkeypatch, captured)
+    code = cli.main(["--data", "/d", "--model", "tests.models:digits_mlp", "--features", "f", "--label", "l", "--output", str(tmp_path / "o"),
+                     "--validation", "0.2", "--metric", "accuracy", "--metric", "mae"])
+    assert code == 0
+    metrics = captured["estimator"]["metrics"]
+    assert sorted(metrics) == ["accuracy", "mae"]
+    logits, labels = torch.tensor([[2.0, 0.1, 0.3], [0.0, 1.0, 3.0], [1.0, 0.0, 0.0], [0.0, 5.0, 1.0]]), torch.tensor([0, 2, 1, 1])
+    assert metrics["accuracy"](logits, labels).item() == 0.75
+    assert metrics["accuracy"](torch.tensor([[1.5], [-0.2], [0.3]]), torch.tensor([1, 0, 0])).item() == pytest.approx(2 / 3)  # binary logits
+    assert metrics["mae"](torch.tensor([[1.0], [3.0]]), torch.tensor([2.0, 2.0])).item() == 1.0
+    capsys.readouterr()
+    assert cli.main(["--data", "/d", "--model", "tests.models:digits_mlp", "--features", "f", "--label", "l", "--output", str(tmp_path / "p"),
+                     "--metric", "accuracy"]) == 2  # before Spark starts
+    assert "--metric is computed on held-out rows: give --validation FRACTION" in capsys.readouterr().err
+
+
+def test_a_run_ends_with_its_final_figures_and_where_the_model_is():
+    document = {"wall_seconds": 12.34, "history": [
+        {"epoch": 1, "loss": 1.5, "val_loss": 1.6, "val_accuracy": 0.5},
+        {"epoch": 2, "loss": 0.25, "val_loss": 0.3, "val_accuracy": 0.9375, "val_samples": 360, "samples_per_sec": 900.0},
+    ]}
+    line = _train.summary_line(document, "/runs/a")
+    assert line == ("sparkdl-train: done in 12.3s, 2 epoch(s): final loss 0.2500, val_loss 0.3000, val_accuracy 0.9375; "
+                    "model in /runs/a/model, metrics in /runs/a/metrics.json")

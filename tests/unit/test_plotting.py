@@ -17,7 +17,7 @@ from sparkdl.plotting import plot_history
 
 def _history(losses, accuracies):
     return [
-        {"epoch": e + 1, "loss": loss, "val_loss": loss * 1.1, "val_accuracy": acc, "samples_per_sec": 100.0 + e, "seconds": 0.5}
+        {"epoch": e + 1, "loss": loss, "val_loss": loss * 1.1, "val_accuracy": acc, "val_samples": 360, "samples_per_sec": 100.0 + e, "seconds": 0.5}
         for e, (loss, acc) in enumerate(zip(losses, accuracies))
     ]
 

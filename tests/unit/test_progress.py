@@ -35,3 +35,5 @@ def test_a_failing_callback_does_not_stop_the_display(caplog, capsys):
 
 def test_format_without_total():
     assert format_epoch({"epoch": 2, "loss": 0.5, "val_loss": 0.7}) == "[sparkdl] epoch 2  loss 0.5  val_loss 0.7"
+    record = {"epoch": 3, "loss": 0.5, "val_samples": 360, "val_top5": 0.99, "val_accuracy": 0.9, "val_loss": 0.7}
+    assert format_epoch(record) == "[sparkdl] epoch 3  loss 0.5  val_loss 0.7  val_accuracy 0.9  val_top5 0.99"

@@ -4,7 +4,8 @@ Same idea as Petastorm's ``make_spark_converter`` cache: an entry is reused when
 analyzed plan gives the same result as a cached one (``DataFrame.sameSemantics``, Spark's
 ``sameResult``, which classic sessions and Spark Connect both answer), so fitting the same
 DataFrame again (another epoch count, another strategy) writes nothing. Entries are deleted by
-:func:`clear_cache` and when the driver process exits.
+:func:`clear_cache` and when the driver process exits (which also removes its directory in the
+default location).
 
 The copy is the user's training data: on the driver's disk (the default location) it lives in a
 directory only the user can enter (0700, files 0600), and the copies of drivers that died
@@ -213,4 +214,14 @@ def local_cache_dir() -> str:
     return path
 
 
-atexit.register(clear_cache)
+def _at_exit() -> None:
+    """The driver exits: its copies go, and so does its own default-location directory (left
+    empty, it would otherwise wait in the temp dir for the next driver's stale-cache sweep)."""
+    clear_cache()
+    try:
+        os.rmdir(os.path.join(tempfile.gettempdir(), f"sparkdl-cache-{os.getpid()}"))
+    except OSError:  # never made (no DataFrame, or spark.sparkdl.cacheDir), or not ours to empty
+        pass
+
+
+atexit.register(_at_exit)

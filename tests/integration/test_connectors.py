@@ -106,4 +106,10 @@ def test_fit_on_a_delta_table_version(spark, tmp_path):
     model = sparkdl.TorchEstimator(
         model=lambda: torch.nn.Linear(2, 2), num_workers=2, batch_size=8, epochs=1, validation=0.25, progress=False,
     ).fit(connectors.DeltaSource(path, version=0))
-    assert model.run_info["dataset"]["rows"] == 80 and "val_loss" in model.history[0]
+    from sparkdl.data.dataset import inspect_dataset
+    from sparkdl.data.selection import shard_rows
+
+    held_out = sum(shard_rows(inspect_dataset(connectors.DeltaSource(path, version=0).resolve(), ["features"], "label"), 2, 0.25, "holdout"))
+    assert model.run_info["dataset"]["rows"] == 80 and 0 < held_out < 40
+    # Trained on the version's rows and validated on exactly the held-out ones, every rank's.
+    assert model.history[0]["val_samples"] == held_out and np.isfinite(model.history[0]["val_loss"])

@@ -54,22 +54,30 @@ class _RecordIds:
         return gathered
 
 
-def test_uneven_row_groups_give_equal_steps_disjoint_shards_and_no_lost_rows(spark, tmp_path):
+def test_uneven_row_groups_give_equal_steps_and_the_remainder_opens_the_next_epoch(spark, tmp_path):
     path, total = _write_ids(tmp_path / "uneven", [[300, 40, 17, 5], [100]])
     batch = 16
     epochs = 4
     per_rank = sparkdl.run(
         _RecordIds(epochs), num_workers=2, data=path, feature_cols=["id"], label_col="label",
-        batch_size=batch, spark=spark, progress=False,
+        batch_size=batch, shuffle=False, spark=spark, progress=False,
     )
     steps = total // (2 * batch)
     for rank_epochs in per_rank:
         assert [s for s, _ in rank_epochs] == [steps] * epochs  # every rank, every epoch: same steps
-    seen = [set(i for _, ids in rank_epochs for i in ids) for rank_epochs in per_rank]
-    assert not seen[0] & seen[1], "a row was read by both ranks"
-    # Row groups are the shard unit (rank r reads groups r, r+2, ...); over 4 epochs each rank
-    # cycles its whole shard, so no row is lost — the remainder rolls over into the next epoch.
-    assert seen[0] | seen[1] == set(range(total))
+    # Row groups are the shard unit: global groups (300, 40, 17, 5, 100 rows) 0, 2, 4 go to
+    # rank 0 (417 rows) and 1, 3 to rank 1 (45 rows), each read in file order without shuffling.
+    shards = [list(range(0, 300)) + list(range(340, 357)) + list(range(362, 462)), list(range(300, 340)) + list(range(357, 362))]
+    for rank, (rank_epochs, shard) in enumerate(zip(per_rank, shards)):
+        stream = [i for _, ids in rank_epochs for i in ids]
+        # One stream across epochs that cycles the shard: an epoch starts where the one before it
+        # stopped, and the smaller shard wraps around inside every epoch.
+        assert stream == (shard * (len(stream) // len(shard) + 1))[:len(stream)], f"rank {rank}"
+    # Rank 0's epoch 1 is rows 0-223 (14 steps of 16); epoch 2 opens with the rows past them, not
+    # with row 0 again, and after its shard's last row (461) wraps to row 0.
+    assert per_rank[0][1][1][:2] == [224, 225] and per_rank[0][1][1][-32:-30] == [461, 0]
+    seen = [set(shard) for shard in shards]
+    assert not seen[0] & seen[1] and seen[0] | seen[1] == set(range(total))  # disjoint, none lost
 
 
 def test_fewer_row_groups_than_workers_stride_rows(spark, tmp_path):
@@ -98,6 +106,12 @@ def test_same_seed_same_batches_different_seed_different_order(spark, tmp_path):
     first, again, other = fingerprint(7), fingerprint(7), fingerprint(8)
     assert first == again
     assert first != other
+    # Shuffled, the shards stay disjoint and whole: 6 row groups of 64 rows, 3 per rank, and an
+    # epoch of 24 steps of 8 is exactly one pass over a rank's 192 rows.
+    for epoch in range(3):
+        ranks = [set(first[rank][epoch]) for rank in (0, 1)]
+        assert [len(first[rank][epoch]) for rank in (0, 1)] == [len(r) for r in ranks] == [192, 192]
+        assert not ranks[0] & ranks[1] and ranks[0] | ranks[1] == set(range(384))
     # Shuffling really mixes rows: within an epoch, ids are not in file order.
     assert first[0][0] != sorted(first[0][0])
 

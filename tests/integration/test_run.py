@@ -13,16 +13,39 @@ import sparkdl
 pytestmark = pytest.mark.spark
 
 
-def test_each_rank_sees_its_rank_device_and_task_cores(spark):
-    def train_fn(ctx):
-        facts = (ctx.rank, ctx.world_size, str(ctx.device), torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS"))
+class _FactsWithOtherThreadsAtStart:
+    """A train_fn whose unpickling, in the Python worker before the task starts, leaves torch at
+    3 threads and ``OMP_NUM_THREADS=3``: what a user's ``spark.executorEnv.OMP_NUM_THREADS`` or an
+    earlier task of a reused worker does (Spark itself sets ``OMP_NUM_THREADS`` to
+    ``spark.task.cpus`` otherwise, so only this shows what sparkdl sets)."""
+
+    def __getstate__(self):
+        return {"threads": 3}
+
+    def __setstate__(self, state):
+        os.environ["OMP_NUM_THREADS"] = str(state["threads"])
+        torch.set_num_threads(state["threads"])
+        self.at_start = (torch.get_num_threads(), os.environ["OMP_NUM_THREADS"])
+
+    def __call__(self, ctx):
+        facts = (ctx.rank, ctx.world_size, str(ctx.device), torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS"), self.at_start, os.environ.get("SPARKDL_TEST_WORKERS"))
         gathered = [None] * ctx.world_size
         dist.all_gather_object(gathered, facts)
         return gathered
 
-    facts = sparkdl.run(train_fn, num_workers=2, spark=spark, progress=False)
-    # local-cluster[2,1,...]: one core per executor and spark.task.cpus=1, so one thread per rank.
-    assert facts == [(0, 2, "cpu", 1, "1"), (1, 2, "cpu", 1, "1")]
+
+def test_each_rank_sees_its_rank_device_and_task_cores(spark):
+    # Python workers of their own (the executor env is part of a worker's identity), so the
+    # threads this run leaves in its workers reach no other test's tasks.
+    environment = spark.sparkContext.environment
+    environment["SPARKDL_TEST_WORKERS"] = "task-threads"
+    try:
+        facts = sparkdl.run(_FactsWithOtherThreadsAtStart(), num_workers=2, spark=spark, progress=False)
+    finally:
+        del environment["SPARKDL_TEST_WORKERS"]
+    # local-cluster[2,1,...]: spark.task.cpus=1, so each task runs torch and OpenMP on one thread,
+    # whatever the worker had when the task started.
+    assert facts == [(0, 2, "cpu", 1, "1", (3, "3"), "task-threads"), (1, 2, "cpu", 1, "1", (3, "3"), "task-threads")]
 
 
 def test_run_returns_rank_zeros_value_and_streams_reports(spark):

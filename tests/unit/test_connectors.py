@@ -108,13 +108,36 @@ def test_delta_time_travel_by_timestamp(delta_table):
     assert rows_at("2024-06-01T00:00:00Z") == 20
 
 
-def test_delta_source_trains_through_prepare_data(delta_table):
+def test_delta_source_through_prepare_data_splits_training_and_validation_rows(delta_table):
+    """What fit and run do with a Delta source before launch (prepare_data; training on it is
+    tests/integration/test_connectors.py), read here as each task would: the ranks' batches of an
+    epoch and the validation pass split the version's 150 rows, none in both."""
+    from sparkdl._validation import validation_source
+    from sparkdl.data.batching import batches, validation_batches
+    from sparkdl.data.selection import shard_rows
+
     dataset, spec, reader, steps = prepare_data(
         connectors.DeltaSource(delta_table, version=1),
         DataSettings(feature_cols=["features"], label_col="label", batch_size=10, validation=0.2, reader="arrow"),
         num_workers=2,
     )
-    assert dataset.num_rows == 150 and spec.holdout == 0.2 and 0 < steps < 150 // 20
+    assert dataset.num_rows == 150 and spec.holdout == 0.2
+    training_rows = shard_rows(dataset, 2, 0.2, "train")
+    assert steps == sum(training_rows) // 20 and 100 < sum(training_rows) < 140  # about 80% of 150
+
+    trained, validated = set(), []
+    for rank in range(2):
+        stream = batches(reader, dataset, spec, rank, 2)
+        for _ in range(steps):
+            features, labels = next(stream)
+            assert features.shape == (10, 2) and np.array_equal(labels, features[:, 0].astype(int) % 2)
+            trained |= set(features[:, 0].astype(int).tolist())
+        stream.close()
+        for features, _ in validation_batches(reader, *validation_source(dataset, spec), rank, 2):
+            validated += features[:, 0].astype(int).tolist()
+    assert len(validated) == len(set(validated)) == 150 - sum(training_rows)
+    assert not trained & set(validated), "a held-out row was trained on"
+    assert trained | set(validated) <= set(range(150)) and len(trained) >= steps * 10
 
 
 def test_delta_errors_are_named(tmp_path, delta_table):

@@ -1,0 +1,150 @@
+"""The DataFrame cache on disk: what a copy looks like, that it is deleted by
+``sparkdl.clear_cache()`` and when the driver exits, and that Parquet is never copied."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch.distributed as dist
+
+import connectors
+import sparkdl
+from sparkdl._settings import DataSettings
+from sparkdl.data import cache
+from sparkdl.data.prepare import prepare_data
+from tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.spark
+
+
+def _parquet_files(directory):
+    return sorted(
+        os.path.join(root, name) for root, _, names in os.walk(directory) for name in names if name.endswith(".parquet")
+    )
+
+
+def _disk(directory):
+    """Every path under ``directory``, relative to it."""
+    return sorted(os.path.relpath(os.path.join(root, name), directory) for root, dirs, names in os.walk(directory) for name in dirs + names)
+
+
+def test_a_dataframes_copy_is_equal_files_per_worker_and_clear_cache_deletes_it(spark):
+    from pyspark.sql import functions as F
+
+    # Three input partitions of 200, 10 and 10 rows: written as they are, the files (and so the
+    # ranks' row-group shards) would be 20x apart.
+    ids = spark.range(0, 600, 1, 3).where("id < 210 or id >= 590")
+    df = ids.select(F.array(F.col("id").cast("double")).alias("features"), (F.col("id") % 2).alias("label"))
+    assert sorted(df.rdd.glom().map(len).collect()) == [10, 10, 200]
+
+    # fit()/run() prepare a DataFrame exactly so (sparkdl/data/prepare.py): this is the copy they train on.
+    dataset, _, _, _ = prepare_data(df, DataSettings(feature_cols=["features"], label_col="label", batch_size=8), num_workers=2, spark=spark)
+    url = dataset.url
+    assert url in cache.cached_urls()
+    path = url[len("file://"):]
+    assert os.path.dirname(path) == spark.conf.get(cache.CACHE_DIR_CONF)
+    files = _parquet_files(path)
+    assert [f"file://{f}" for f in files] == [f.url for f in dataset.files]  # the tasks read exactly these
+    # "A multiple of num_workers files of equal size": the same number of row groups per file, and
+    # rows per file within one per input partition (Spark's round-robin hands each file the floor
+    # or the ceiling of every input partition's rows).
+    assert len(files) % 2 == 0 and len(files) >= 2
+    assert len({len(f.row_groups) for f in dataset.files}) == 1
+    rows = [sum(f.row_groups) for f in dataset.files]
+    assert sum(rows) == 220 and max(rows) - min(rows) <= 3, rows
+    assert sorted(pq.read_table(path, columns=["label"]).column("label").to_pylist()) == sorted(i % 2 for i in list(range(210)) + list(range(590, 600)))
+
+    sparkdl.clear_cache()
+    assert not os.path.exists(path), f"clear_cache() left {_disk(path)}"
+    assert all(not os.path.exists(f) for f in files)
+    assert url not in cache.cached_urls()
+
+
+# A driver as a user writes it: fit's data step on a DataFrame, then the script just ends (the
+# session not even stopped). Prints where its copy was while it ran.
+_DRIVER = """
+import json, os, sys
+sys.path[:0] = [{root!r}]
+from pyspark.sql import SparkSession
+from sparkdl._settings import DataSettings
+from sparkdl.data.prepare import prepare_data
+
+spark = (
+    SparkSession.builder.master("local[1]").appName("sparkdl-cache-exit")
+    .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+    .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false").getOrCreate()
+)
+df = spark.createDataFrame([([float(i)], i % 2) for i in range(64)], "features array<double>, label long")
+dataset, _, _, _ = prepare_data(df, DataSettings(feature_cols=["features"], label_col="label", batch_size=8), num_workers=2, spark=spark)
+path = dataset.url[len("file://"):]
+print(json.dumps({{"pid": os.getpid(), "path": path, "files": sorted(os.listdir(path))}}))
+"""
+
+
+def test_a_driver_that_exits_leaves_no_copy_behind(tmp_path):
+    # Its own temp dir: the default cache location is <tmp>/sparkdl-cache-<pid>, and no other
+    # driver's stale-cache sweep (which deletes dead drivers' copies) can reach it and hide a leak.
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp), "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1", "PYTHONPATH": REPO_ROOT}
+    env.pop("PYSPARK_DRIVER_PYTHON", None)
+    result = subprocess.run(
+        [sys.executable, "-c", _DRIVER.format(root=REPO_ROOT)], env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    own = temp / f"sparkdl-cache-{seen['pid']}"
+    assert os.path.dirname(seen["path"]) == str(own)  # the default location, in this test's temp dir
+    assert any(name.endswith(".parquet") for name in seen["files"])  # the copy existed while it ran
+    assert not os.path.exists(seen["path"]), f"the exited driver left {_disk(seen['path'])}"
+    assert not own.exists(), f"the exited driver left its cache directory {own}: {_disk(own)}"
+
+
+# ---- Parquet is read in place ----------------------------------------------------------------
+
+
+def _write(path, ids):
+    pq.write_table(pa.table({"id": np.asarray(ids, dtype=np.float64), "label": np.asarray(ids, dtype=np.int64) % 2}), path)
+    return str(path)
+
+
+def _ids_per_rank(ctx):
+    """Every id each rank trained on in one epoch, in order."""
+    ids = [int(i) for features, _ in ctx.epoch_batches() for i in features[:, 0]]
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, ids)
+    return gathered
+
+
+def test_a_parquet_url_and_a_parquet_source_are_read_in_place_never_copied(spark, tmp_path):
+    """README: "Parquet URLs are read in place, never copied" — for fit/run on a URL and for
+    connectors.ParquetSource: nothing is written to the cache directory, and the ranks train on
+    the user's files themselves (one row group each: rank r reads the r-th file of the list)."""
+    (tmp_path / "data").mkdir()
+    first = _write(tmp_path / "data" / "part-0.parquet", range(0, 48))
+    second = _write(tmp_path / "data" / "part-1.parquet", range(100, 148))
+    cache_root = spark.conf.get(cache.CACHE_DIR_CONF)
+    on_disk, cached = _disk(cache_root), cache.cached_urls()
+
+    def run(data):
+        return sparkdl.run(
+            _ids_per_rank, num_workers=2, data=data, feature_cols=["id"], label_col="label",
+            batch_size=8, shuffle=False, spark=spark, progress=False,
+        )
+
+    # 96 rows, 2 ranks of 8-row batches: 6 steps, exactly one file per rank, in file order.
+    assert run(str(tmp_path / "data")) == [list(range(0, 48)), list(range(100, 148))]
+    assert _disk(cache_root) == on_disk and cache.cached_urls() == cached, "a Parquet URL was copied"
+    # An explicit list is read in its own order, so the ranks swap files.
+    assert run(connectors.ParquetSource([second, first])) == [list(range(100, 148)), list(range(0, 48))]
+    assert _disk(cache_root) == on_disk and cache.cached_urls() == cached, "a ParquetSource was copied"
+    # The files the run read are the user's, not a copy of them.
+    dataset, _, _, _ = prepare_data(connectors.ParquetSource([second, first]), DataSettings(feature_cols=["id"], label_col="label", batch_size=8), num_workers=2, spark=spark)
+    assert [f.url for f in dataset.files] == [f"file://{second}", f"file://{first}"] and not dataset.origin

@@ -116,9 +116,27 @@ def test_the_staleness_bound_holds_every_epoch(slow_runs):
     assert max(bounded["staleness"]) >= 1, "the slow worker should have let rank 0 get ahead a little"
 
 
+def _digits_mlp_slow_on_rank1() -> torch.nn.Module:
+    """digits_mlp whose training forward pass takes ``SLOW_STEP_S`` longer on rank 1 (the sleep
+    is the workload, not synchronization): the staleness bound, not equal speeds, is what keeps
+    rank 0 within it."""
+    import time as _time
+
+    import torch.distributed as _dist
+
+    module = digits_mlp()
+
+    def slow(mod: torch.nn.Module, args: Any) -> None:
+        if mod.training and _dist.is_initialized() and _dist.get_rank() == 1:
+            _time.sleep(SLOW_STEP_S)
+
+    module.register_forward_pre_hook(slow)
+    return module
+
+
 def test_the_estimator_history_reports_staleness_rate_and_traffic(digits_df):
     model = sparkdl.TorchEstimator(
-        model=digits_mlp,
+        model=_digits_mlp_slow_on_rank1,
         optimizer=lambda params: torch.optim.Adam(params, lr=3e-3),
         strategy=sparkdl.ParameterServer(max_staleness=1),
         num_workers=2,
@@ -127,6 +145,8 @@ def test_the_estimator_history_reports_staleness_rate_and_traffic(digits_df):
         progress=False,
     ).fit(digits_df)
     assert [h["epoch"] for h in model.history] == [1, 2]
+    # Rank 1 is slow, so rank 0 reaches the bound (without its wait it would run ~20 clocks ahead).
+    assert max(h["staleness"] for h in model.history) == 1, model.history
     for record in model.history:
         assert isinstance(record["staleness"], int) and 0 <= record["staleness"] <= 1, record
         # 22 steps per rank per epoch, 2 ranks: the rate is the sum of both ranks' pushes.

@@ -175,8 +175,24 @@ def _batch(rank: int, step: int):
     return torch.randn(8, 4, generator=generator), torch.randn(8, 2, generator=generator)
 
 
-def _sgd_scenario(rank: int, port: int, layout: str) -> Dict[str, Any]:
-    runtime = _runtime(rank, port, max_staleness=2, timeout_s=60, layout=layout)
+#: The bound the runtime scenarios run under.
+BOUND = 2
+
+
+def _let_rank0_run_ahead(runtime: ParameterServerRuntime, own_clock: int) -> None:
+    """Rank 1, before each step: waits until rank 0 has pushed as far ahead of it as the bound
+    lets it (``own_clock + BOUND + 1`` pushes to this rank's shard of table 0, or all of them).
+    An event (the shard's condition variable), not a sleep: rank 0 is always ahead by the most
+    the bound allows, and without the bound its reads would be more than ``BOUND`` clocks stale."""
+    shard = runtime.state.shard(0)
+    target = min(own_clock + BOUND + 1, STEPS)
+    with shard.cond:
+        reached = shard.cond.wait_for(lambda: shard.clock.clocks[0] >= target, timeout=60)
+    assert reached, f"rank 0 stopped at clock {shard.clock.clocks[0]} on rank 1's shard, expected {target}"
+
+
+def _sgd_scenario(rank: int, port: int, layout: str, slow_rank1: bool = False) -> Dict[str, Any]:
+    runtime = _runtime(rank, port, max_staleness=BOUND, timeout_s=60, layout=layout)
     try:
         torch.manual_seed(100 + rank)  # different initial weights: prepare_model must fix that
         net = runtime.prepare_model(_Net())
@@ -190,6 +206,8 @@ def _sgd_scenario(rank: int, port: int, layout: str) -> Dict[str, Any]:
         group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
         pushes = []
         for step in range(STEPS):
+            if slow_rank1 and rank == 1:
+                _let_rank0_run_ahead(runtime, step)
             x, y = _batch(rank, step)
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(net(x), y).backward()
@@ -289,7 +307,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     results: Dict[str, Any] = {}
     try:
         for name, scenario in [
-            ("sgd_balanced", lambda: _sgd_scenario(rank, port, "balanced")),
+            # Rank 1 is the slow worker here: the staleness bound is what holds rank 0 back.
+            ("sgd_balanced", lambda: _sgd_scenario(rank, port, "balanced", slow_rank1=True)),
             ("sgd_tensors", lambda: _sgd_scenario(rank, port, "tensors")),
             ("checkpoint", lambda: _checkpoint_scenario(rank, port)),
             ("peer_lost", lambda: _peer_lost_scenario(rank, port)),  # last: it breaks the pairing
@@ -353,8 +372,12 @@ def test_every_rank_returns_identical_weights_with_averaged_buffers(recordings, 
 
 def test_staleness_bound_metrics_tables_and_traffic(recordings):
     ranks = _scenario(recordings, "sgd_balanced")
+    # Rank 1 let rank 0 run as far ahead as it could: rank 0's reads reached the bound exactly
+    # (without the bound's wait they are more stale: 4 in a run with it disabled); rank 1, the slowest,
+    # always read fresh values.
+    assert ranks[0]["metrics"]["staleness"] == BOUND, ranks[0]["metrics"]
+    assert ranks[1]["metrics"]["staleness"] == 0, ranks[1]["metrics"]
     for rank in ranks:
-        assert 0 <= rank["metrics"]["staleness"] <= 2
         assert rank["metrics"]["updates_per_sec"] > 0
         assert rank["local_optimizer_state"] == 0  # the worker never steps locally
         assert rank["tables"] == 2  # float32 and float64 parameters travel as separate tables

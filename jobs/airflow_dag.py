@@ -1,4 +1,4 @@
-"""Example Airflow DAG: prepare data -> train with sparkdl on Spark -> evaluate.
+"""Example Airflow DAG: prepare data -> train with sparkdl on Spark -> evaluate on held-out rows.
 
 Deploy: copy this file and ``jobs/sparkdl_airflow.py`` into the DAGs folder (or point
 ``AIRFLOW__CORE__DAGS_FOLDER`` at ``jobs/``). The Airflow worker needs only Airflow and a
@@ -15,8 +15,9 @@ come from environment variables where a deployment differs:
 Training failures fail the ``train`` task (the job's message is the task's error); Airflow's
 retry then resumes from the run's checkpoints (``checkpoint_dir`` is per DAG run), so only the
 steps after the last checkpoint are redone. The ``train`` task's XCom is its metrics summary
-(per-epoch history, per-rank throughput, resumed step); ``evaluate`` pushes accuracy and fails
-under ``min_accuracy``.
+(per-epoch history, per-rank throughput, resumed step). ``prepare_data`` writes a training split
+and a held-out split (``jobs/prepare_digits.py``, ``holdout`` of the rows); ``train`` sees only the
+first, and ``evaluate`` scores only the second, pushes its accuracy and fails under ``min_accuracy``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ RUN_KEY = "{{ ts_nodash }}"  # one per DAG run, the same for every retry of its 
 
 with DAG(
     dag_id="sparkdl_digits",
-    description="Prepare digits Parquet, train an MLP with sparkdl on Spark, evaluate it",
+    description="Prepare digits Parquet (train/test), train an MLP with sparkdl on Spark, evaluate it on the held-out rows",
     schedule=None,
     start_date=pendulum.datetime(2024, 1, 1, tz="UTC"),
     catchup=False,
@@ -56,6 +57,7 @@ with DAG(
         "batch_size": 32,
         "lr": 0.05,
         "max_failures": 0,  # relaunches inside one try; Airflow's retries come on top
+        "holdout": 0.2,  # fraction of the rows that prepare_data holds out for evaluate
         "min_accuracy": 0.8,
     },
     default_args={"owner": "sparkdl", "retries": 0},
@@ -75,14 +77,17 @@ with DAG(
 
     prepare = BashOperator(
         task_id="prepare_data",
-        bash_command='"{{ params.python }}" "{{ params.repo }}/examples/digits.py" "{{ params.root }}/data/digits"',
+        bash_command=(
+            '"{{ params.python }}" "{{ params.repo }}/jobs/prepare_digits.py" "{{ params.root }}/data/digits"'
+            ' --holdout "{{ params.holdout }}"'
+        ),
     )
 
     train = SparkdlTrainOperator(
         task_id="train",
         output_dir="{{ params.root }}/runs/" + RUN_KEY,
         arguments={
-            "data": "{{ params.root }}/data/digits",
+            "data": "{{ params.root }}/data/digits/train",
             "model": "{{ params.model }}",
             "features": "features",
             "label": "label",
@@ -104,7 +109,7 @@ with DAG(
         output_dir="{{ params.root }}/eval/" + RUN_KEY,
         arguments={
             "model": "{{ ti.xcom_pull(task_ids='train')['model'] }}",
-            "data": "{{ params.root }}/data/digits",  # the example has no held-out split; use yours
+            "data": "{{ params.root }}/data/digits/test",  # rows the model never saw
             "label": "label",
             "overwrite": True,
         },

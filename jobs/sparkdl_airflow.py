@@ -9,7 +9,11 @@ production, where Airflow workers and Spark clusters are separate machines. See
 
 * The job's output (``metrics.json``: status, per-epoch history, per-rank throughput, run info)
   becomes the task's XCom ``return_value``.
-* A failed job (non-zero exit) fails the task with the job's one-paragraph error.
+* A failed job (non-zero exit) fails the task with the job's one-paragraph error. A metrics.json
+  left in ``output_dir`` by an earlier try is deleted before each try starts.
+* Killing the task (Airflow sends the task process SIGTERM: a timeout, "mark failed") stops
+  spark-submit, its driver and their children: spark-submit runs in a session of its own, whose
+  process group gets SIGTERM, then SIGKILL after ``kill_grace_seconds``.
 * With ``checkpoint_dir`` templated per DAG run (e.g. ``.../ckpt/{{ run_id }}``), an Airflow
   retry of the task resumes from the last checkpoint, and re-running a finished run returns its
   model without training again (``from_finished_checkpoint``).
@@ -35,6 +39,8 @@ class _SparkdlSubmitOperator(BaseOperator):
 
     ``output_dir`` is the job's ``--output`` (where metrics.json lands); ``arguments`` are the
     job's other options without dashes (``{"epochs": 5}`` -> ``--epochs 5``; True -> a bare flag).
+    ``kill_grace_seconds``: how long a killed task waits for spark-submit to exit after SIGTERM
+    before it SIGKILLs the process group (keep it under Airflow's ``killed_task_cleanup_time``, 60 s).
     """
 
     template_fields: Sequence[str] = ("master", "spark_submit", "application", "py_files", "conf", "env", "output_dir", "arguments")
@@ -51,6 +57,7 @@ class _SparkdlSubmitOperator(BaseOperator):
         py_files: Sequence[str] = (),
         conf: Optional[Dict[str, Any]] = None,
         env: Optional[Dict[str, str]] = None,
+        kill_grace_seconds: float = 20.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -62,6 +69,7 @@ class _SparkdlSubmitOperator(BaseOperator):
         self.py_files = list(py_files)
         self.conf = dict(conf or {})
         self.env = dict(env or {})
+        self.kill_grace_seconds = float(kill_grace_seconds)
         self._process: Optional[subprocess.Popen] = None
 
     def command(self) -> List[str]:
@@ -108,9 +116,18 @@ class _SparkdlSubmitOperator(BaseOperator):
         return {**metrics, "metrics_path": os.path.join(self.output_dir, "metrics.json")}
 
     def on_kill(self) -> None:
-        """Airflow killing the task (timeout, mark failed) stops spark-submit and its driver."""
-        if self._process is not None and self._process.poll() is None:
-            os.killpg(self._process.pid, signal.SIGTERM)
+        """Airflow killing the task (timeout, mark failed) stops spark-submit and its driver: SIGTERM
+        to spark-submit's process group, SIGKILL if it is still running after the grace period."""
+        process = self._process
+        if process is None or process.poll() is not None:
+            return
+        _signal_group(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=self.kill_grace_seconds)
+        except subprocess.TimeoutExpired:
+            self.log.warning("spark-submit (pid %d) outlived SIGTERM by %.0f s; sending SIGKILL", process.pid, self.kill_grace_seconds)
+            _signal_group(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 class SparkdlTrainOperator(_SparkdlSubmitOperator):
@@ -159,6 +176,13 @@ class SparkdlPredictOperator(_SparkdlSubmitOperator):
             if value is None or value < float(floor):
                 raise AirflowException(f"{name} = {value} is below the required {floor} (predictions in {metrics.get('predictions')})")
         return {k: metrics.get(k) for k in ("status", "rows", "evaluation", "predictions", "model", "wall_seconds")}
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:  # the whole group has exited already
+        pass
 
 
 def _read_json(path: str) -> Optional[Dict[str, Any]]:

@@ -11,9 +11,16 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import re
+import select
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from typing import Optional
 
 import pytest
 
@@ -21,7 +28,9 @@ from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 
-STEPS_PER_EPOCH = 1797 // (2 * 32)  # digits rows // (num_workers * batch_size)
+TRAIN_ROWS, HELD_OUT_ROWS = 1437, 360  # prepare_data's split of the 1,797 digits (holdout 0.2)
+STEPS_PER_EPOCH = TRAIN_ROWS // (2 * 32)  # training rows // (num_workers * batch_size)
+SPARK_SUBMIT = os.path.join(os.path.dirname(sys.executable), "spark-submit")
 
 FLAKY_MODEL = '''
 """The digits MLP, except that the first process to reach epoch 2 dies (once per marker file)."""
@@ -66,18 +75,58 @@ print("RESULT " + json.dumps(result, default=str))
 '''
 
 
+def _session_processes(sid):
+    """pid -> command line of every live (not zombie) process in session ``sid``."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                cmdline = handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if fields[0] not in ("Z", "X") and int(fields[3]) == sid:  # fields[3]: the session id
+            found[int(entry)] = cmdline
+    return found
+
+
+def _wait_exited(pids, timeout):
+    """Waits on pidfds until every process in ``pids`` has exited; returns those still running."""
+    fds = {}
+    for pid in pids:
+        try:
+            fds[os.pidfd_open(pid)] = pid
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    try:
+        while fds and time.monotonic() < deadline:
+            ready, _, _ = select.select(list(fds), [], [], deadline - time.monotonic())
+            for fd in ready:
+                os.close(fd)
+                del fds[fd]
+        return sorted(fds.values())
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 @pytest.fixture(scope="module")
 def airflow_python():
-    """.venv-airflow's interpreter (installed on first use, then cached by its stamp)."""
-    result = subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", "bootstrap-airflow")], capture_output=True, text=True, timeout=900)
+    """.venv-airflow's interpreter. scripts/test builds it with scripts/bootstrap-airflow before
+    pytest starts; here it is only checked (``--check`` installs nothing)."""
+    result = subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", "bootstrap-airflow"), "--check"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.strip().splitlines()[-1]
 
 
-def test_dag_trains_on_spark_retries_from_checkpoint_and_evaluates(tmp_path, airflow_python):
-    home, root = tmp_path / "airflow-home", tmp_path / "root"
-    home.mkdir()
-    (tmp_path / "flaky.py").write_text(FLAKY_MODEL.format(marker=str(tmp_path / "failed-once"), steps=STEPS_PER_EPOCH))
+@pytest.fixture(scope="module")
+def airflow_env(tmp_path_factory, airflow_python):
+    """The environment of an Airflow worker with a migrated SQLite metadata DB (one per module)."""
+    home = tmp_path_factory.mktemp("airflow-home")
     env = {
         k: v for k, v in os.environ.items()
         if not k.startswith(("PYTHON", "VIRTUAL_ENV", "AIRFLOW")) and k != "PYTEST_CURRENT_TEST"
@@ -92,7 +141,22 @@ def test_dag_trains_on_spark_retries_from_checkpoint_and_evaluates(tmp_path, air
     airflow_bin = os.path.join(os.path.dirname(airflow_python), "airflow")
     migrate = subprocess.run([airflow_bin, "db", "migrate"], env=env, capture_output=True, text=True, timeout=300)
     assert migrate.returncode == 0, migrate.stdout[-2000:] + migrate.stderr[-2000:]
+    return env
 
+
+def _run(airflow_python, airflow_env, script, cwd, timeout=600):
+    """Runs ``script`` in .venv-airflow; returns (its RESULT document or None, all its output)."""
+    result = subprocess.run(
+        [airflow_python, "-u", str(script)], env=airflow_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, cwd=str(cwd),
+    )
+    output = result.stdout  # stderr merged in (both unbuffered), so that the log keeps its order
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    return (json.loads(lines[-1][len("RESULT "):]) if lines else None), output
+
+
+def test_dag_trains_on_spark_retries_from_checkpoint_and_evaluates(tmp_path, airflow_python, airflow_env):
+    root = tmp_path / "root"
+    (tmp_path / "flaky.py").write_text(FLAKY_MODEL.format(marker=str(tmp_path / "failed-once"), steps=STEPS_PER_EPOCH))
     conf = {
         "root": str(root),
         "python": sys.executable,  # .venv: the interpreter with sparkdl that the driver and executors run
@@ -105,11 +169,8 @@ def test_dag_trains_on_spark_retries_from_checkpoint_and_evaluates(tmp_path, air
     }
     runner = tmp_path / "run_dag.py"
     runner.write_text(textwrap.dedent(RUNNER.format(repo=REPO_ROOT, conf=conf)))
-    result = subprocess.run([airflow_python, str(runner)], env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
-    output = result.stdout + result.stderr
-    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    assert result.returncode == 0 and lines, output[-6000:]
-    outcome = json.loads(lines[-1][len("RESULT "):])
+    outcome, output = _run(airflow_python, airflow_env, runner, tmp_path, timeout=900)
+    assert outcome is not None, output[-6000:]
 
     assert outcome["state"] == "success", outcome
     assert outcome["tasks"]["prepare_data"]["state"] == "success"
@@ -125,11 +186,188 @@ def test_dag_trains_on_spark_retries_from_checkpoint_and_evaluates(tmp_path, air
     assert train["from_finished_checkpoint"] is False
     assert len(train["throughput"]["rank_samples_per_sec_mean"]) == 2
     assert os.path.isfile(os.path.join(train["model"], "state_dict.pt"))
+    assert all(r["samples"] == STEPS_PER_EPOCH * 64 for r in train["history"])  # the training split only
     metrics = json.load(open(train["metrics_path"]))
     assert metrics["run"]["steps"] == {"resumed_at": STEPS_PER_EPOCH, "run": 2 * STEPS_PER_EPOCH, "total": 3 * STEPS_PER_EPOCH}
-    # evaluate: predictions written and scored; the XCom carries the accuracy.
+    # evaluate: predictions for the held-out rows only, written and scored; the XCom carries the accuracy.
     evaluate = outcome["evaluate"]
     assert outcome["tasks"]["evaluate"]["state"] == "success"
-    assert evaluate["rows"] == 1797
+    assert evaluate["rows"] == HELD_OUT_ROWS
     assert evaluate["evaluation"]["accuracy"] > 0.8, evaluate
     assert os.path.isdir(evaluate["predictions"])
+
+
+# -- the operators alone: killing a task, a stale metrics.json, fail_below ------------------------
+
+SPARK = dict(
+    master="local[2]",
+    spark_submit=SPARK_SUBMIT,
+    conf={
+        "spark.driver.host": "127.0.0.1",
+        "spark.ui.enabled": "false",
+        "spark.driver.extraJavaOptions": f"-Dlog4j.configurationFile=file:{REPO_ROOT}/jobs/log4j2.properties",
+    },
+    env={"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable},
+)
+
+ONE_TASK_DAG = """
+import json, os, sys
+import pendulum
+from datetime import timedelta
+sys.path.insert(0, {jobs!r})
+from airflow import DAG
+from sparkdl_airflow import SparkdlPredictOperator, SparkdlTrainOperator
+
+with DAG({dag_id!r}, schedule=None, start_date=pendulum.datetime(2024, 1, 1, tz="UTC"), catchup=False) as dag:
+    task = {operator}(task_id="job", retry_delay=timedelta(seconds=0), **{kwargs!r})
+try:
+    run = dag.test()
+except BaseException as exc:  # AirflowTaskTerminated (a BaseException) ends the task process
+    print("TERMINATED " + type(exc).__name__, flush=True)
+    raise
+ti = run.get_task_instances()[0]
+print("RESULT " + json.dumps({{"state": str(ti.state), "try_number": ti.try_number}}), flush=True)
+"""
+
+
+def _one_task_dag(path, dag_id, operator, **kwargs):
+    path.write_text(ONE_TASK_DAG.format(jobs=os.path.join(REPO_ROOT, "jobs"), dag_id=dag_id, operator=operator, kwargs={**SPARK, **kwargs}))
+    return path
+
+
+BLOCKING_JOB = """
+import json, os, socket, sys, threading
+from pyspark.sql import SparkSession
+
+spark = SparkSession.builder.getOrCreate()
+server = socket.create_server(("127.0.0.1", 0))
+port = server.getsockname()[1]
+
+
+def block(_):
+    import os, socket, threading
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.sendall(str(os.getpid()).encode())
+    threading.Event().wait()  # a task that never ends: only killing the job stops it
+
+
+threading.Thread(target=lambda: spark.sparkContext.parallelize(range(2), 2).foreach(block), daemon=True).start()
+workers = []
+for _ in range(2):  # both Python workers are running a task
+    conn, _ = server.accept()
+    with conn:
+        workers.append(int(conn.makefile().read()))
+print("BLOCKING " + json.dumps({"driver": os.getpid(), "sid": os.getsid(0), "workers": workers}), flush=True)
+threading.Event().wait()
+"""
+
+
+def test_killing_the_task_stops_spark_submit_its_driver_and_python_workers(tmp_path, airflow_python, airflow_env):
+    """Airflow kills a task by sending its process SIGTERM; the task instance's handler calls the
+    operator's on_kill. Every process of spark-submit's session (the SparkSubmit JVM, the Python
+    driver, the PySpark daemon and its task workers) must be gone afterwards."""
+    (tmp_path / "blocking.py").write_text(BLOCKING_JOB)
+    runner = _one_task_dag(tmp_path / "kill_dag.py", "sparkdl_kill", "SparkdlTrainOperator", application=str(tmp_path / "blocking.py"), output_dir=str(tmp_path / "out"))
+    task = subprocess.Popen([airflow_python, str(runner)], env=airflow_env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: "queue.Queue[Optional[str]]" = queue.Queue()
+
+    def read():
+        for line in task.stdout:
+            lines.put(line)
+        lines.put(None)  # end of output: the task process has exited
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    output, info, sid = [], None, None
+    try:
+        deadline = time.monotonic() + 240  # Airflow's start-up plus a spark-submit on a busy 2-core machine
+        while info is None:
+            try:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            assert line is not None, "the job never reported both workers busy:\n" + "".join(output)[-4000:]
+            output.append(line)
+            if "BLOCKING " in line:
+                info = json.loads(line.split("BLOCKING ", 1)[1])
+        sid = info["sid"]
+        assert sid != os.getsid(task.pid)  # the operator started spark-submit in a session of its own
+        running = _session_processes(sid)
+        assert info["driver"] in running and all(w in running for w in info["workers"]), running
+        assert any("org.apache.spark.deploy.SparkSubmit" in c for c in running.values()), running
+
+        task.send_signal(signal.SIGTERM)  # what Airflow's task runner does to kill a task
+        assert task.wait(timeout=120) != 0
+        reader.join(timeout=30)
+        while not lines.empty():
+            output.append(lines.get() or "")
+        text = "".join(output)
+        assert "Received SIGTERM. Terminating subprocesses." in text and "TERMINATED AirflowTaskTerminated" in text, text[-4000:]
+        # JVM shutdown hooks and the PySpark daemon's exit take seconds on a loaded machine: a
+        # generous bound, waited on with pidfds, not slept.
+        left = _wait_exited(list(running), timeout=90)
+        assert not left and not _session_processes(sid), f"still running after the task was killed: {_session_processes(sid)}"
+    finally:
+        if task.poll() is None:
+            os.killpg(task.pid, signal.SIGKILL)
+        for pid in _session_processes(sid) if sid else ():
+            try:
+                os.kill(pid, signal.SIGKILL)  # a failed test leaves nothing running
+            except ProcessLookupError:
+                pass
+
+
+STALE_JOB = """
+import json, os, sys
+output = sys.argv[sys.argv.index("--output") + 1]
+if not os.path.exists({marker!r}):  # try 1 fails after writing its metrics.json
+    open({marker!r}, "w").close()
+    os.makedirs(output, exist_ok=True)
+    with open(os.path.join(output, "metrics.json"), "w") as handle:
+        json.dump({{"status": "failed", "error": "the error of try 1"}}, handle)
+    sys.exit(1)
+print("try 2 died before writing metrics.json", flush=True)  # as a driver killed by the OOM killer would
+sys.exit(1)
+"""
+
+
+def test_a_retry_that_dies_before_writing_metrics_does_not_report_the_previous_trys(tmp_path, airflow_python, airflow_env):
+    output = tmp_path / "out"
+    (tmp_path / "stale.py").write_text(STALE_JOB.format(marker=str(tmp_path / "try-1-ran")))
+    runner = _one_task_dag(tmp_path / "stale_dag.py", "sparkdl_stale", "SparkdlTrainOperator", application=str(tmp_path / "stale.py"), output_dir=str(output), retries=1)
+    outcome, text = _run(airflow_python, airflow_env, runner, tmp_path, timeout=300)
+    assert outcome == {"state": "failed", "try_number": 2}, text[-4000:]
+    # Try 1 fails with the error its metrics.json holds; try 2 fails with its own spark-submit
+    # output and never with try 1's error.
+    _, first, second = text.split("[DAG TEST] running task <TaskInstance: sparkdl_stale.job")
+    assert "sparkdl job failed (spark-submit exit 1): the error of try 1" in first, first[-4000:]
+    assert "Marking task as UP_FOR_RETRY. dag_id=sparkdl_stale, task_id=job" in first
+    assert "the error of try 1" not in second, second[-4000:]
+    assert re.search(r"sparkdl job failed \(spark-submit exit 1\): [^\n]*\n(?:[^\n]*\n)*?try 2 died before writing metrics.json", second), second[-4000:]
+    assert not (output / "metrics.json").exists()  # removed before try 2, which wrote none
+
+
+def test_fail_below_fails_the_task_naming_the_metric_its_value_and_the_threshold(tmp_path, airflow_python, airflow_env):
+    import torch
+
+    import sparkdl
+    from tests.models import accuracy, digits_mlp, read_digits, write_digits_split
+
+    _, test = write_digits_split(str(tmp_path / "digits"))
+    torch.manual_seed(0)
+    module = digits_mlp()  # untrained: about 10% accuracy
+    sparkdl.TorchModel(module, [], feature_cols=["features"], output_shape=[10], model_fn=digits_mlp).save(str(tmp_path / "model"))
+    expected = accuracy(module, *read_digits(test))
+    floor = round(expected + 0.05, 3)
+    runner = _one_task_dag(
+        tmp_path / "eval_dag.py", "sparkdl_fail_below", "SparkdlPredictOperator",
+        output_dir=str(tmp_path / "eval"), py_files=[os.path.join(REPO_ROOT, "tests", "models.py")],
+        arguments={"model": str(tmp_path / "model"), "model_factory": "models:digits_mlp", "data": test, "label": "label"},
+        fail_below={"accuracy": floor},
+    )
+    outcome, text = _run(airflow_python, airflow_env, runner, tmp_path, timeout=300)
+    assert outcome == {"state": "failed", "try_number": 1}, text[-4000:]
+    found = re.search(r"AirflowException: accuracy = ([0-9.e-]+) is below the required ([0-9.]+) \(predictions in (\S+)\)", text)
+    assert found, text[-4000:]
+    assert abs(float(found.group(1)) - expected) < 1e-9 and float(found.group(2)) == floor
+    assert json.load(open(tmp_path / "eval" / "metrics.json"))["evaluation"]["accuracy"] == float(found.group(1))

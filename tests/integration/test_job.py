@@ -12,7 +12,7 @@ import pytest
 import sparkdl
 from examples.digits import write_dataset
 from tests.conftest import REPO_ROOT
-from tests.models import accuracy
+from tests.models import accuracy, read_digits, write_digits_split
 
 pytestmark = pytest.mark.slow
 
@@ -36,15 +36,17 @@ def _submit(master, data, output, *extra, timeout=300):
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_spark_submit_trains_and_writes_model_and_metrics(tmp_path, digits):
-    data = write_dataset(str(tmp_path / "digits"))
+def test_spark_submit_trains_and_writes_model_and_metrics(tmp_path):
+    train, test = write_digits_split(str(tmp_path / "digits"))  # 1,437 training rows, 360 held out
     output = str(tmp_path / "run")
-    result = _submit("local-cluster[2,1,1024]", data, output)
+    result = _submit("local-cluster[2,1,1024]", train, output)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[sparkdl] epoch 3/3" in result.stdout
     metrics = json.load(open(os.path.join(output, "metrics.json")))
     assert metrics["status"] == "succeeded"
     assert [r["epoch"] for r in metrics["history"]] == [1, 2, 3]
+    # Each epoch is one pass over the training split only: 1437 // (2 * 32) full steps of 2 x 32 rows.
+    assert all(r["samples"] == (1437 // 64) * 64 for r in metrics["history"]), metrics["history"]
     import pyspark
 
     assert metrics["versions"]["pyspark"] == pyspark.__version__  # the stack's own PySpark ran the job
@@ -54,7 +56,8 @@ def test_spark_submit_trains_and_writes_model_and_metrics(tmp_path, digits):
     from tests.models import digits_mlp
 
     model = sparkdl.TorchModel.load(os.path.join(output, "model"), model=digits_mlp)
-    features, labels = digits
+    features, labels = read_digits(test)  # scored only on rows the job never read
+    assert len(labels) == 360
     assert accuracy(model.module, features, labels) > 0.85
 
 

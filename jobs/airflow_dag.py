@@ -1,44 +1,45 @@
-"""Example Airflow DAG: prepare data -> train with sparkdl on Spark -> evaluate on held-out rows.
+"""Example Airflow 3 DAG: prepare digits (a training and a held-out split) -> train an MLP with
+sparkdl on Spark -> evaluate it on the held-out rows.
 
-Deploy: copy this file and ``jobs/sparkdl_airflow.py`` into the DAGs folder (or point
-``AIRFLOW__CORE__DAGS_FOLDER`` at ``jobs/``). The Airflow worker needs only Airflow and a
-``spark-submit`` that reaches the cluster; every setting below is a DAG param, so a run can
-override it (``airflow dags trigger sparkdl_digits --conf '{"epochs": 10}'``), and the defaults
-come from environment variables where a deployment differs:
+Deploy (docs/deploy.md, "Airflow"): install ``sparkdl[airflow]`` on the Airflow worker (or
+``pip install --no-deps sparkdl apache-airflow-providers-apache-spark``: the operators import
+neither torch nor pyspark), configure Spark once as the ``spark_default`` connection, and copy
+this file, alone, into the DAGs folder. The rest comes from environment variables (or the run's
+``conf``), where a deployment differs:
 
-    SPARKDL_AIRFLOW_ROOT   shared storage for data, runs, checkpoints (default /tmp/sparkdl-airflow)
-    SPARKDL_PYTHON         the Python with sparkdl that prepares data and that executors run
-    SPARKDL_SPARK_SUBMIT   spark-submit to use (default: spark-submit on PATH)
-    SPARKDL_SPARK_MASTER   Spark master (default local[2]; e.g. spark://host:7077)
-    SPARKDL_AIRFLOW_RETRY_DELAY_S   seconds before the train task is retried (default 60)
+    SPARKDL_AIRFLOW_ROOT   where data, runs and checkpoints go (default /tmp/sparkdl-airflow)
+    SPARKDL_PYTHON         the interpreter with sparkdl, torch and scikit-learn that the Spark
+                           driver and executors run (default python3)
+    SPARKDL_EXAMPLES       a directory holding the example's digits.py (the model, shipped to
+                           the executors with --py-files, and the data writer): examples/ of a
+                           sparkdl checkout
+    SPARKDL_SPARK_CONN     the Spark connection (default spark_default)
 
-Training failures fail the ``train`` task (the job's message is the task's error); Airflow's
-retry then resumes from the run's checkpoints (``checkpoint_dir`` is per DAG run), so only the
-steps after the last checkpoint are redone. The ``train`` task's XCom is its metrics summary
-(per-epoch history, per-rank throughput, resumed step). ``prepare_data`` writes a training split
-and a held-out split (``jobs/prepare_digits.py``, ``holdout`` of the rows); ``train`` sees only the
-first, and ``evaluate`` scores only the second, pushes its accuracy and fails under ``min_accuracy``.
+Training failures fail the ``train`` task with the job's one-paragraph message; Airflow's retry
+then resumes from the run's checkpoints (``checkpoint_dir`` is per DAG run), so only the steps
+after the last checkpoint are redone. Runs are keyed on the run id, which every run has
+(``airflow dags trigger`` runs have no logical date in Airflow 3).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from datetime import timedelta
 
 import pendulum
-from airflow import DAG
-from airflow.operators.bash import BashOperator
+from airflow.providers.standard.operators.bash import BashOperator
+from airflow.sdk import DAG
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sparkdl_airflow beside this file
-from sparkdl_airflow import SparkdlPredictOperator, SparkdlTrainOperator  # noqa: E402
+from sparkdl_airflow import SparkdlPredictOperator, SparkdlTrainOperator
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUN_KEY = "{{ ts_nodash }}"  # one per DAG run, the same for every retry of its tasks
+# One per DAG run, the same for every retry of its tasks; ':' and '+' would read as a URL scheme
+# and a space in Spark's paths.
+RUN_KEY = "{{ run_id | replace(':', '-') | replace('+', '-') }}"
+EXAMPLES = os.environ.get("SPARKDL_EXAMPLES", "examples")
 
 with DAG(
     dag_id="sparkdl_digits",
-    description="Prepare digits Parquet (train/test), train an MLP with sparkdl on Spark, evaluate it on the held-out rows",
+    description="Prepare digits Parquet (train/held-out), train an MLP with sparkdl on Spark, evaluate it on the held-out rows",
     schedule=None,
     start_date=pendulum.datetime(2024, 1, 1, tz="UTC"),
     catchup=False,
@@ -46,41 +47,32 @@ with DAG(
     params={
         "root": os.environ.get("SPARKDL_AIRFLOW_ROOT", "/tmp/sparkdl-airflow"),
         "python": os.environ.get("SPARKDL_PYTHON", "python3"),
-        "spark_submit": os.environ.get("SPARKDL_SPARK_SUBMIT", "spark-submit"),
-        "master": os.environ.get("SPARKDL_SPARK_MASTER", "local[2]"),
-        "driver_host": "127.0.0.1",
-        "repo": REPO,
-        "model_file": os.path.join(REPO, "examples", "digits.py"),  # shipped with --py-files
+        "examples": EXAMPLES,
+        "model_file": os.path.join(EXAMPLES, "digits.py"),  # shipped to the executors with --py-files
         "model": "digits:make_model",
         "num_workers": 2,
         "epochs": 5,
         "batch_size": 32,
         "lr": 0.05,
         "max_failures": 0,  # relaunches inside one try; Airflow's retries come on top
-        "holdout": 0.2,  # fraction of the rows that prepare_data holds out for evaluate
+        "holdout": 0.2,  # the share of rows prepare_data keeps back for evaluate
         "min_accuracy": 0.8,
     },
     default_args={"owner": "sparkdl", "retries": 0},
 ) as dag:
     spark = dict(
-        master="{{ params.master }}",
-        spark_submit="{{ params.spark_submit }}",
-        py_files=["{{ params.model_file }}"],
+        conn_id=os.environ.get("SPARKDL_SPARK_CONN", "spark_default"),
+        py_files="{{ params.model_file }}",
         conf={
-            "spark.driver.host": "{{ params.driver_host }}",
             "spark.ui.showConsoleProgress": "false",
             "spark.sparkdl.cacheDir": "{{ params.root }}/cache",
-            "spark.driver.extraJavaOptions": "-Dlog4j.configurationFile=file:{{ params.repo }}/jobs/log4j2.properties",
         },
-        env={"PYSPARK_PYTHON": "{{ params.python }}", "PYSPARK_DRIVER_PYTHON": "{{ params.python }}"},
+        env_vars={"PYSPARK_PYTHON": "{{ params.python }}", "PYSPARK_DRIVER_PYTHON": "{{ params.python }}"},
     )
 
     prepare = BashOperator(
         task_id="prepare_data",
-        bash_command=(
-            '"{{ params.python }}" "{{ params.repo }}/jobs/prepare_digits.py" "{{ params.root }}/data/digits"'
-            ' --holdout "{{ params.holdout }}"'
-        ),
+        bash_command='"{{ params.python }}" "{{ params.examples }}/digits.py" "{{ params.root }}/data/digits" --holdout "{{ params.holdout }}"',
     )
 
     train = SparkdlTrainOperator(
@@ -96,11 +88,13 @@ with DAG(
             "batch_size": "{{ params.batch_size }}",
             "optimizer": "sgd",
             "lr": "{{ params.lr }}",
-            "checkpoint_dir": "{{ params.root }}/checkpoints/" + RUN_KEY,
+            "validation": 0.1,
+            "metric": ["accuracy"],
+            "checkpoint_dir": "{{ params.root }}/ckpt/" + RUN_KEY,
             "max_failures": "{{ params.max_failures }}",
         },
-        retries=2,
-        retry_delay=timedelta(seconds=float(os.environ.get("SPARKDL_AIRFLOW_RETRY_DELAY_S", "60"))),
+        retries=1,
+        retry_delay=timedelta(seconds=float(os.environ.get("SPARKDL_AIRFLOW_RETRY_DELAY_S", "30"))),
         **spark,
     )
 

@@ -249,8 +249,9 @@ class ThreadedServer:
         """Called under the lock for each accepted connection; False drops it unserved.
 
         The default refuses a connection while ``max_pending_handshakes`` others have not
-        finished their handshake. A subclass overriding it replaces that policy (the parameter
-        server's ShardServer counts its own); call ``super()._admit(peer)`` to keep it.
+        finished their handshake (every server of sparkdl keeps it: the channel, the store, the
+        parameter server's shards). A subclass overriding it replaces that policy; call
+        ``super()._admit(peer)`` to keep it.
         """
         pending = len(self._unauthenticated)
         if pending >= self._max_unauthenticated:

@@ -75,19 +75,6 @@ def png_bytes(pixels, format: str = "PNG") -> bytes:
     return buffer.getvalue()
 
 
-def write_digits_split(path: str):
-    """jobs/prepare_digits.py's seeded split of digits (the DAG's prepare step): writes
-    ``path/train`` (1,437 rows) and ``path/test`` (360 held-out rows) and returns their paths."""
-    import importlib.util
-    import os
-
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs", "prepare_digits.py")
-    spec = importlib.util.spec_from_file_location("prepare_digits", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.write_split(path)
-
-
 def read_digits(path: str):
     """(features float32 [n, 64], labels int64 [n]) of a digits Parquet dataset, to score a model on
     exactly the rows written there."""

@@ -1,10 +1,13 @@
-"""jobs/airflow_dag.py end to end with real Airflow (``dag.test()``) driving the real spark-submit.
+"""Airflow 3 with the Apache Spark provider, driving the real spark-submit against local[2].
 
-Airflow lives in its own virtualenv (.venv-airflow, made by scripts/bootstrap-airflow on first
-use, pinned by scripts/airflow-constraints.txt), as an Airflow worker is apart from the Spark
-cluster in production; its tasks run .venv's spark-submit against local[2]. The model's first
-attempt dies after epoch 1 (its checkpoint written): the train task's first try fails, Airflow
-retries it, and the retry resumes from that checkpoint instead of starting over.
+Airflow lives in its own virtualenv (.venv-airflow, built by scripts/bootstrap-airflow before
+pytest starts, pinned by scripts/airflow-constraints.txt) with sparkdl's operators installed as a
+slim worker installs them (``--no-deps``: no torch there), as an Airflow worker is apart from the
+Spark cluster in production. Spark is configured the Airflow way, as the ``spark_default``
+connection. The example DAG is deployed as docs/deploy.md says: its file, alone, in the DAGs
+folder, and run with the real ``airflow dags test``. Its model's first attempt dies in epoch 2
+(after the checkpoint of epoch 1): the train task's first try fails, Airflow retries it, and the
+retry resumes from that checkpoint instead of starting over.
 """
 
 from __future__ import annotations
@@ -14,10 +17,10 @@ import os
 import queue
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from typing import Optional
@@ -29,8 +32,6 @@ from tests.conftest import REPO_ROOT
 pytestmark = pytest.mark.slow
 
 TRAIN_ROWS, HELD_OUT_ROWS = 1437, 360  # prepare_data's split of the 1,797 digits (holdout 0.2)
-STEPS_PER_EPOCH = TRAIN_ROWS // (2 * 32)  # training rows // (num_workers * batch_size)
-SPARK_SUBMIT = os.path.join(os.path.dirname(sys.executable), "spark-submit")
 
 FLAKY_MODEL = '''
 """The digits MLP, except that the first process to reach epoch 2 dies (once per marker file)."""
@@ -38,6 +39,7 @@ import os
 import torch
 
 MARKER = {marker!r}
+STEPS_PER_EPOCH = {steps}
 
 
 class FlakyMLP(torch.nn.Module):
@@ -47,10 +49,11 @@ class FlakyMLP(torch.nn.Module):
         self.calls = 0
 
     def forward(self, x):
-        self.calls += 1
-        if self.calls > {steps} and not os.path.exists(MARKER):
-            open(MARKER, "w").close()
-            raise RuntimeError("injected failure in epoch 2")
+        if self.training:  # validation passes do not count as steps
+            self.calls += 1
+            if self.calls > STEPS_PER_EPOCH and not os.path.exists(MARKER):
+                open(MARKER, "w").close()
+                raise RuntimeError("injected failure in epoch 2")
         return self.net(x)
 
 
@@ -58,22 +61,23 @@ def make_model():
     return FlakyMLP()
 '''
 
-RUNNER = '''
-import json, os, sys
-sys.path.insert(0, os.path.join({repo!r}, "jobs"))
-import airflow_dag
+# What the run left in Airflow's metadata DB: each task's state and tries, and the XComs.
+RUN_RESULT = """
+import json
+from airflow.models import DagRun
+from airflow.models.xcom import XComModel
+from airflow.utils.session import create_session
 
-run = airflow_dag.dag.test(run_conf={conf!r})
-tis = {{ti.task_id: ti for ti in run.get_task_instances()}}
-result = {{
-    "state": str(run.state),
-    "tasks": {{k: {{"state": str(ti.state), "try_number": ti.try_number}} for k, ti in tis.items()}},
-    "train": tis["train"].xcom_pull(task_ids="train"),
-    "evaluate": tis["evaluate"].xcom_pull(task_ids="evaluate"),
-}}
-print("RESULT " + json.dumps(result, default=str))
-'''
+with create_session() as session:
+    run = session.query(DagRun).filter(DagRun.dag_id == "sparkdl_digits").order_by(DagRun.id.desc()).first()
+    tis = {ti.task_id: {"state": str(ti.state), "try_number": ti.try_number} for ti in run.get_task_instances(session=session)}
 
+    def xcom(task_id):
+        row = session.scalars(XComModel.get_many(run_id=run.run_id, dag_ids="sparkdl_digits", task_ids=task_id, key="return_value")).first()
+        return XComModel.deserialize_value(row) if row is not None else None
+
+    print("RESULT " + json.dumps({"run_id": run.run_id, "state": str(run.state), "tasks": tis, "train": xcom("train"), "evaluate": xcom("evaluate")}, default=str))
+"""
 
 def _session_processes(sid):
     """pid -> command line of every live (not zombie) process in session ``sid``."""
@@ -125,16 +129,25 @@ def airflow_python():
 
 @pytest.fixture(scope="module")
 def airflow_env(tmp_path_factory, airflow_python):
-    """The environment of an Airflow worker with a migrated SQLite metadata DB (one per module)."""
+    """An Airflow worker's environment: a migrated SQLite metadata DB, a DAGs folder holding only
+    the example DAG's file (as docs/deploy.md deploys it), Spark as the ``spark_default``
+    connection, and .venv's spark-submit on PATH (where a worker has its Spark client)."""
     home = tmp_path_factory.mktemp("airflow-home")
+    dags = home / "dags"
+    dags.mkdir()
+    shutil.copy(os.path.join(REPO_ROOT, "jobs", "airflow_dag.py"), dags / "airflow_dag.py")
     env = {
         k: v for k, v in os.environ.items()
-        if not k.startswith(("PYTHON", "VIRTUAL_ENV", "AIRFLOW")) and k != "PYTEST_CURRENT_TEST"
+        if not k.startswith(("PYTHON", "VIRTUAL_ENV", "AIRFLOW", "PYSPARK")) and k != "PYTEST_CURRENT_TEST"
     }
     env.update(
         AIRFLOW_HOME=str(home),
         AIRFLOW__CORE__LOAD_EXAMPLES="False",
-        AIRFLOW__CORE__DAGS_FOLDER=os.path.join(REPO_ROOT, "jobs"),
+        AIRFLOW__CORE__DAGS_FOLDER=str(dags),
+        AIRFLOW_CONN_SPARK_DEFAULT=json.dumps({"conn_type": "spark", "host": "local[2]"}),
+        PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+        SPARKDL_PYTHON=sys.executable,  # .venv: the interpreter with sparkdl that the driver and executors run
+        SPARKDL_EXAMPLES=os.path.join(REPO_ROOT, "examples"),
         SPARKDL_AIRFLOW_RETRY_DELAY_S="0",
         SPARK_LOCAL_IP="127.0.0.1",
     )
@@ -142,6 +155,20 @@ def airflow_env(tmp_path_factory, airflow_python):
     migrate = subprocess.run([airflow_bin, "db", "migrate"], env=env, capture_output=True, text=True, timeout=300)
     assert migrate.returncode == 0, migrate.stdout[-2000:] + migrate.stderr[-2000:]
     return env
+
+
+def _airflow(airflow_python, airflow_env, *args, timeout=600):
+    """The real ``airflow`` command of .venv-airflow; returns (exit code, stdout and stderr in order)."""
+    airflow_bin = os.path.join(os.path.dirname(airflow_python), "airflow")
+    done = subprocess.run([airflow_bin, *args], env=airflow_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    return done.returncode, done.stdout
+
+
+def _json_list(output):
+    """The JSON list a ``--output json`` command printed (its log lines come around it)."""
+    lines = [line for line in output.splitlines() if line.startswith("[{") or line.strip() == "[]"]
+    assert lines, output[-3000:]
+    return json.loads(lines[-1])
 
 
 def _run(airflow_python, airflow_env, script, cwd, timeout=600):
@@ -154,41 +181,88 @@ def _run(airflow_python, airflow_env, script, cwd, timeout=600):
     return (json.loads(lines[-1][len("RESULT "):]) if lines else None), output
 
 
-def test_dag_trains_on_spark_retries_from_checkpoint_and_evaluates(tmp_path, airflow_python, airflow_env):
+def test_the_operators_need_neither_torch_nor_pyspark_and_airflow_lists_the_provider(airflow_python, airflow_env):
+    probe = "import importlib.util, sys, sparkdl_airflow\nfrom sparkdl_airflow import SparkdlTrainOperator\nprint(importlib.util.find_spec('torch') is None, 'pyspark' in sys.modules)"
+    done = subprocess.run([airflow_python, "-c", probe], env=airflow_env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["True", "False"], done.stdout + done.stderr[-2000:]
+    code, listed = _airflow(airflow_python, airflow_env, "providers", "list", "--output", "json")
+    assert code == 0, listed[-2000:]
+    providers = {p["package_name"]: p for p in _json_list(listed)}
+    assert "sparkdl" in providers and "apache-airflow-providers-apache-spark" in providers, sorted(providers)
+    code, errors = _airflow(airflow_python, airflow_env, "dags", "list-import-errors", "--output", "json")
+    assert code == 0 and _json_list(errors) == [], errors[-3000:]  # the DAG file alone parses
+
+
+def test_the_dags_templates_need_only_what_every_run_has(airflow_python, airflow_env):
+    """Runs started by ``airflow dags trigger`` have no logical date in Airflow 3: every template
+    of the example DAG may use only what every run's context holds (``ds``, ``ts_nodash`` and the
+    like would fail such runs with ``UndefinedError``)."""
+    probe = """
+import json, os
+from jinja2 import Environment, meta
+from airflow.dag_processing.dagbag import DagBag
+
+dag = DagBag(os.environ["AIRFLOW__CORE__DAGS_FOLDER"]).get_dag("sparkdl_digits")
+env, found = Environment(), set()
+
+def strings(value):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from strings(item)
+
+for task in dag.tasks:
+    for field in task.template_fields:
+        for text in strings(getattr(task, field)):
+            found |= meta.find_undeclared_variables(env.parse(text))
+print("RESULT " + json.dumps(sorted(found)))
+"""
+    done = subprocess.run([airflow_python, "-c", probe], env=airflow_env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stdout[-2000:] + done.stderr[-3000:]
+    assert set(json.loads(lines[-1][len("RESULT "):])) == {"params", "run_id", "ti", "task"}
+
+
+def test_airflow_dags_test_trains_on_spark_retries_from_the_checkpoint_and_evaluates_held_out_rows(tmp_path, airflow_python, airflow_env):
     root = tmp_path / "root"
-    (tmp_path / "flaky.py").write_text(FLAKY_MODEL.format(marker=str(tmp_path / "failed-once"), steps=STEPS_PER_EPOCH))
-    conf = {
-        "root": str(root),
-        "python": sys.executable,  # .venv: the interpreter with sparkdl that the driver and executors run
-        "spark_submit": os.path.join(os.path.dirname(sys.executable), "spark-submit"),
-        "master": "local[2]",
-        "model_file": str(tmp_path / "flaky.py"),
-        "model": "flaky:make_model",
-        "epochs": 3,
-        "min_accuracy": 0.8,
-    }
-    runner = tmp_path / "run_dag.py"
-    runner.write_text(textwrap.dedent(RUNNER.format(repo=REPO_ROOT, conf=conf)))
-    outcome, output = _run(airflow_python, airflow_env, runner, tmp_path, timeout=900)
-    assert outcome is not None, output[-6000:]
+    import numpy as np
+
+    from sparkdl.data.selection import holdout_mask
+
+    validation_rows = int(holdout_mask(np.arange(TRAIN_ROWS), 0.1).sum())  # the DAG's validation=0.1 of the training split
+    steps_per_epoch = (TRAIN_ROWS - validation_rows) // (2 * 32)  # rows it trains on // (num_workers * batch_size)
+    (tmp_path / "flaky.py").write_text(FLAKY_MODEL.format(marker=str(tmp_path / "failed-once"), steps=steps_per_epoch))
+    conf = {"root": str(root), "model_file": str(tmp_path / "flaky.py"), "model": "flaky:make_model", "epochs": 3, "min_accuracy": 0.8}
+    code, output = _airflow(airflow_python, airflow_env, "dags", "test", "sparkdl_digits", "--conf", json.dumps(conf), timeout=900)
+    assert code == 0, output[-6000:]
+    (tmp_path / "result.py").write_text(RUN_RESULT)
+    outcome, text = _run(airflow_python, airflow_env, tmp_path / "result.py", tmp_path)
+    assert outcome is not None, text[-4000:]
 
     assert outcome["state"] == "success", outcome
     assert outcome["tasks"]["prepare_data"]["state"] == "success"
     # The injected failure failed the first try of `train` with the job's message...
     assert outcome["tasks"]["train"]["try_number"] == 2, outcome["tasks"]
-    assert "Marking task as UP_FOR_RETRY. dag_id=sparkdl_digits, task_id=train" in output, output[-6000:]
-    assert "sparkdl job failed (spark-submit exit 1)" in output and "injected failure in epoch 2" in output
+    assert "sparkdl job failed (spark-submit exit 1)" in output and "injected failure in epoch 2" in output, output[-6000:]
     # ...and the retry resumed from the checkpoint written at the end of epoch 1.
     train = outcome["train"]
     assert train["status"] == "succeeded"
     assert train["epochs"] == [1, 2, 3]
-    assert train["resumed_at_step"] == STEPS_PER_EPOCH
+    assert train["resumed_at_step"] == steps_per_epoch
     assert train["from_finished_checkpoint"] is False
     assert len(train["throughput"]["rank_samples_per_sec_mean"]) == 2
     assert os.path.isfile(os.path.join(train["model"], "state_dict.pt"))
-    assert all(r["samples"] == STEPS_PER_EPOCH * 64 for r in train["history"])  # the training split only
+    assert all(r["samples"] == steps_per_epoch * 64 and r["val_samples"] == validation_rows for r in train["history"])
+    assert train["final_validation"]["val_accuracy"] > 0.8
     metrics = json.load(open(train["metrics_path"]))
-    assert metrics["run"]["steps"] == {"resumed_at": STEPS_PER_EPOCH, "run": 2 * STEPS_PER_EPOCH, "total": 3 * STEPS_PER_EPOCH}
+    assert metrics["run"]["steps"] == {"resumed_at": steps_per_epoch, "run": 2 * steps_per_epoch, "total": 3 * steps_per_epoch}
+    # Keyed on the run id (no ':' or '+', which Spark's paths would misread).
+    key = outcome["run_id"].replace(":", "-").replace("+", "-")
+    assert train["model"] == str(root / "runs" / key / "model") and os.path.isdir(root / "ckpt" / key)
     # evaluate: predictions for the held-out rows only, written and scored; the XCom carries the accuracy.
     evaluate = outcome["evaluate"]
     assert outcome["tasks"]["evaluate"]["state"] == "success"
@@ -199,39 +273,37 @@ def test_dag_trains_on_spark_retries_from_checkpoint_and_evaluates(tmp_path, air
 
 # -- the operators alone: killing a task, a stale metrics.json, fail_below ------------------------
 
-SPARK = dict(
-    master="local[2]",
-    spark_submit=SPARK_SUBMIT,
+SPARK = dict(  # the connection (spark_default, from the environment) says where; these say how
     conf={
-        "spark.driver.host": "127.0.0.1",
         "spark.ui.enabled": "false",
         "spark.driver.extraJavaOptions": f"-Dlog4j.configurationFile=file:{REPO_ROOT}/jobs/log4j2.properties",
     },
-    env={"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable},
+    env_vars={"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable},
 )
 
+# A one-task DAG run by dag.test() with no logical date (as `airflow dags trigger` runs are). It
+# lives in the DAGs folder (Airflow 3 runs only DAGs it has parsed and serialized from there).
 ONE_TASK_DAG = """
-import json, os, sys
+import json
 import pendulum
 from datetime import timedelta
-sys.path.insert(0, {jobs!r})
-from airflow import DAG
+from airflow.sdk import DAG
 from sparkdl_airflow import SparkdlPredictOperator, SparkdlTrainOperator
 
 with DAG({dag_id!r}, schedule=None, start_date=pendulum.datetime(2024, 1, 1, tz="UTC"), catchup=False) as dag:
     task = {operator}(task_id="job", retry_delay=timedelta(seconds=0), **{kwargs!r})
-try:
-    run = dag.test()
-except BaseException as exc:  # AirflowTaskTerminated (a BaseException) ends the task process
-    print("TERMINATED " + type(exc).__name__, flush=True)
-    raise
-ti = run.get_task_instances()[0]
-print("RESULT " + json.dumps({{"state": str(ti.state), "try_number": ti.try_number}}), flush=True)
+
+if __name__ == "__main__":
+    run = dag.test(logical_date=None)
+    ti = run.get_task_instances()[0]
+    print("RESULT " + json.dumps({{"state": str(ti.state), "try_number": ti.try_number}}), flush=True)
 """
 
 
-def _one_task_dag(path, dag_id, operator, **kwargs):
-    path.write_text(ONE_TASK_DAG.format(jobs=os.path.join(REPO_ROOT, "jobs"), dag_id=dag_id, operator=operator, kwargs={**SPARK, **kwargs}))
+def _one_task_dag(airflow_env, dag_id, operator, **kwargs):
+    path = os.path.join(airflow_env["AIRFLOW__CORE__DAGS_FOLDER"], f"{dag_id}.py")
+    with open(path, "w") as handle:
+        handle.write(ONE_TASK_DAG.format(dag_id=dag_id, operator=operator, kwargs={**SPARK, **kwargs}))
     return path
 
 
@@ -263,11 +335,11 @@ threading.Event().wait()
 
 
 def test_killing_the_task_stops_spark_submit_its_driver_and_python_workers(tmp_path, airflow_python, airflow_env):
-    """Airflow kills a task by sending its process SIGTERM; the task instance's handler calls the
+    """Airflow kills a task by sending its process SIGTERM; the task runner's handler calls the
     operator's on_kill. Every process of spark-submit's session (the SparkSubmit JVM, the Python
     driver, the PySpark daemon and its task workers) must be gone afterwards."""
     (tmp_path / "blocking.py").write_text(BLOCKING_JOB)
-    runner = _one_task_dag(tmp_path / "kill_dag.py", "sparkdl_kill", "SparkdlTrainOperator", application=str(tmp_path / "blocking.py"), output_dir=str(tmp_path / "out"))
+    runner = _one_task_dag(airflow_env, "sparkdl_kill", "SparkdlTrainOperator", application=str(tmp_path / "blocking.py"), output_dir=str(tmp_path / "out"))
     task = subprocess.Popen([airflow_python, str(runner)], env=airflow_env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: "queue.Queue[Optional[str]]" = queue.Queue()
 
@@ -289,20 +361,21 @@ def test_killing_the_task_stops_spark_submit_its_driver_and_python_workers(tmp_p
             assert line is not None, "the job never reported both workers busy:\n" + "".join(output)[-4000:]
             output.append(line)
             if "BLOCKING " in line:
-                info = json.loads(line.split("BLOCKING ", 1)[1])
+                info = json.JSONDecoder().raw_decode(line.split("BLOCKING ", 1)[1])[0]  # the task log appends its fields
         sid = info["sid"]
         assert sid != os.getsid(task.pid)  # the operator started spark-submit in a session of its own
         running = _session_processes(sid)
         assert info["driver"] in running and all(w in running for w in info["workers"]), running
         assert any("org.apache.spark.deploy.SparkSubmit" in c for c in running.values()), running
 
-        task.send_signal(signal.SIGTERM)  # what Airflow's task runner does to kill a task
-        assert task.wait(timeout=120) != 0
+        task.send_signal(signal.SIGTERM)  # what Airflow's supervisor does to kill a task
+        task.wait(timeout=120)
         reader.join(timeout=30)
         while not lines.empty():
             output.append(lines.get() or "")
         text = "".join(output)
-        assert "Received SIGTERM. Terminating subprocesses." in text and "TERMINATED AirflowTaskTerminated" in text, text[-4000:]
+        assert "the task is being killed; stopping spark-submit" in text, text[-4000:]
+        assert 'RESULT {"state": "failed", "try_number": 1}' in text, text[-4000:]
         # JVM shutdown hooks and the PySpark daemon's exit take seconds on a loaded machine: a
         # generous bound, waited on with pidfds, not slept.
         left = _wait_exited(list(running), timeout=90)
@@ -334,16 +407,16 @@ sys.exit(1)
 def test_a_retry_that_dies_before_writing_metrics_does_not_report_the_previous_trys(tmp_path, airflow_python, airflow_env):
     output = tmp_path / "out"
     (tmp_path / "stale.py").write_text(STALE_JOB.format(marker=str(tmp_path / "try-1-ran")))
-    runner = _one_task_dag(tmp_path / "stale_dag.py", "sparkdl_stale", "SparkdlTrainOperator", application=str(tmp_path / "stale.py"), output_dir=str(output), retries=1)
+    runner = _one_task_dag(airflow_env, "sparkdl_stale", "SparkdlTrainOperator", application=str(tmp_path / "stale.py"), output_dir=str(output), retries=1)
     outcome, text = _run(airflow_python, airflow_env, runner, tmp_path, timeout=300)
     assert outcome == {"state": "failed", "try_number": 2}, text[-4000:]
     # Try 1 fails with the error its metrics.json holds; try 2 fails with its own spark-submit
     # output and never with try 1's error.
     _, first, second = text.split("[DAG TEST] running task <TaskInstance: sparkdl_stale.job")
     assert "sparkdl job failed (spark-submit exit 1): the error of try 1" in first, first[-4000:]
-    assert "Marking task as UP_FOR_RETRY. dag_id=sparkdl_stale, task_id=job" in first
     assert "the error of try 1" not in second, second[-4000:]
-    assert re.search(r"sparkdl job failed \(spark-submit exit 1\): [^\n]*\n(?:[^\n]*\n)*?try 2 died before writing metrics.json", second), second[-4000:]
+    found = re.search(r"sparkdl job failed \(spark-submit exit 1\) and wrote no (\S+)metrics.json: Cannot execute: .*try 2 died before writing metrics.json", second, re.S)
+    assert found and found.group(1) == f"{output}/", second[-4000:]
     assert not (output / "metrics.json").exists()  # removed before try 2, which wrote none
 
 
@@ -351,23 +424,24 @@ def test_fail_below_fails_the_task_naming_the_metric_its_value_and_the_threshold
     import torch
 
     import sparkdl
-    from tests.models import accuracy, digits_mlp, read_digits, write_digits_split
+    from examples.digits import write_split
+    from tests.models import accuracy, digits_mlp, read_digits
 
-    _, test = write_digits_split(str(tmp_path / "digits"))
+    _, test = write_split(str(tmp_path / "digits"))
     torch.manual_seed(0)
     module = digits_mlp()  # untrained: about 10% accuracy
     sparkdl.TorchModel(module, [], feature_cols=["features"], output_shape=[10], model_fn=digits_mlp).save(str(tmp_path / "model"))
     expected = accuracy(module, *read_digits(test))
     floor = round(expected + 0.05, 3)
     runner = _one_task_dag(
-        tmp_path / "eval_dag.py", "sparkdl_fail_below", "SparkdlPredictOperator",
-        output_dir=str(tmp_path / "eval"), py_files=[os.path.join(REPO_ROOT, "tests", "models.py")],
+        airflow_env, "sparkdl_fail_below", "SparkdlPredictOperator",
+        output_dir=str(tmp_path / "eval"), py_files=os.path.join(REPO_ROOT, "tests", "models.py"),
         arguments={"model": str(tmp_path / "model"), "model_factory": "models:digits_mlp", "data": test, "label": "label"},
-        fail_below={"accuracy": floor},
+        fail_below={"accuracy": floor}, retries=1,
     )
     outcome, text = _run(airflow_python, airflow_env, runner, tmp_path, timeout=300)
-    assert outcome == {"state": "failed", "try_number": 1}, text[-4000:]
-    found = re.search(r"AirflowException: accuracy = ([0-9.e-]+) is below the required ([0-9.]+) \(predictions in (\S+)\)", text)
+    assert outcome == {"state": "failed", "try_number": 1}, text[-4000:]  # not retried: it would score the same
+    found = re.search(r"AirflowFailException: accuracy = ([0-9.]+) is below the required ([0-9.]+) \(predictions in (\S+)\)", text)
     assert found, text[-4000:]
-    assert abs(float(found.group(1)) - expected) < 1e-9 and float(found.group(2)) == floor
-    assert json.load(open(tmp_path / "eval" / "metrics.json"))["evaluation"]["accuracy"] == float(found.group(1))
+    assert abs(float(found.group(1)) - expected) < 5e-5 and float(found.group(2)) == floor
+    assert abs(json.load(open(tmp_path / "eval" / "metrics.json"))["evaluation"]["accuracy"] - float(found.group(1))) < 5e-5

@@ -10,9 +10,9 @@ import sys
 import pytest
 
 import sparkdl
-from examples.digits import write_dataset
+from examples.digits import write_dataset, write_split
 from tests.conftest import REPO_ROOT
-from tests.models import accuracy, read_digits, write_digits_split
+from tests.models import accuracy, read_digits
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ def _submit(master, data, output, *extra, timeout=300):
 
 
 def test_spark_submit_trains_and_writes_model_and_metrics(tmp_path):
-    train, test = write_digits_split(str(tmp_path / "digits"))  # 1,437 training rows, 360 held out
+    train, test = write_split(str(tmp_path / "digits"))  # 1,437 training rows, 360 held out
     output = str(tmp_path / "run")
     result = _submit("local-cluster[2,1,1024]", train, output)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -16,8 +16,9 @@ import sys
 import pytest
 
 import sparkdl
+from examples.digits import write_split
 from tests.conftest import REPO_ROOT
-from tests.models import accuracy, digits_mlp, read_digits, write_digits_split
+from tests.models import accuracy, digits_mlp, read_digits
 
 SCRIPT = os.path.join(REPO_ROOT, "scripts", "standalone-cluster")
 BIN = os.path.dirname(sys.executable)
@@ -58,7 +59,7 @@ def test_spark_submit_trains_on_a_standalone_cluster(standalone, tmp_path):
     url, state_dir = standalone
     status = _cluster("status", state_dir)
     assert status.returncode == 0 and "2/2 worker(s) alive" in status.stderr, status.stderr
-    data, test = write_digits_split(str(tmp_path / "digits"))  # 1,437 training rows, 360 held out
+    data, test = write_split(str(tmp_path / "digits"))  # 1,437 training rows, 360 held out
     output = str(tmp_path / "run")
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
     command = [

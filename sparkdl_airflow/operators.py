@@ -1,0 +1,210 @@
+"""SparkdlTrainOperator and SparkdlPredictOperator: the Apache Spark provider's
+``SparkSubmitOperator`` running ``sparkdl train`` / ``sparkdl predict``.
+
+Spark is configured as Airflow users configure it for every Spark job: an Airflow connection
+(``conn_id``, default ``spark_default``: master, deploy mode, queue, spark-binary), with templated
+``conf``, ``py_files``, ``env_vars`` and the provider's YARN / Kubernetes application tracking and
+kill. What these operators add:
+
+* the job's options as a dict (``arguments={"data": ..., "epochs": 5}`` -> ``--data ... --epochs 5``;
+  ``True`` -> a bare flag), every value templated, and ``output_dir`` (the job's ``--output``);
+* the job's ``metrics.json`` (status, per-epoch history, per-rank throughput, run info) as the
+  task's XCom, summarized; a metrics.json left in ``output_dir`` by an earlier try is deleted
+  before each try, so a try cannot report another's figures;
+* a failed job fails the task with the job's own one-paragraph error, not spark-submit's command
+  line; a usage error (exit 2) or an evaluation under ``fail_below`` fails it without retries,
+  since a retry would fail the same way;
+* killing the task (a timeout, "mark failed": Airflow calls ``on_kill``) stops spark-submit, its
+  driver and their children: spark-submit runs in a session of its own whose process group gets
+  SIGTERM, then SIGKILL after ``kill_grace_seconds``; the provider's own kill (YARN application,
+  Kubernetes driver pod, standalone cluster driver) follows.
+
+``output_dir`` must be readable by the Airflow worker (local in client mode, or shared storage
+mounted on the worker) for the XCom; with ``checkpoint_dir`` templated per DAG run
+(``.../ckpt/{{ run_id }}``), an Airflow retry resumes from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from typing import Any, Dict, List, Optional, Sequence
+
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
+from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+
+from sparkdl_airflow.entry import PREDICT, TRAIN
+
+USAGE_ERROR = 2  # sparkdl train/predict: bad options; retrying cannot help
+
+
+class _SessionSparkSubmitHook(SparkSubmitHook):
+    """The provider's hook, but spark-submit starts a session of its own, so that a kill reaches
+    the driver and every process under it (the hook's own kill signals spark-submit alone, and a
+    Python driver outlives its JVM parent)."""
+
+    kill_grace_seconds: float = 20.0
+
+    def submit(self, application: str = "", **kwargs: Any) -> Optional[str]:
+        kwargs.setdefault("start_new_session", True)
+        return super().submit(application, **kwargs)
+
+    def on_kill(self) -> None:
+        process = getattr(self, "_submit_sp", None)
+        if process is not None and process.poll() is None:
+            self.log.info("sparkdl: the task is being killed; stopping spark-submit (pid %d) and every process of its session", process.pid)
+            _signal_group(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=self.kill_grace_seconds)
+            except subprocess.TimeoutExpired:
+                self.log.warning("spark-submit (pid %d) outlived SIGTERM by %.0f s; sending SIGKILL", process.pid, self.kill_grace_seconds)
+                _signal_group(process.pid, signal.SIGKILL)
+                process.wait()
+        super().on_kill()  # the cluster side: YARN application, Kubernetes pod, standalone driver
+
+
+class _SparkdlJobOperator(SparkSubmitOperator):
+    """spark-submit one sparkdl job and return a summary of its metrics.json."""
+
+    template_fields: Sequence[str] = (*SparkSubmitOperator.template_fields, "output_dir", "arguments")
+    template_fields_renderers = {"arguments": "json", "conf": "json"}
+    ui_color = "#f7c8a0"
+    default_application = ""
+
+    def __init__(
+        self,
+        *,
+        output_dir: str,
+        arguments: Optional[Dict[str, Any]] = None,
+        application: Optional[str] = None,
+        kill_grace_seconds: float = 20.0,
+        **kwargs: Any,
+    ) -> None:
+        if "application_args" in kwargs:
+            raise ValueError(f"{type(self).__name__} takes the job's options as arguments={{...}}, not application_args")
+        kwargs.setdefault("name", "sparkdl-{{ task.task_id }}")
+        super().__init__(application=application or self.default_application, **kwargs)
+        self.output_dir = output_dir
+        self.arguments = dict(arguments or {})
+        self.kill_grace_seconds = float(kill_grace_seconds)
+
+    def job_arguments(self) -> List[str]:
+        """The job's command line after the application: ``arguments`` as flags, then ``--output``."""
+        args: List[str] = []
+        for key, value in self.arguments.items():
+            if value is None or value is False:
+                continue
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                args.append(flag)
+            elif isinstance(value, (list, tuple)):  # a repeatable option: --metric a --metric b
+                for item in value:
+                    args += [flag, str(item)]
+            else:
+                args += [flag, str(value)]
+        return args + ["--output", self.output_dir]
+
+    def _get_hook(self) -> SparkSubmitHook:
+        hook = super()._get_hook()
+        hook.__class__ = _SessionSparkSubmitHook  # the same hook, with the two methods above
+        hook.kill_grace_seconds = self.kill_grace_seconds
+        return hook
+
+    @property
+    def metrics_path(self) -> str:
+        return os.path.join(self.output_dir, "metrics.json")
+
+    def execute(self, context: Any) -> Dict[str, Any]:
+        if os.path.exists(self.metrics_path):  # never report a previous try's metrics as this one's
+            os.remove(self.metrics_path)
+        self.application_args = self.job_arguments()
+        self._hook = None  # built afresh per try, from the rendered fields
+        try:
+            super().execute(context)
+        except AirflowException as exc:
+            metrics = _read_json(self.metrics_path) or {}
+            code = getattr(getattr(self._hook, "_submit_sp", None), "returncode", None)
+            error = metrics.get("error")
+            if error is None:  # the job died before it could say why: spark-submit's last lines do
+                raise AirflowException(f"sparkdl job failed (spark-submit exit {code}) and wrote no {self.metrics_path}: {exc}") from exc
+            failure = AirflowFailException if USAGE_ERROR in (code, metrics.get("exit_code")) else AirflowException
+            raise failure(f"sparkdl job failed (spark-submit exit {code}): {error}") from exc
+        metrics = _read_json(self.metrics_path)
+        if metrics is None:
+            raise AirflowException(f"spark-submit exited 0 but wrote no {self.metrics_path} (is output_dir readable by the Airflow worker?)")
+        return self.summary(metrics)
+
+    def summary(self, metrics: Dict[str, Any]) -> Dict[str, Any]:
+        return {**metrics, "metrics_path": self.metrics_path}
+
+
+class SparkdlTrainOperator(_SparkdlJobOperator):
+    """Trains with ``sparkdl train``; XCom: the final figures, the model's path, the history,
+    per-rank throughput, and where the run resumed.
+
+    ``arguments`` are ``sparkdl train``'s options without the dashes (``{"data": ..., "model":
+    "models:make_model", "epochs": 5, "validation": 0.2, "metric": ["accuracy"], "checkpoint_dir":
+    ...}``); ``py_files`` ships the model's module to the executors.
+    """
+
+    default_application = TRAIN
+
+    def summary(self, metrics: Dict[str, Any]) -> Dict[str, Any]:
+        history = metrics.get("history") or []
+        run = metrics.get("run") or {}
+        last = history[-1] if history else {}
+        return {
+            "status": metrics.get("status"),
+            "model": os.path.join(self.output_dir, "model"),
+            "metrics_path": self.metrics_path,
+            "epochs": [r.get("epoch") for r in history],
+            "final_loss": last.get("loss"),
+            "final_validation": {k: v for k, v in last.items() if k.startswith("val_") and k != "val_samples"},
+            "history": history,
+            "throughput": metrics.get("throughput"),
+            "resumed_at_step": (run.get("steps") or {}).get("resumed_at"),
+            "from_finished_checkpoint": run.get("from_finished_checkpoint"),
+            "attempts": len(run.get("attempts") or []),
+            "tracking": run.get("tracking"),
+            "wall_seconds": metrics.get("wall_seconds"),
+        }
+
+
+class SparkdlPredictOperator(_SparkdlJobOperator):
+    """Predicts with ``sparkdl predict``; with a ``label`` argument the XCom holds the evaluation,
+    and ``fail_below={"accuracy": 0.9}`` fails the task (without retries) under it."""
+
+    template_fields: Sequence[str] = (*_SparkdlJobOperator.template_fields, "fail_below")
+    default_application = PREDICT
+
+    def __init__(self, *, fail_below: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fail_below = dict(fail_below or {})
+
+    def summary(self, metrics: Dict[str, Any]) -> Dict[str, Any]:
+        evaluation = metrics.get("evaluation") or {}
+        for name, floor in self.fail_below.items():
+            value = evaluation.get(name)
+            if value is None:
+                raise AirflowFailException(f"fail_below names {name!r}, but the evaluation has only {sorted(evaluation)} (is label set?)")
+            if value < float(floor):
+                raise AirflowFailException(f"{name} = {value:.4f} is below the required {float(floor)} (predictions in {metrics.get('predictions')})")
+        return {k: metrics.get(k) for k in ("status", "rows", "evaluation", "predictions", "model", "wall_seconds")}
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:  # the whole group has exited already
+        pass
+
+
+def _read_json(path: str) -> Optional[Dict[str, Any]]:
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None

@@ -167,16 +167,32 @@ def _launch_once(
         threading.Thread(
             target=monitor.watch_start, args=(config.slot_wait_s, stop_watchdog), name="sparkdl-slot-watch", daemon=True
         ).start()
+
+    def stop_interrupted() -> None:
+        # A notebook user interrupted the kernel: stop the tasks too, not just the driver's wait.
+        # Through the monitor, so the ranks' disconnects that follow are no failures of theirs.
+        monitor.cancel_now()
+        if not session.connect:
+            # The channel stays open until Spark has killed them: closed first, each rank would end
+            # its own process (its heartbeat's exit), which Spark counts as a failed task, not a
+            # killed one. (Connect's interrupt does not kill a task in Python: there the ranks'
+            # own exit on the closed channel is what stops them, so no wait.)
+            monitor.wait_disconnected(timeout=15.0)
+
     session.add_tag(tag)
     try:
         results = session.run_barrier(
             config.num_workers, run_tasks, f"sparkdl: train on {config.num_workers} barrier tasks ({strategy.name})"
         )
     except KeyboardInterrupt:
-        # A notebook user interrupted the kernel: stop the tasks too, not just the driver's wait.
-        session.cancel(tag)
+        stop_interrupted()
         raise
     except Exception as exc:
+        if _raised_by_an_interrupt(exc):
+            # py4j's clean-up of the connection Ctrl-C interrupted can itself fail ("Answer from
+            # Java side is empty"); that error then stands in for the KeyboardInterrupt.
+            stop_interrupted()
+            raise KeyboardInterrupt from exc
         # The job failed or was cancelled; give the ranks' own reports a moment to arrive.
         monitor.wait_disconnected(timeout=15.0)
         monitor.cancel_now()  # settles the root-cause order now that every rank has hung up
@@ -195,6 +211,18 @@ def _launch_once(
     # Our own tasks' results, through Spark's result path (as mapPartitions' pickles were).
     values = {rank: cloudpickle.loads(value) for rank, value in results}
     return values.get(0)
+
+
+def _raised_by_an_interrupt(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while a KeyboardInterrupt was being handled."""
+    seen = set()
+    cause: Optional[BaseException] = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return True
+        seen.add(id(cause))
+        cause = cause.__context__
+    return False
 
 
 def _failure_from_spark(exc: BaseException) -> RankFailure:

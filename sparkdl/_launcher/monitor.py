@@ -99,17 +99,27 @@ class JobMonitor:
     def on_connect(self, rank: int) -> None:
         with self._cond:
             self.connected.add(rank)
-            self._progress[rank] = (-1, time.monotonic())
+            now = time.monotonic()
+            first_time = rank not in self._progress
+            self._progress[rank] = (-1, now)
+            if first_time and len(self._progress) == self.num_workers:
+                # The last rank started: the watchdog's clock starts now for every rank. Until
+                # then the early ranks wait for it at the rendezvous, which is no hang of theirs
+                # (a slow Python worker start of one executor must not name another rank).
+                self._progress = {r: (progress, now) for r, (progress, _) in self._progress.items()}
             self._cond.notify_all()
 
     def watch(self, timeout_s: float, stop: threading.Event) -> None:
-        """Fails the run when a rank's progress stands still for ``timeout_s`` (a hang)."""
+        """Fails the run when a rank's progress stands still for ``timeout_s`` (a hang), counted
+        from when every rank has started (a task that never starts is the slot watch's, or the
+        rendezvous timeout's: ``LaunchConfig.timeout_s``)."""
         while not stop.wait(min(1.0, timeout_s / 10)):
             now = time.monotonic()
             with self._cond:
+                everyone_started = len(self._progress) >= self.num_workers
                 stalled = [
                     (since, rank) for rank, (_, since) in self._progress.items()
-                    if now - since > timeout_s and rank not in self.finished and rank in self.connected
+                    if everyone_started and now - since > timeout_s and rank not in self.finished and rank in self.connected
                 ]
                 if not stalled or self._cancelled:
                     continue

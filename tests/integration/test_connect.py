@@ -158,18 +158,23 @@ def test_checkpoints_and_recovery_from_a_connect_client(connect_digits, tmp_path
 def _block_rank_1(ctx):
     import threading
 
+    torch.distributed.barrier()  # both ranks are up and past the rendezvous: the stall is rank 1's alone
     if ctx.rank == 1:
         ctx.set_phase("waiting on purpose")
         threading.Event().wait()  # no progress, heartbeats go on
-    for i in range(100_000):
+    for i in range(1_000_000):
         ctx.set_phase(f"polling {i}")
         time.sleep(0.05)
 
 
 def test_the_watchdog_cancels_a_hung_rank_from_a_connect_client(connect):
     started = time.monotonic()
+    # watchdog_timeout_s=5: rank 0 would be named only if all of its heartbeats (one a second)
+    # failed to arrive for 5 s; the clock starts once both ranks started (JobMonitor.on_connect).
     with pytest.raises(sparkdl.TrainingError) as info:
-        sparkdl.run(_block_rank_1, num_workers=2, spark=connect, progress=False, watchdog_timeout_s=3)
-    assert time.monotonic() - started < 90
+        sparkdl.run(_block_rank_1, num_workers=2, spark=connect, progress=False, watchdog_timeout_s=5)
+    # Generous: it only catches a watchdog that never fires (the run would stay blocked).
+    assert time.monotonic() - started < 180
     assert info.value.rank == 1 and info.value.exc_type == "WatchdogTimeout"
+    assert "while waiting on purpose" in str(info.value)
     assert sparkdl.run(lambda ctx: ctx.rank, num_workers=2, spark=connect, progress=False) == 0  # the cluster is free again

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 from typing import List
 
 import fsspec
@@ -139,21 +140,41 @@ def test_every_pass_is_freshly_seeded_and_reproducible(uneven):
     assert unshuffled == sorted(unshuffled)  # file order without shuffling
 
 
-def test_arrow_reader_prefetches_a_bounded_number_of_row_groups(uneven, monkeypatch):
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_arrow_reader_prefetches_a_bounded_number_of_row_groups(uneven, monkeypatch, ahead):
+    """While the consumer holds the first row group, the next ``prefetch_row_groups`` are read in
+    the background (waited for as events), and no more: not the whole shard."""
     info = inspect_dataset(uneven, ["id"], "label")
-    reads = []
+    assert info.num_row_groups == 7 > 1 + ahead
+    reads: List[tuple] = []
+    read = threading.Condition()
     original = selection.OpenFiles.read
 
     def recording(self, index, row_group, columns):
-        reads.append((index, row_group))
-        return original(self, index, row_group, columns)
+        table = original(self, index, row_group, columns)
+        with read:
+            reads.append((index, row_group))
+            read.notify_all()
+        return table
 
     monkeypatch.setattr(selection.OpenFiles, "read", recording)
-    stream = ArrowReader().read_pass(info, DataSpec(batch_size=4, shuffle=False, prefetch_row_groups=2), 0, 1, 0)
-    next(stream)
-    # The first row group was handed out; at most two more were read ahead — not the whole shard.
-    assert 1 <= len(reads) <= 3
-    stream.close()
+    stream = ArrowReader().read_pass(info, DataSpec(batch_size=4, shuffle=False, prefetch_row_groups=ahead), 0, 1, 0)
+    try:
+        first = next(stream)
+        assert ids_of(pairs(iter([first])))[:3] == [0, 1, 2]
+        # Read ahead while the consumer still holds the first row group (no next() yet).
+        with read:
+            assert read.wait_for(lambda: len(reads) >= 1 + ahead, timeout=10.0), (
+                f"prefetch_row_groups={ahead}: only {len(reads) - 1} row group(s) were read ahead of the consumer"
+            )
+            # And no further: an absence has no event to wait on, so it gets a bounded window. A
+            # local row group reads in milliseconds; a reader that does not stop would show here
+            # (a loaded machine can only hide an over-read, never fail a correct reader).
+            assert not read.wait_for(lambda: len(reads) > 1 + ahead, timeout=0.5), reads
+    finally:
+        stream.close()  # cancels what was not started and waits for the reading thread
+    # The reads are in order, and bounded: the consumer took one, the thread read ``ahead`` more.
+    assert reads == [(0, 0), (0, 1), (0, 2), (0, 3)][: 1 + ahead]
 
 
 @pytest.mark.parametrize("reader_name", READERS)

@@ -212,6 +212,33 @@ def test_the_watchdog_fails_the_rank_whose_progress_stands_still_and_names_its_p
     assert str(TrainingError(monitor.failures)).startswith("training failed on rank 1 while rendezvous: WatchdogTimeout")
 
 
+def test_the_watchdog_clock_starts_when_the_last_rank_starts():
+    """Rank 0 waits at the rendezvous while rank 1's task is slow to start: no hang of rank 0's.
+    Once rank 1 started, rank 1 is the one that stands still, and is named."""
+    monitor, cancel = _monitor(2, settle_s=0.05)
+    _start(monitor, 0)
+    monitor.on_message(0, {"kind": "heartbeat", "progress": 1, "phase": "connecting to the rendezvous store"})
+    stop = threading.Event()
+    watchdog = threading.Thread(target=monitor.watch, args=(0.3, stop))
+    watchdog.start()
+    try:
+        # Twice the timeout with rank 0 standing still: the watchdog must not fire. An absence
+        # has no event to wait on; the wait is the time that passes.
+        assert not cancel.called.wait(0.6), monitor.failures
+        _start(monitor, 1)
+        monitor.on_message(1, {"kind": "heartbeat", "progress": 1, "phase": "rendezvous"})
+        step = 1
+        while not cancel.called.wait(0.02):  # rank 0 moves on; rank 1 stands still
+            step += 1
+            monitor.on_message(0, {"kind": "heartbeat", "progress": step, "phase": "training epoch 1"})
+            assert step < WAIT_S / 0.02, "the watchdog never fired"
+        watchdog.join(WAIT_S)
+    finally:
+        stop.set()
+    (failure,) = monitor.failures
+    assert (failure.rank, failure.exc_type, failure.phase) == (1, "WatchdogTimeout", "rendezvous")
+
+
 def test_the_watchdog_stops_quietly_when_told_to():
     monitor, cancel = _monitor(1)
     _start(monitor, 0)

@@ -123,32 +123,73 @@ def test_a_finite_step_is_taken_and_an_overflow_is_skipped_with_a_lower_scale():
     assert torch.equal(layer.weight, before) and runtime.scaler.get_scale() == 512.0
 
 
-def test_an_overflow_on_another_rank_skips_this_ranks_step_too():
-    sent: List[float] = []
-
-    def other_rank_overflowed(flag: torch.Tensor) -> torch.Tensor:
-        sent.append(float(flag))
-        return torch.ones_like(flag)
-
-    runtime = _scaled_runtime(world_size=2, all_reduce_max=other_rank_overflowed)
-    layer, x, inner = _problem()
-    after_steps: List[int] = []
-    # The averaging strategies' wrapper counts step() calls to schedule their collectives.
-    optimizer = _SyncingOptimizer(inner, lambda: after_steps.append(1))
-    before = layer.weight.detach().clone()
-    assert runtime.backward_and_step(layer(x).pow(2).mean(), optimizer) is False
-    assert sent == [0.0]  # this rank's own gradients were finite
-    assert torch.equal(layer.weight, before) and after_steps == []
-    assert runtime.scaler.get_scale() == 512.0  # the same scale as the rank that overflowed
+# Scenarios for two real gloo ranks: which ranks' gradients overflow. Each rank runs every one,
+# through the default all-reduce (torch.distributed's MAX), and records what it did.
+OVERFLOWS = {"rank 1 only": {1}, "rank 0 only": {0}, "none": set()}
 
 
-def test_when_no_rank_overflows_every_rank_steps():
-    runtime = _scaled_runtime(world_size=2, all_reduce_max=lambda flag: flag)
-    layer, x, inner = _problem()
-    after_steps: List[int] = []
-    optimizer = _SyncingOptimizer(inner, lambda: after_steps.append(1))
-    assert runtime.backward_and_step(layer(x).pow(2).mean(), optimizer) is True
-    assert after_steps == [1]
+def _overflow_worker(rank: int, port: int, out_dir: str) -> None:
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if "lo" in {name for _, name in socket.if_nameindex()}:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+    results: Dict[str, Any] = {}
+    try:
+        for name, overflowing in OVERFLOWS.items():
+            runtime = _scaled_runtime(world_size=2)  # no all_reduce_max: torch.distributed's
+            poisoned = rank in overflowing
+            layer, x, inner = _problem(poison=poisoned)
+            after_steps: List[int] = []
+            # The averaging strategies' wrapper counts step() calls to schedule their collectives.
+            optimizer = _SyncingOptimizer(inner, lambda: after_steps.append(1))
+            before = layer.weight.detach().clone()
+            loss = layer(x).sum() if poisoned else layer(x).pow(2).mean()
+            stepped = runtime.backward_and_step(loss, optimizer)
+            results[name] = {
+                "stepped": stepped,
+                "weights_moved": not torch.equal(layer.weight, before),
+                "after_steps": len(after_steps),
+                "scale": runtime.scaler.get_scale(),
+            }
+    finally:
+        dist.destroy_process_group()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def overflow_ranks(tmp_path_factory) -> List[Dict[str, Any]]:
+    """What each of two real gloo ranks did in every OVERFLOWS scenario (one spawn, ~5 s)."""
+    import datetime
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    out_dir = tmp_path_factory.mktemp("overflow")
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+    mp.spawn(_overflow_worker, args=(store.port, str(out_dir)), nprocs=2, join=True)
+    del store
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("scenario", ["rank 1 only", "rank 0 only"])
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank_alike(overflow_ranks, scenario):
+    for rank in (0, 1):
+        seen = overflow_ranks[rank][scenario]
+        # Both skip, neither the inner optimizer nor the strategy's after-step ran, and both lower
+        # the scale alike (the rank with finite gradients too), so the ranks stay in step.
+        assert seen == {"stepped": False, "weights_moved": False, "after_steps": 0, "scale": 512.0}, (rank, seen)
+
+
+def test_when_no_rank_overflows_every_rank_steps(overflow_ranks):
+    for rank in (0, 1):
+        assert overflow_ranks[rank]["none"] == {"stepped": True, "weights_moved": True, "after_steps": 1, "scale": 1024.0}
 
 
 def test_the_scaler_state_survives_a_checkpoint():

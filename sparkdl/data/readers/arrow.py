@@ -71,7 +71,8 @@ class ArrowReader(DataReader):
         upcoming = iter(order)
         try:
             while True:
-                while len(pending) < spec.prefetch_row_groups:
+                # The one about to be consumed, and prefetch_row_groups more read while it is.
+                while len(pending) < spec.prefetch_row_groups + 1:
                     group = next(upcoming, None)
                     if group is None:
                         break

@@ -30,6 +30,7 @@ from sparkdl._tcpserver import recv_exact
 from sparkdl.strategies.parameter_server.transport import ShardClient
 from sparkdl.strategies.parameter_server.wire import GREETING, ParameterServerError
 from tests.models import accuracy, digits_mlp
+from tests.sockets import closed_by_server
 
 pytestmark = pytest.mark.spark
 
@@ -141,20 +142,6 @@ class _DriverLog(logging.Handler):
             return found()
 
 
-def _closed_by_server(sock: socket.socket, timeout: float = 60.0) -> bool:
-    sock.settimeout(timeout)
-    try:
-        while sock.recv(1 << 16):
-            pass
-    except (ConnectionResetError, BrokenPipeError):
-        pass
-    except TimeoutError:
-        return False
-    finally:
-        sock.close()
-    return True
-
-
 def test_an_established_worker_keeps_training_while_a_bad_peer_attacks_its_server(spark, digits_df, digits_split):
     log = _DriverLog()
     rank1 = logging.getLogger("sparkdl.rank1")
@@ -190,7 +177,7 @@ def test_an_established_worker_keeps_training_while_a_bad_peer_attacks_its_serve
         assert recv_exact(half_open, len(GREETING), time.monotonic() + 30) == GREETING
         garbage = socket.create_connection(address, timeout=30)
         garbage.sendall(os.urandom(4096))
-        assert _closed_by_server(garbage)
+        assert closed_by_server(garbage, timeout=60.0)
         with pytest.raises(ParameterServerError, match="handshake with the parameter server on rank 1 failed"):
             ShardClient(address, os.urandom(32), 0, 1, timeout_s=30)  # claims to be rank 0, wrong secret
         runner.join(START_WAIT_S)

@@ -41,6 +41,7 @@ from sparkdl.strategies.parameter_server.wire import (
     client_handshake,
     server_handshake,
 )
+from tests.sockets import closed_by_server
 
 WORLD = 8
 SECRET = bytes(range(32))
@@ -122,21 +123,6 @@ def _sealed(keys: FrameProtection, header: Header, payload: bytes = b"") -> byte
     return keys.sealer.seal(header.encode(), payload)
 
 
-def _closed_by_server(sock: socket.socket, timeout: float = 30.0) -> bool:
-    """True once the server has closed the connection (EOF or reset), False on timeout."""
-    sock.settimeout(timeout)
-    try:
-        while sock.recv(1 << 16):
-            pass
-    except (ConnectionResetError, BrokenPipeError):
-        pass
-    except TimeoutError:
-        return False
-    finally:
-        sock.close()
-    return True
-
-
 def _warnings(caplog) -> str:
     return "\n".join(r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno >= logging.WARNING)
 
@@ -212,7 +198,7 @@ def test_garbage_bytes_are_dropped_and_logged(server, caplog):
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         sock = socket.create_connection(server.address, timeout=10)
         sock.sendall(os.urandom(4096))
-        assert _closed_by_server(sock)
+        assert closed_by_server(sock)
         _good_client_is_served(server, 1)
     assert "dropping unauthenticated peer" in _warnings(caplog)
     assert "authentication failed" in _warnings(caplog)
@@ -222,7 +208,7 @@ def test_garbage_after_authenticating_is_dropped_and_the_worker_counts_as_lost(s
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         sock = _authenticated(server.address, 4)
         sock.sendall(os.urandom(HEADER.size))
-        assert _closed_by_server(sock)
+        assert closed_by_server(sock)
         _good_client_is_served(server, 1)
     assert "dropping rank 4" in _warnings(caplog) and "bad frame magic" in _warnings(caplog)
     assert server.wait_for(lambda clock: 4 in clock.lost)
@@ -233,7 +219,7 @@ def test_a_truncated_message_times_out_and_is_dropped(quick_server, caplog):
         sock = _authenticated(quick_server.address, 5)
         sock.sendall(Header(Kind.PUSH, F32, 0, 5, 0, 1, PUSH_BYTES).encode() + b"\0" * (PUSH_BYTES // 2))
         started = time.monotonic()
-        assert _closed_by_server(sock), "a stalled frame must not hold the connection forever"
+        assert closed_by_server(sock), "a stalled frame must not hold the connection forever"
         assert time.monotonic() - started < 20
         _good_client_is_served(quick_server, 1)
     assert "dropping rank 5" in _warnings(caplog) and "timed out" in _warnings(caplog)
@@ -243,7 +229,7 @@ def test_a_truncated_message_times_out_and_is_dropped(quick_server, caplog):
 def test_a_stalled_handshake_times_out(quick_server, caplog):
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         sock = socket.create_connection(quick_server.address, timeout=10)
-        assert _closed_by_server(sock)
+        assert closed_by_server(sock)
     assert "handshake not completed within 1s" in _warnings(caplog)
 
 
@@ -280,7 +266,7 @@ def test_oversized_or_inconsistent_headers_are_dropped_before_any_payload(server
         sock, keys = _authenticated_with_keys(server.address, 6)
         payload = b"\0" * 8 + bytes(byte_view(torch.ones(N))) if header.length == PUSH_BYTES else b""
         sock.sendall(_sealed(keys, header, payload))  # authentic frames: the checks still apply
-        assert _closed_by_server(sock)
+        assert closed_by_server(sock)
         _good_client_is_served(server, 1)
     assert message in _warnings(caplog)
     assert server.shard.updates == 1
@@ -291,7 +277,7 @@ def test_a_negative_learning_rate_is_rejected(server, caplog):
         sock, keys = _authenticated_with_keys(server.address, 6)
         lrs = torch.tensor([-1.0], dtype=torch.float64)
         sock.sendall(_sealed(keys, Header(Kind.PUSH, F32, 0, 6, 0, 1, PUSH_BYTES), bytes(byte_view(lrs)) + bytes(byte_view(torch.ones(N)))))
-        assert _closed_by_server(sock)
+        assert closed_by_server(sock)
         _good_client_is_served(server, 1)
     assert "negative or infinite learning rate" in _warnings(caplog)
 
@@ -300,9 +286,9 @@ def test_a_rank_cannot_connect_twice_or_as_the_server_itself(server, caplog):
     first = _authenticated(server.address, 2)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         second = _authenticated(server.address, 2)
-        assert _closed_by_server(second)
+        assert closed_by_server(second)
         itself = _authenticated(server.address, 0)
-        assert _closed_by_server(itself)
+        assert closed_by_server(itself)
     first.close()
     assert "rank 2 is already connected" in _warnings(caplog)
     assert "invalid rank 0" in _warnings(caplog)
@@ -336,7 +322,7 @@ def test_pending_handshakes_are_capped_while_an_established_worker_keeps_being_s
             # ...and served as soon as one pending peer gives up (its EOF frees the slot before
             # the server closes its side, which is what the attacker reads).
             idle[0].shutdown(socket.SHUT_WR)
-            assert _closed_by_server(idle.pop(0))
+            assert closed_by_server(idle.pop(0))
             assert srv.server.pending_handshakes == MAX_PENDING_HANDSHAKES - 1
             _good_client_is_served(srv, 5, updates_before=1)
             assert torch.equal(_push(established, clock=1), torch.arange(N, dtype=torch.float32) - 1.5)
@@ -455,7 +441,7 @@ def test_close_stops_the_server_and_its_threads():
     srv = _Server()
     idle = _authenticated(srv.address, 1)
     srv.server.close()
-    assert _closed_by_server(idle)
+    assert closed_by_server(idle)
     assert not srv.server._accept_thread.is_alive()
     assert not srv.server._threads
     with pytest.raises(OSError):
@@ -492,7 +478,7 @@ def test_an_encryption_mismatch_fails_the_handshake_on_both_sides(caplog, server
             sock = socket.create_connection(srv.address, timeout=10)
             with pytest.raises(WireError, match="encryption mismatch"):
                 client_handshake(sock, SECRET, 2, time.monotonic() + 10, not server_encrypts)
-            assert _closed_by_server(sock)  # so the server has logged why
+            assert closed_by_server(sock)  # so the server has logged why
             # The refused rank never became a worker: it may still connect, with the right setting.
             client = ShardClient(srv.address, SECRET, 2, 0, timeout_s=10, encrypt=server_encrypts)
             assert torch.equal(_push(client), torch.arange(N, dtype=torch.float32) - 0.5)
@@ -510,7 +496,7 @@ def test_a_frame_with_a_forged_tag_is_dropped_before_it_is_applied(server, caplo
         header = Header(Kind.PUSH, F32, 0, 4, 0, 1, PUSH_BYTES)
         # A well-formed push as it was sent before frame protection, and 16 bytes for the tag.
         sock.sendall(header.encode() + bytes(byte_view(lrs)) + bytes(byte_view(torch.ones(N))) + os.urandom(TAG_BYTES))
-        assert _closed_by_server(sock)
+        assert closed_by_server(sock)
         _good_client_is_served(server, 1)
     assert "dropping rank 4" in _warnings(caplog) and "failed its integrity check" in _warnings(caplog)
     assert server.shard.updates == 1  # only the good client's push
@@ -521,7 +507,7 @@ def test_a_forged_bye_does_not_count_as_a_clean_goodbye(server, caplog):
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         sock = _authenticated(server.address, 5)
         sock.sendall(Header(Kind.BYE, 0, 0, 5, 0, 0, 0).encode() + b"\0" * TAG_BYTES)
-        assert _closed_by_server(sock)
+        assert closed_by_server(sock)
     assert server.wait_for(lambda clock: 5 in clock.lost)
     assert 5 not in server.shard.clock.finished
     assert "failed its integrity check" in _warnings(caplog)

@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 import torch.distributed as dist
 
 import connectors
@@ -142,6 +143,14 @@ def test_a_parquet_url_and_a_parquet_source_are_read_in_place_never_copied(spark
     # 96 rows, 2 ranks of 8-row batches: 6 steps, exactly one file per rank, in file order.
     assert run(str(tmp_path / "data")) == [list(range(0, 48)), list(range(100, 148))]
     assert _disk(cache_root) == on_disk and cache.cached_urls() == cached, "a Parquet URL was copied"
+    # The estimator takes the same path: fit on the URL trains on the 96 rows, copying nothing.
+    model = sparkdl.TorchEstimator(
+        model=lambda: torch.nn.Linear(1, 2), optimizer=lambda params: torch.optim.SGD(params, lr=1e-4),
+        loss=torch.nn.functional.cross_entropy, feature_cols=["id"], label_col="label",
+        num_workers=2, batch_size=8, epochs=1, progress=False,
+    ).fit(str(tmp_path / "data"))
+    assert model.history[0]["samples"] == 96
+    assert _disk(cache_root) == on_disk and cache.cached_urls() == cached, "fit copied a Parquet URL"
     # An explicit list is read in its own order, so the ranks swap files.
     assert run(connectors.ParquetSource([second, first])) == [list(range(100, 148)), list(range(0, 48))]
     assert _disk(cache_root) == on_disk and cache.cached_urls() == cached, "a ParquetSource was copied"

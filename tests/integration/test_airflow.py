@@ -79,8 +79,8 @@ with create_session() as session:
     print("RESULT " + json.dumps({"run_id": run.run_id, "state": str(run.state), "tasks": tis, "train": xcom("train"), "evaluate": xcom("evaluate")}, default=str))
 """
 
-def _session_processes(sid):
-    """pid -> command line of every live (not zombie) process in session ``sid``."""
+def _live_processes():
+    """pid -> (session id, command line) of every live (not zombie) process."""
     found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -92,9 +92,27 @@ def _session_processes(sid):
                 cmdline = handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-        if fields[0] not in ("Z", "X") and int(fields[3]) == sid:  # fields[3]: the session id
-            found[int(entry)] = cmdline
+        if fields[0] not in ("Z", "X"):
+            found[int(entry)] = (int(fields[3]), cmdline)  # fields[3]: the session id
     return found
+
+
+def _session_processes(sid):
+    """pid -> command line of every live process in session ``sid``."""
+    return {pid: cmdline for pid, (session, cmdline) in _live_processes().items() if session == sid}
+
+
+def _kill_everything_of(marker, sids=()):
+    """SIGKILLs the sessions ``sids`` and those of every process whose command line names
+    ``marker`` (a test's own directory): a failed test leaves nothing running."""
+    live = _live_processes()
+    doomed = set(sids) | {session for session, cmdline in live.values() if marker in cmdline}
+    for pid, (session, _) in live.items():
+        if session in doomed and session != os.getsid(0):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def _wait_exited(pids, timeout):
@@ -383,11 +401,7 @@ def test_killing_the_task_stops_spark_submit_its_driver_and_python_workers(tmp_p
     finally:
         if task.poll() is None:
             os.killpg(task.pid, signal.SIGKILL)
-        for pid in _session_processes(sid) if sid else ():
-            try:
-                os.kill(pid, signal.SIGKILL)  # a failed test leaves nothing running
-            except ProcessLookupError:
-                pass
+        _kill_everything_of(str(tmp_path), [sid] if sid else [])
 
 
 STALE_JOB = """

@@ -200,8 +200,9 @@ def _plot(docs: List[Dict[str, Any]], path: str) -> None:
     from sparkdl.plotting import plot_history
 
     labelled: Dict[str, Any] = {}
-    for doc in docs:
-        labelled[run_label(doc)] = doc.get("history") or []
+    for index, doc in enumerate(docs, 1):
+        label = run_label(doc)
+        labelled[label if label not in labelled else f"{label} #{index}"] = doc.get("history") or []  # same strategy and dir name
     try:
         plot_history(labelled if len(labelled) > 1 else next(iter(labelled.values())), path=path)
     except ConfigError as exc:

@@ -96,3 +96,15 @@ def test_plot_refuses_a_dataset(tmp_path, capsys):
     pq.write_table(pa.table({"x": [1.0, 2.0]}), str(tmp_path / "part-0.parquet"))
     assert cli.sparkdl_main(["inspect", str(tmp_path), "--plot", str(tmp_path / "p.png")]) == 2
     assert "is a dataset: several paths and --plot take runs" in capsys.readouterr().err
+
+
+def test_runs_of_the_same_strategy_and_directory_name_are_all_drawn(tmp_path, capsys):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "y").mkdir()
+    first = _write_run(tmp_path / "x" / "run", "allreduce", _history([2.0, 1.0], [0.5, 0.9]))
+    second = _write_run(tmp_path / "y" / "run", "allreduce", _history([3.0, 2.0], [0.3, 0.6]))
+    png = tmp_path / "both.png"
+    assert cli.sparkdl_main(["inspect", first, second, "--plot", str(png)]) == 0
+    with PILImage.open(png) as image:
+        colours = {colour for _, colour in image.convert("RGB").getcolors(maxcolors=1 << 20)}
+    assert {(31, 119, 180), (255, 127, 14)} <= colours  # two runs, two colours

@@ -208,10 +208,14 @@ def local_cache_dir() -> str:
     if not _stale_checked:
         _stale_checked = True
         remove_stale_caches()
-    path = os.path.join(tempfile.gettempdir(), f"sparkdl-cache-{os.getpid()}")
+    path = _own_local_dir()
     os.makedirs(path, mode=0o700, exist_ok=True)
     os.chmod(path, 0o700)  # makedirs' mode is filtered by the umask
     return path
+
+
+def _own_local_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), f"sparkdl-cache-{os.getpid()}")
 
 
 def _at_exit() -> None:
@@ -219,7 +223,7 @@ def _at_exit() -> None:
     empty, it would otherwise wait in the temp dir for the next driver's stale-cache sweep)."""
     clear_cache()
     try:
-        os.rmdir(os.path.join(tempfile.gettempdir(), f"sparkdl-cache-{os.getpid()}"))
+        os.rmdir(_own_local_dir())
     except OSError:  # never made (no DataFrame, or spark.sparkdl.cacheDir), or not ours to empty
         pass
 

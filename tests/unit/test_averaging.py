@@ -9,16 +9,12 @@ synchronization shows up as unequal replicas.
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
 from typing import Any, Dict, List
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import sparkdl
 from sparkdl._rendezvous import DistEnv
@@ -26,6 +22,7 @@ from sparkdl.errors import ConfigError
 from sparkdl.strategies._tensors import SyncingOptimizer
 from sparkdl.strategies.averaging import ElasticAveraging, ModelAveraging
 from sparkdl.strategies.base import strategy_from_name
+from tests.gloo import join_group, save_results, spawn_ranks
 
 WORLD = 2
 LR = 0.05
@@ -113,12 +110,7 @@ def _misuse(env: DistEnv) -> Dict[str, str]:
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    if "lo" in {name for _, name in socket.if_nameindex()}:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
-    timeout = datetime.timedelta(seconds=60)
-    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
+    join_group(rank, port, WORLD)
     env = DistEnv(rank=rank, world_size=WORLD, device=torch.device("cpu"), backend="gloo", master_addr="127.0.0.1", master_port=port)
     try:
         ma = ModelAveraging(sync_every=MA["sync_every"], warmup_steps=MA["warmup_steps"])
@@ -131,19 +123,13 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         }
     finally:
         dist.destroy_process_group()
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    save_results(results, out_dir, rank)
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> List[Dict[str, Any]]:
     """Every rank's recordings, indexed by rank."""
-    out_dir = tmp_path_factory.mktemp("averaging")
-    # The parent hosts the store on a kernel-chosen port (no pick-then-bind race); it stays open
-    # until the ranks are done.
-    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
-    mp.spawn(_worker, args=(store.port, str(out_dir)), nprocs=WORLD, join=True)
-    del store
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, WORLD, str(tmp_path_factory.mktemp("averaging")))
 
 
 def _floating(snapshot: Dict[str, torch.Tensor]) -> List[str]:

@@ -25,6 +25,7 @@ from sparkdl.data.readers import reader_from_name
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.allreduce import AllReduce
 from sparkdl.strategies._tensors import SyncingOptimizer as _SyncingOptimizer
+from tests.gloo import join_group, save_results, spawn_ranks
 
 CPU = torch.device("cpu")
 
@@ -129,17 +130,9 @@ OVERFLOWS = {"rank 1 only": {1}, "rank 0 only": {0}, "none": set()}
 
 
 def _overflow_worker(rank: int, port: int, out_dir: str) -> None:
-    import datetime
-    import socket
-
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    if "lo" in {name for _, name in socket.if_nameindex()}:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
-    timeout = datetime.timedelta(seconds=60)
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+    join_group(rank, port, 2)
     results: Dict[str, Any] = {}
     try:
         for name, overflowing in OVERFLOWS.items():
@@ -160,22 +153,13 @@ def _overflow_worker(rank: int, port: int, out_dir: str) -> None:
             }
     finally:
         dist.destroy_process_group()
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    save_results(results, out_dir, rank)
 
 
 @pytest.fixture(scope="module")
 def overflow_ranks(tmp_path_factory) -> List[Dict[str, Any]]:
     """What each of two real gloo ranks did in every OVERFLOWS scenario (one spawn, ~5 s)."""
-    import datetime
-
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    out_dir = tmp_path_factory.mktemp("overflow")
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
-    mp.spawn(_overflow_worker, args=(store.port, str(out_dir)), nprocs=2, join=True)
-    del store
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return spawn_ranks(_overflow_worker, 2, str(tmp_path_factory.mktemp("overflow")))
 
 
 @pytest.mark.parametrize("scenario", ["rank 1 only", "rank 0 only"])

@@ -1,0 +1,43 @@
+"""Real multi-process gloo groups for the unit tests: the parent hosts the store, each spawned
+rank joins it, runs a function and saves what it recorded; the parent returns every rank's."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Any, Callable, List
+
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def join_group(rank: int, port: int, world_size: int) -> None:
+    """In a spawned rank: one thread, loopback only, the parent's store, a gloo group."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if "lo" in {name for _, name in socket.if_nameindex()}:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
+
+
+def save_results(results: Any, out_dir: str, rank: int) -> None:
+    import torch
+
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def spawn_ranks(worker: Callable[..., None], world_size: int, out_dir: str) -> List[Any]:
+    """Runs ``worker(rank, port, out_dir)`` in ``world_size`` processes and returns what each
+    saved with :func:`save_results`, by rank. The store listens on a kernel-chosen port (no
+    pick-then-bind race) and stays open until the ranks are done."""
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+    mp.spawn(worker, args=(store.port, str(out_dir)), nprocs=world_size, join=True)
+    del store
+    return [torch.load(os.path.join(str(out_dir), f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -6,6 +6,11 @@ a markdown table. Run from the repository root::
 
     .venv/bin/python benchmarks/strategies.py            # defaults: --epochs 10 --repeats 3
 
+``--part diloco`` compares DiLoCo (``ModelAveraging(outer_optimizer=OuterSGD(lr=0.7, momentum=0.9,
+nesterov=True))``) with plain ``ModelAveraging`` at the same τ ∈ {16, 64} and with AllReduce, on
+equal samples (``--diloco-epochs``, default 30: 660 steps per rank, so τ = 64 gets 10 syncs and
+the final one); ``--part all`` runs both tables.
+
 Columns: samples/s is the steady state (the mean of the per-epoch throughput over epochs 2..N,
 averaged over repeats); comm bytes/epoch is what one rank put into model-sync collectives per
 epoch (the history's ``comm_bytes``, mean over epochs); test accuracy is after the fixed number
@@ -72,6 +77,8 @@ def main(argv: Sequence[str] = ()) -> None:
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     parser.add_argument("--repeats", type=int, default=3, help="fits per strategy, seeds seed..seed+repeats-1; throughput and accuracy are averaged")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--part", choices=("strategies", "diloco", "all"), default="strategies", help="which table(s) to measure")
+    parser.add_argument("--diloco-epochs", type=int, default=30, help="epochs of every fit of the DiLoCo table")
     args = parser.parse_args(list(argv))
 
     from _spark import local_cluster
@@ -99,27 +106,35 @@ def main(argv: Sequence[str] = ()) -> None:
         # first strategy measured does not pay for them.
         fit(sparkdl.AllReduce(), 1)
 
-        rows = []
-        for name, strategy in strategies():
-            throughput: List[float] = []
-            scores: List[float] = []
-            comm: List[float] = []
-            for repeat in range(args.repeats):
-                started = time.time()
-                # A different seed per repeat: accuracy differences of a point are within the
-                # spread between seeds on a 360-row test set, so compare means.
-                model = fit(strategy, args.epochs, seed=args.seed + repeat)
-                steady = [h["samples_per_sec"] for h in model.history[1:]] or [model.history[0]["samples_per_sec"]]
-                throughput.append(statistics.mean(steady))
-                comm.append(statistics.mean(h["comm_bytes"] for h in model.history))
-                with torch.no_grad():
-                    predicted = model.module(torch.from_numpy(test_x)).argmax(1).numpy()
-                scores.append(float((predicted == test_y).mean()))
-                print(f"  {name}: {time.time() - started:.1f}s, accuracy {scores[-1]:.4f}", file=sys.stderr)
-            rows.append((name, statistics.mean(throughput), statistics.mean(comm), statistics.mean(scores), min(scores), max(scores)))
-        print(table(rows, args))
+        if args.part in ("strategies", "all"):
+            print(strategy_table(fit, args, test_x, test_y))
+        if args.part in ("diloco", "all"):
+            print(diloco_table(fit, args, test_x, test_y))
     finally:
         spark.stop()
+
+
+def strategy_table(fit, args: argparse.Namespace, test_x: np.ndarray, test_y: np.ndarray) -> str:
+    """The original table: every strategy of strategies(), --epochs each."""
+    rows = []
+    for name, strategy in strategies():
+        throughput: List[float] = []
+        scores: List[float] = []
+        comm: List[float] = []
+        for repeat in range(args.repeats):
+            started = time.time()
+            # A different seed per repeat: accuracy differences of a point are within the
+            # spread between seeds on a 360-row test set, so compare means.
+            model = fit(strategy, args.epochs, seed=args.seed + repeat)
+            steady = [h["samples_per_sec"] for h in model.history[1:]] or [model.history[0]["samples_per_sec"]]
+            throughput.append(statistics.mean(steady))
+            comm.append(statistics.mean(h["comm_bytes"] for h in model.history))
+            with torch.no_grad():
+                predicted = model.module(torch.from_numpy(test_x)).argmax(1).numpy()
+            scores.append(float((predicted == test_y).mean()))
+            print(f"  {name}: {time.time() - started:.1f}s, accuracy {scores[-1]:.4f}", file=sys.stderr)
+        rows.append((name, statistics.mean(throughput), statistics.mean(comm), statistics.mean(scores), min(scores), max(scores)))
+    return table(rows, args)
 
 
 def table(rows: Sequence[tuple], args: argparse.Namespace) -> str:
@@ -134,6 +149,65 @@ def table(rows: Sequence[tuple], args: argparse.Namespace) -> str:
     for name, speed, comm, score, low, high in rows:
         ratio = f"{baseline / comm:.1f}" if comm else "n/a"
         lines.append(f"| {name} | {speed:,.0f} | {comm:,.0f} | {ratio} | {score:.4f} ({low:.3f}–{high:.3f}) |")
+    return "\n".join(lines)
+
+
+#: DiLoCo's outer optimizer (Douillard et al., 2023): Nesterov momentum 0.9, outer lr 0.7.
+DILOCO_OUTER = sparkdl.OuterSGD(lr=0.7, momentum=0.9, nesterov=True)
+DILOCO_TAUS = (16, 64)
+
+
+def diloco_strategies() -> List[Tuple[str, sparkdl.Strategy]]:
+    """(label, strategy) of the DiLoCo table; AllReduce first, as the baseline."""
+    rows: List[Tuple[str, sparkdl.Strategy]] = [("AllReduce()", sparkdl.AllReduce())]
+    for tau in DILOCO_TAUS:
+        rows.append((f"ModelAveraging(sync_every={tau})", sparkdl.ModelAveraging(sync_every=tau)))
+        rows.append((f"DiLoCo: ModelAveraging(sync_every={tau}, outer_optimizer=OuterSGD(0.7, 0.9, nesterov))", sparkdl.ModelAveraging(sync_every=tau, outer_optimizer=DILOCO_OUTER)))
+    return rows
+
+
+def diloco_table(fit, args: argparse.Namespace, test_x: np.ndarray, test_y: np.ndarray) -> str:
+    """DiLoCo against plain averaging at the same τ and AllReduce, all on --diloco-epochs epochs."""
+    epochs = args.diloco_epochs
+    # Bytes one average (or one AllReduce step) sends: the MLP's float32 parameters.
+    sync_bytes = sum(p.numel() * p.element_size() for p in digits_mlp().parameters())
+    features, labels = torch.from_numpy(test_x), torch.from_numpy(test_y)
+    rows = []
+    for name, strategy in diloco_strategies():
+        scores: List[float] = []
+        test_losses: List[float] = []
+        train_losses: List[float] = []
+        comm: List[float] = []
+        syncs: List[float] = []
+        for repeat in range(args.repeats):
+            started = time.time()
+            model = fit(strategy, epochs, seed=args.seed + repeat)
+            with torch.no_grad():
+                output = model.module(features)
+            scores.append(float((output.argmax(1) == labels).double().mean()))
+            test_losses.append(float(torch.nn.functional.cross_entropy(output, labels)))
+            train_losses.append(model.history[-1]["loss"])
+            comm.append(statistics.mean(h["comm_bytes"] for h in model.history))
+            # Measured, not assumed: the epochs' sync bytes over the bytes of one sync; the
+            # final average in final_module comes after the last epoch's record (+1 when the
+            # last step was not a sync step).
+            syncs.append(sum(h["comm_bytes"] for h in model.history) / sync_bytes)
+            print(f"  {name}: {time.time() - started:.1f}s, accuracy {scores[-1]:.4f}, test loss {test_losses[-1]:.4f}", file=sys.stderr)
+        rows.append((name, statistics.mean(syncs), statistics.mean(comm), statistics.mean(train_losses), statistics.mean(test_losses),
+                     statistics.mean(scores), min(scores), max(scores)))
+    baseline = rows[0][2]
+    lines = [
+        f"digits, 2 workers (local-cluster[2,1,1024]), batch {args.batch_size}/worker, {epochs} epochs "
+        f"(equal samples for every row), inner Adam lr={args.lr}, DiLoCo outer SGD lr={DILOCO_OUTER.lr} "
+        f"momentum={DILOCO_OUTER.momentum} nesterov, seeds {args.seed}..{args.seed + args.repeats - 1}, torch {torch.__version__}",
+        "",
+        "| strategy | syncs in the epochs (steps for AllReduce) | comm bytes/epoch/rank | AllReduce bytes / these | last-epoch train loss | test loss | test accuracy, mean (min–max) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, count, per_epoch, train_loss, test_loss, score, low, high in rows:
+        lines.append(
+            f"| {name} | {count:,.0f} | {per_epoch:,.0f} | {baseline / per_epoch:.1f} | {train_loss:.4f} | {test_loss:.4f} | {score:.4f} ({low:.3f}–{high:.3f}) |"
+        )
     return "\n".join(lines)
 
 

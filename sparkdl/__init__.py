@@ -4,7 +4,9 @@ Public surface::
 
     sparkdl.TorchEstimator / sparkdl.TorchModel   Spark ML estimator and model
     sparkdl.run                                    custom training loops on barrier tasks
+    sparkdl.launch, report, shard_dataset          an existing script or function, unchanged, on barrier tasks
     sparkdl.warm_up                                start the executors' Python workers ahead of the first fit
+    sparkdl.compare, Comparison                    every strategy trained on your model and data, one table (docs/strategies.md)
     sparkdl.plot_history                           loss and validation metrics per epoch (matplotlib)
     sparkdl.Image, sparkdl.Sequence                input specs for inputs= (images as bytes, token ids)
     sparkdl.AllReduce, ParameterServer, ...        strategies
@@ -28,13 +30,23 @@ from sparkdl.errors import (
     SparkdlError,
     TrainingError,
 )
+from sparkdl.comparison import Comparison, compare
 from sparkdl.estimator import TorchEstimator
+from sparkdl.launching import ScriptResult, launch
+from sparkdl.reporting import report
+from sparkdl.data.torch_dataset import ShardDataset, shard_dataset
 from sparkdl.model import TorchModel
 from sparkdl.plotting import plot_history
-from sparkdl.strategies import AllReduce, ElasticAveraging, ModelAveraging, ParameterServer, Strategy
+from sparkdl.strategies import AllReduce, ElasticAveraging, ModelAveraging, OuterSGD, ParameterServer, ShardedDataParallel, Strategy
 
 __all__ = [
+    "ScriptResult",
+    "ShardDataset",
+    "launch",
+    "report",
+    "shard_dataset",
     "AllReduce",
+    "Comparison",
     "ConfigError",
     "DataError",
     "ElasticAveraging",
@@ -42,7 +54,9 @@ __all__ = [
     "InsufficientSlotsError",
     "ModelAveraging",
     "NonFiniteLossError",
+    "OuterSGD",
     "ParameterServer",
+    "ShardedDataParallel",
     "PeerLostError",
     "Sequence",
     "SparkdlError",
@@ -52,6 +66,7 @@ __all__ = [
     "TrainContext",
     "TrainingError",
     "clear_cache",
+    "compare",
     "plot_history",
     "run",
     "warm_up",

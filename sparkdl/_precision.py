@@ -171,6 +171,9 @@ class PrecisionRuntime:
     def _overflow(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether any rank's (scaled) gradients hold an inf or nan; the same answer on every rank."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        # Sharded gradients (DTensors): this rank checks its own shard; the max over ranks below
+        # covers the others'.
+        grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         dense = [g for g in grads if not g.is_sparse]
         grads = [g.coalesce().values() if g.is_sparse else g for g in grads]
         if grads:

@@ -6,7 +6,7 @@ import html
 import logging
 import sys
 import threading
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 logger = logging.getLogger("sparkdl")
 
@@ -65,6 +65,14 @@ class ProgressDisplay:
                 self.callback({"rank": rank, **metrics})
             except Exception:  # noqa: BLE001
                 logger.exception("progress callback failed")
+
+    def output(self, rank: int, lines: Sequence[Tuple[str, str]]) -> None:
+        """Lines a rank's code printed, ``(stream, text)``, printed with the rank's prefix
+        to the driver's stdout or stderr (``progress=False`` keeps them in the executors' logs only)."""
+        if not self.enabled:
+            return
+        for stream, text in lines:
+            print(f"[sparkdl rank {rank}] {text}", file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
 
     def _update_notebook(self) -> None:
         from IPython.display import HTML  # type: ignore[import-not-found]

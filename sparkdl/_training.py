@@ -70,9 +70,10 @@ class FitLoop:
         state = _LoopState()
         restored = ctx.load_checkpoint()
         if restored is not None:
-            model.load_state_dict(restored["model"])
-            optimizer.load_state_dict(restored["optimizer"])
+            ctx.load_model_state(model, optimizer, restored)  # state dicts, or this rank's shards
             state = _LoopState(**restored["loop"])
+            if ctx.resumed_from is not None:
+                state = _resharded_counters(ctx, state)
         resumed_at = state.global_step
         watch = LossWatch(ctx, NONFINITE_CHECK_EVERY)
         start = time.time()
@@ -147,17 +148,33 @@ class FitLoop:
             "checkpoints": dict(ctx.checkpoint_stats),
             "device": str(ctx.device),
             "precision": ctx.precision,
+            "resumed": {"from_workers": ctx.resumed_from, "on_workers": ctx.world_size} if ctx.resumed_from is not None else None,
         }
 
     @staticmethod
     def _save(ctx: TrainContext, model, optimizer, state: _LoopState, comm_in_epoch: int, seconds_in_epoch: float) -> None:
         loop = dataclasses.replace(state, comm_bytes=state.comm_bytes + comm_in_epoch, seconds=state.seconds + seconds_in_epoch)
-        weights = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        weights = ctx.model_state(model, optimizer)
         ctx.save_checkpoint(
             {"loop": dataclasses.asdict(loop), **({} if ctx.replicas_identical else weights)},
             step=state.global_step,
             replicated=weights if ctx.replicas_identical else None,
         )
+
+
+def _resharded_counters(ctx: TrainContext, state: _LoopState) -> _LoopState:
+    """An elastic resume's epoch counters: the old ranks' sums of loss and samples go to rank 0
+    (each counted once in the epoch's record, none lost), the traffic and time so far are the
+    old ranks' mean and longest, the same on every new rank."""
+    loops = [user["loop"] for user in ctx.resumed_user_states]
+    first = ctx.rank == 0
+    return dataclasses.replace(
+        state,
+        loss_sum=sum(float(loop["loss_sum"]) for loop in loops) if first else 0.0,
+        samples=sum(int(loop["samples"]) for loop in loops) if first else 0,
+        comm_bytes=sum(int(loop["comm_bytes"]) for loop in loops) // len(loops),
+        seconds=max(float(loop["seconds"]) for loop in loops),
+    )
 
 
 #: Steps between checks of the losses for NaN/inf: each check is a host sync (a GPU's queue drains).

@@ -7,8 +7,9 @@ batches but never augmented (:func:`sparkdl.data.batching.validation_batches`), 
 ``transform_fn`` applied. The model runs in eval mode under ``torch.no_grad``; sums of loss and metrics weighted
 by rows, and the row count, are summed over ranks with one allreduce, so the result is the mean
 over all validation rows whatever their spread over ranks. Ranks need no equal step counts here:
-the forward passes run on the unwrapped module (never DDP's, whose forward may synchronize
-buffers), so no collective happens until that one allreduce.
+the forward passes run on the strategy's evaluation module (the unwrapped module, never DDP's,
+whose forward may synchronize buffers; a gathered copy of a sharded model), so no collective
+happens until that one allreduce.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def evaluate(
         spec = ctx._data_spec
         metrics = dict(spec.validation.metrics) if spec is not None and spec.validation is not None else {}
     names = sorted(metrics)
-    module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    # The strategy's module without collectives in its forward (a sharded model's is a gathered copy).
+    module = ctx._runtime.evaluation_module(model)
     was_training = module.training
     module.eval()
     sums = torch.zeros(2 + len(names), dtype=torch.float64)

@@ -105,6 +105,8 @@ class RankState:
     #: Which leaves of ``replicated`` (in :func:`tree_leaves` order) this rank holds; the other
     #: tensors are None here and held by other ranks. None: ``replicated`` is whole.
     replicated_leaves: Optional[List[int]] = None
+    #: The epoch's rows left, for a resume on other ranks (:func:`sparkdl._resharding.stream_fields`).
+    stream: Optional[Dict[str, Any]] = None
 
     def restore_rng(self, device: torch.device) -> None:
         torch.set_rng_state(self.torch_rng)

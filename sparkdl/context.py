@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import numpy as np
 import torch
 
+from sparkdl import _resharding
 from sparkdl._checkpoint_writer import CheckpointWriteError, CheckpointWriter, capture
 from sparkdl._device import DeviceAssignment
 from sparkdl._device_feed import DeviceFeed, move_batch, pin_thread_to
@@ -72,6 +73,9 @@ class TrainContext:
         self._amp = PrecisionRuntime(Precision(precision), env.device, env.world_size)
         #: Batches taken from the stream so far: the reader position a checkpoint records.
         self._batches_taken = 0
+        self._epoch_start, self._remainder = 0, None  # the epoch's first batch; sparkdl._resharding
+        #: Ranks (and their user states) of the checkpoint an elastic resume loaded; else None.
+        self.resumed_from, self.resumed_user_states = None, None
         #: This attempt's checkpoints on this rank: ``count`` and ``seconds``, the stall of the
         #: training thread (the copy to host memory); ``written`` and ``write_seconds``, the
         #: writes finished in the background so far and their time.
@@ -147,6 +151,12 @@ class TrainContext:
         """
         if self._dataset is None:
             raise RuntimeError("this run has no dataset: pass data=... to sparkdl.run")
+        if getattr(self, "_shard_dataset", None) is not None:
+            raise RuntimeError("this rank reads its shard through ctx.shard_dataset(): use it or ctx.epoch_batches(), not both")
+        if self._remainder is not None:
+            yield from _resharding.remainder_epoch(self)  # an elastic resume's epoch: ignores skip
+            return
+        self._epoch_start = self._batches_taken - skip
         if self._stream is None:
             # Resuming: replay the seeded stream up to the checkpoint's position (cut, not
             # decoded). Reading is far cheaper than training, and replay makes resumed batches exact.
@@ -237,7 +247,7 @@ class TrainContext:
             rank=self.rank,
             world_size=self.world_size,
         )
-        writer.submit(step, part)
+        writer.submit(step, _resharding.stream_fields(self, part))
         if not self._store.async_write:
             # Nobody runs ahead of a checkpoint that is not committed yet.
             torch.distributed.barrier()
@@ -271,11 +281,13 @@ class TrainContext:
         checkpoint = self._store.load_latest()
         if checkpoint is None:
             return None
+        if checkpoint.world_size != self.world_size:
+            return _resharding.resume_resharded(self, checkpoint)
         part = checkpoint.rank_state(self.rank, self.world_size, self._store.url)
         self._runtime.load_state_dict(part.strategy)
         part.restore_rng(self.device)
         self._amp.load_state_dict(part.grad_scaler)
-        self._batches_taken = int(part.batches_taken)
+        _resharding.restore_stream(self, part)
         self.logger.info("resumed from checkpoint step %d", checkpoint.step)
         return checkpoint.user_state(self.rank)
 
@@ -323,6 +335,24 @@ class TrainContext:
             if self._stream is not None:
                 self._stream.close()
                 self._stream = None
+
+    def model_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        """The model's and optimizer's state to put in a checkpoint, as the strategy keeps it:
+        ``{"model": ..., "optimizer": ...}`` state dicts, or this rank's shards of them under
+        :class:`~sparkdl.ShardedDataParallel`. Custom loops: save it (in ``replicated=`` when
+        ``ctx.replicas_identical``, else in ``state``) and restore it with :meth:`load_model_state`."""
+        return self._runtime.model_state(model, optimizer)
+
+    def load_model_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
+        """Restores what :meth:`model_state` returned (found in :meth:`load_checkpoint`'s dict)
+        into the prepared model and optimizer."""
+        self._runtime.load_model_state(model, optimizer, state)
+
+    def shard_dataset(self) -> Any:
+        """This rank's shard as a :class:`~sparkdl.ShardDataset` (= ``sparkdl.shard_dataset()``; checkpoints record its position)."""
+        from sparkdl.data.torch_dataset import of_context
+
+        return of_context(self)
 
 
 def _jsonable(metrics: Dict[str, Any]) -> Dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from sparkdl._launcher import launch
@@ -9,6 +10,7 @@ from sparkdl._progress import ProgressCallback, ProgressDisplay
 from sparkdl._settings import RunSettings
 from sparkdl._warmup import warm_up
 from sparkdl.context import TrainContext
+from sparkdl.data import elastic
 from sparkdl.data.batching import MetricFn, TransformFn
 from sparkdl.data.dataset import Filters
 from sparkdl.data.prepare import DataSource, prepare_data
@@ -50,6 +52,7 @@ def run(
     checkpoint_async: bool = True,
     max_failures: int = 0,
     watchdog_timeout_s: Optional[float] = 600.0,
+    min_workers: Optional[int] = None,
 ) -> Any:
     """Runs ``train_fn(ctx)`` on ``num_workers`` Spark barrier tasks and returns rank 0's result.
 
@@ -104,6 +107,9 @@ def run(
             memory (the default); False writes before it returns.
         max_failures: relaunch the stage up to this many times after a failure.
         watchdog_timeout_s: fail when a rank makes no progress for this long (None: never).
+        min_workers: a relaunch that finds fewer free slots than ``num_workers`` continues on as
+            many as are free, down to this many, resuming ``checkpoint_dir`` on the new number
+            of workers (docs/recovery.md, "Elastic worker counts"); None: never fewer.
 
     Raises:
         TrainingError: a rank failed; names the rank and carries its traceback.
@@ -122,5 +128,6 @@ def run(
     outcome = launch(
         train_fn, settings.launch, settings.strategy, spark=spark, dataset=dataset, data_spec=spec, reader=data_reader,
         steps_per_epoch=steps, display=display, checkpoint=settings.checkpoint,
+        steps_for=functools.partial(elastic.steps_for, dataset, spec) if dataset is not None else None,
     )
     return outcome.value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import time
 from typing import Any, Dict, Optional, Sequence
@@ -18,6 +19,7 @@ from sparkdl._progress import ProgressCallback, ProgressDisplay
 from sparkdl._settings import DataSettings, RunSettings
 from sparkdl._training import FitLoop, LossFn, ModelFactory, OptimizerFactory, default_optimizer
 from sparkdl._warmup import warm_up
+from sparkdl.data import elastic
 from sparkdl.data.batching import MetricFn, TransformFn
 from sparkdl.data.plan import InputPlan
 from sparkdl.data.prepare import DataSource, prepare_data
@@ -69,6 +71,9 @@ class TorchEstimator(Estimator, _TorchParams):
         max_failures: relaunch the stage up to this many times after a failure (a lost
             executor, a killed process, a hang...).
         watchdog_timeout_s: fail when a rank makes no progress for this long (None: never).
+        min_workers: a relaunch that finds fewer free slots than ``num_workers`` trains on as
+            many as are free, down to this many, resuming the checkpoint on that many workers
+            (``batch_size`` stays per worker, so the global batch shrinks); None: never fewer.
         progress: per-epoch progress on the driver; a callable also receives every record.
         cache_dir: where DataFrames are materialized (default: ``spark.sparkdl.cacheDir``).
         reader: the data reader: ``"arrow"`` (native pyarrow) or ``"petastorm"``.
@@ -117,6 +122,7 @@ class TorchEstimator(Estimator, _TorchParams):
         resume: bool = True,
         max_failures: int = 0,
         watchdog_timeout_s: Optional[float] = 600.0,
+        min_workers: Optional[int] = None,
         progress: "bool | ProgressCallback" = True,
         cache_dir: Optional[str] = None,
         reader: str = DEFAULT_READER,
@@ -187,6 +193,7 @@ class TorchEstimator(Estimator, _TorchParams):
             outcome = launch(
                 loop, config, strategy, spark=spark, dataset=info, data_spec=spec, reader=data_reader,
                 steps_per_epoch=steps, display=display, checkpoint=checkpoint,
+                steps_for=functools.partial(elastic.steps_for, info, spec),
             )
         except BaseException as exc:
             tracker.fail(exc)
@@ -209,6 +216,8 @@ class TorchEstimator(Estimator, _TorchParams):
             "device": result.get("device"),
             "precision": result.get("precision"),
             "attempts": outcome.attempts,
+            "workers": outcome.workers,  # per attempt: fewer than num_workers after a shrinking relaunch
+            "resumed": result.get("resumed"),  # {"from_workers", "on_workers"} after an elastic resume
             "from_finished_checkpoint": outcome.from_finished_checkpoint,
         }
         model = TorchModel(

@@ -29,6 +29,9 @@ class LaunchConfig:
             the newest checkpoint when there is a checkpoint directory.
         watchdog_timeout_s: fail the run when a rank makes no progress (no batch, no phase
             change) for this long; None disables the watchdog.
+        min_workers: a relaunch after a failure that finds fewer free task slots than
+            ``num_workers`` runs on as many as are free, down to this many (resuming the
+            checkpoint on the new number of workers); None means ``num_workers``: no shrinking.
     """
 
     num_workers: int
@@ -39,6 +42,7 @@ class LaunchConfig:
     precision: str = "32"
     max_failures: int = 0
     watchdog_timeout_s: Optional[float] = 600.0
+    min_workers: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_workers, int) or isinstance(self.num_workers, bool) or self.num_workers < 1:
@@ -54,6 +58,13 @@ class LaunchConfig:
             raise ConfigError(f"max_failures={self.max_failures!r} must be an integer >= 0")
         if self.watchdog_timeout_s is not None and not self.watchdog_timeout_s > 0:
             raise ConfigError(f"watchdog_timeout_s={self.watchdog_timeout_s!r} must be > 0 seconds, or None to disable it")
+        if self.min_workers is not None and (
+            not isinstance(self.min_workers, int) or isinstance(self.min_workers, bool) or not 1 <= self.min_workers <= self.num_workers
+        ):
+            raise ConfigError(
+                f"min_workers={self.min_workers!r} must be an integer with 1 <= min_workers <= num_workers={self.num_workers}, "
+                f"or None (= num_workers: never train on fewer)"
+            )
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -103,4 +114,6 @@ class LaunchOutcome:
     value: Any
     attempts: List[Dict[str, Any]]
     from_finished_checkpoint: bool = False
+    #: The workers each attempt ran on (fewer than ``num_workers`` after a shrinking relaunch).
+    workers: List[int] = dataclasses.field(default_factory=list)
 

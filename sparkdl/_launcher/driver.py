@@ -9,6 +9,7 @@ relaunches the stage (which then resumes from the newest checkpoint).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import re
@@ -49,12 +50,15 @@ def launch(
     steps_per_epoch: Optional[int] = None,
     display: Optional[ProgressDisplay] = None,
     checkpoint: Optional[CheckpointConfig] = None,
+    steps_for: Optional[Callable[[int], int]] = None,
 ) -> LaunchOutcome:
     """Runs ``train_fn(ctx)`` on ``config.num_workers`` barrier tasks; returns rank 0's value.
 
     A failed attempt is relaunched (up to ``config.max_failures`` times, see
     :class:`FailurePolicy`); with a checkpoint directory each attempt resumes from the newest
     checkpoint, and a directory that holds a finished run returns its stored result at once.
+    With ``config.min_workers`` a relaunch that finds fewer free slots runs on fewer workers
+    (``steps_for(workers)`` gives their steps per epoch) and resumes the checkpoint elastically.
     """
     from pyspark.sql import SparkSession
 
@@ -74,17 +78,37 @@ def launch(
             if finished:
                 logger.warning("%s holds a finished run: returning its result without training (resume=False trains again)", store.url)
                 return LaunchOutcome(result, [], from_finished_checkpoint=True)
+    if session.connect and config.min_workers is not None and config.min_workers < config.num_workers:
+        logger.warning(
+            "min_workers=%d has no effect over Spark Connect: the client cannot count free task slots, so every relaunch "
+            "asks for num_workers=%d (docs/recovery.md)", config.min_workers, config.num_workers,
+        )
     policy = FailurePolicy(config.max_failures)
     attempts: List[Dict[str, Any]] = []
     previous: Optional[TrainingError] = None
+    workers: List[int] = []
     for attempt in itertools.count(1):
+        attempt_config, steps = config, steps_per_epoch
         if not session.connect:
-            check_slots(spark.sparkContext, config.num_workers, config.slot_wait_s)
+            if attempt == 1 or config.min_workers is None:
+                check_slots(spark.sparkContext, config.num_workers, config.slot_wait_s)
+            else:
+                free = relaunch_workers(spark.sparkContext, config.num_workers, config.min_workers, config.slot_wait_s)
+                if free < config.num_workers:
+                    attempt_config = dataclasses.replace(config, num_workers=free)
+                    steps = steps_for(free) if steps_for is not None and steps_per_epoch is not None else steps_per_epoch
+                    _say(config, (
+                        f"[sparkdl] attempt {attempt}: only {free} free task slot(s) for num_workers={config.num_workers} "
+                        f"(min_workers={config.min_workers}): continuing on {free} worker(s), "
+                        + ("resuming the newest checkpoint on that many (batch_size is per worker: the global batch shrinks)"
+                           if store is not None else "from scratch (no checkpoint_dir)")
+                    ))
+        workers.append(attempt_config.num_workers)
         started = time.time()
         try:
             value = _launch_once(
-                session, train_fn, config, strategy, display,
-                dataset=dataset, data_spec=data_spec, reader=reader, steps_per_epoch=steps_per_epoch,
+                session, train_fn, attempt_config, strategy, display,
+                dataset=dataset, data_spec=data_spec, reader=reader, steps_per_epoch=steps,
                 store=store, attempt=attempt, encrypt=security.encrypt,
             )
         except _AttemptFailed as failed:
@@ -101,18 +125,22 @@ def launch(
             previous = error
             where = "the newest checkpoint" if store is not None else "scratch (no checkpoint_dir)"
             message = f"[sparkdl] attempt {attempt} failed: {str(error).splitlines()[0]}; relaunching from {where} ({attempt}/{config.max_failures} retries)"
-            # Once: on the progress display when there is one, else in the log (a logger with no
-            # handler prints warnings to stderr too, which printed it twice).
-            if config.progress:
-                print(message, flush=True)
-            else:
-                logger.warning(message)
+            _say(config, message)
             continue
         attempts.append({"attempt": attempt, "seconds": time.time() - started, "error": None})
         break
     if store is not None:
         store.save_finished(value)
-    return LaunchOutcome(value, attempts)
+    return LaunchOutcome(value, attempts, workers=workers)
+
+
+def _say(config: LaunchConfig, message: str) -> None:
+    # Once: on the progress display when there is one, else in the log (a logger with no
+    # handler prints warnings to stderr too, which printed it twice).
+    if config.progress:
+        print(message, flush=True)
+    else:
+        logger.warning(message)
 
 
 class _AttemptFailed(Exception):
@@ -272,6 +300,45 @@ def check_slots(sc: Any, num_workers: int, wait_s: float) -> None:
         f"num_workers={num_workers} needs {num_workers} concurrent task slots, but the cluster has {slots} "
         f"({executors} executor(s); slots = executor cores / spark.task.cpus={task_cpus}). "
         f"Lower num_workers to at most {slots}, or add executors or cores."
+    )
+
+
+def free_slots(sc: Any) -> int:
+    """Task slots not held by a running or pending task of an active stage (other jobs')."""
+    jsc = sc._jsc.sc()
+    slots = int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
+    tracker = sc.statusTracker()
+    busy = 0
+    for stage in tracker.getActiveStageIds():
+        info = tracker.getStageInfo(stage)
+        if info is not None:
+            busy += max(0, info.numTasks - info.numCompletedTasks)
+    return max(0, slots - busy)
+
+
+def relaunch_workers(sc: Any, num_workers: int, min_workers: int, wait_s: float) -> int:
+    """The workers a relaunch runs on: ``num_workers`` when that many slots are free, else as
+    many as are free once the executors expected have registered (or after ``wait_s``), at least
+    ``min_workers``.
+
+    Raises:
+        InsufficientSlotsError: fewer than ``min_workers`` slots are free.
+    """
+    deadline = time.monotonic() + wait_s
+    expected = _expected_executors(sc)
+    while True:
+        free = free_slots(sc)
+        if free >= num_workers:
+            return num_workers
+        executors = int(sc._jsc.sc().getExecutorIds().size())
+        if (expected is not None and executors >= expected) or time.monotonic() >= deadline:
+            break
+        time.sleep(0.25)  # polling the scheduler: executor registration has no Python-side event
+    if free >= min_workers:
+        return free
+    raise InsufficientSlotsError(
+        f"the relaunch after a failure found {free} free task slot(s), fewer than min_workers={min_workers} "
+        f"(num_workers={num_workers}); lower min_workers to train on fewer workers, or free or add executors"
     )
 
 

@@ -55,6 +55,10 @@ class JobMonitor:
             self.display.epoch(message.get("record", {}))
         elif kind == "metrics":
             self.display.metrics(rank, message.get("metrics", {}))
+        elif kind == "output":  # what the rank's code printed (a run() function or a launched child), batched by the task
+            lines = message.get("lines")
+            if isinstance(lines, list):
+                self.display.output(rank, [(str(item[0]), str(item[1])) for item in lines if isinstance(item, list) and len(item) == 2])
         elif kind == "heartbeat":
             progress = int(message.get("progress", 0))
             with self._cond:

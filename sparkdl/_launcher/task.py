@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
 from sparkdl._channel import ChannelClient, ChannelError
 from sparkdl._device import task_device
+from sparkdl._launcher.environment import environment, torchrun_environment
+from sparkdl._launcher.script import ChildFailure, LaunchTarget, OutputForwarder, resolve_script, run_child
 from sparkdl.checkpoint import CheckpointStore
 from sparkdl.errors import RankFailure
 
@@ -73,6 +75,10 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
             client.send({"kind": "started", "attempt": payload.attempt})
             heartbeat.start()
             config = payload.config
+            launched = payload.train_fn if isinstance(payload.train_fn, LaunchTarget) else None
+            host = barrier.getTaskInfos()[rank].address.rsplit(":", 1)[0]
+            # A script this executor cannot see fails before anyone waits for this rank.
+            script_path = resolve_script(launched, rank, host) if launched is not None and launched.kind == "script" else None
             liveness.advance("connecting to the rendezvous store")
             # Through the driver's store, not Spark's barrier: every allGather of Spark's costs a
             # second (it polls once a second), every store round trip a millisecond.
@@ -81,6 +87,11 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
             liveness.advance("selecting the device")
             assignment = scopes.enter_context(task_device(barrier, config.use_gpu, gather))
             device = assignment.device
+            if launched is not None:
+                # The child creates the process group itself (env://); this task makes none.
+                value = _run_launched(launched, payload, rank, host, script_path, assignment, client, liveness)
+                client.send({"kind": "done"})
+                return [(rank, value if rank == 0 else None)]
             liveness.advance("rendezvous")
             addresses = [info.address for info in barrier.getTaskInfos()]
             env = rendezvous(
@@ -102,13 +113,25 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
                 precision=payload.config.precision,
             )
             context.set_phase("training")
-            value = payload.train_fn(context)
+            from sparkdl._frameworks import framework_env, one_process_per_task
+            from sparkdl.reporting import CurrentTask, current_task
+
+            # framework_env: a bare lightning.Trainer() then spans every task instead of training alone.
+            task_env = {**_torchrun_env(payload, rank, None), **framework_env(config.num_workers)}
+            with environment(task_env), current_task(CurrentTask(rank, client.send, liveness.advance, context)), one_process_per_task(rank), \
+                    _output_to_driver(client):
+                value = payload.train_fn(context)
             # A checkpoint still being written fails the rank here, reported like any error.
             context.wait_for_checkpoint()
             client.send({"kind": "done"})
             return [(rank, value if rank == 0 else None)]
         except BaseException as exc:
-            failure = RankFailure.from_exception(rank, exc, phase=liveness.phase)
+            from sparkdl._frameworks import explain
+
+            # explain: a framework's own "devices x num_nodes" error, told in sparkdl's terms.
+            failure = RankFailure.from_exception(rank, explain(exc, rank), phase=liveness.phase)
+            if isinstance(exc, ChildFailure):  # the child's error and traceback, not this task's
+                failure = dataclasses.replace(failure, exc_type=exc.exc_type, traceback=exc.child_traceback)
             with contextlib.suppress(Exception):
                 client.send({"kind": "error", "failure": failure.to_json()})
             raise
@@ -117,6 +140,9 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
 
             try:
                 heartbeat.stop()
+                shard = getattr(context, "_shard_dataset", None)
+                if shard is not None:
+                    shard.close()
                 if context is not None:
                     context.close()
                 if runtime is not None:
@@ -127,6 +153,44 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
                 # store (rank 0 listens) must not outlive the task.
                 teardown()
                 client.close()
+
+
+def _torchrun_env(payload: _TaskPayload, rank: int, target: Optional[LaunchTarget]) -> dict:
+    """torchrun's variables for this rank; MASTER_ADDR/PORT = the launch's rendezvous store."""
+    run_id = target.run_id if target is not None else f"sparkdl-{payload.store_address[1]}"
+    return torchrun_environment(
+        rank, payload.config.num_workers, payload.store_address, run_id, payload.attempt - 1, payload.config.max_failures
+    )
+
+
+def _run_launched(
+    target: LaunchTarget, payload: _TaskPayload, rank: int, host: str, script_path: Optional[str], assignment: Any,
+    client: ChannelClient, liveness: Any,
+) -> Any:
+    """``sparkdl.launch``: the target in a child process with the torchrun environment."""
+    env = dict(os.environ)
+    env.update(_torchrun_env(payload, rank, target))
+    from sparkdl._frameworks import framework_env
+
+    env.update(framework_env(payload.config.num_workers))
+    # The child imports what this task imports (--py-files and addPyFile are on sys.path only here).
+    env["PYTHONPATH"] = os.pathsep.join(entry for entry in sys.path if entry and os.path.exists(entry))
+    env.update(PYTHONUNBUFFERED="1", SPARKDL_LAUNCHED="1")
+    env.pop("SPARKDL_SHARD_DATA", None)
+    if assignment.device_type == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = assignment.visible_devices  # LOCAL_RANK=0 is the task's GPU
+    data = None
+    if payload.dataset is not None:
+        data = {
+            "reader": payload.reader, "dataset": payload.dataset, "spec": payload.data_spec, "rank": rank,
+            "world_size": payload.config.num_workers, "steps_per_epoch": payload.steps_per_epoch,
+        }
+    spec = {"store": list(payload.store_address), "encrypt": payload.encrypt, "rank": rank, "world_size": payload.config.num_workers}
+    liveness.advance(f"running {target.name}")
+    return run_child(
+        target, rank=rank, host=host, script_path=script_path, env=env, secret=payload.secret, spec=spec, data=data,
+        send=client.send, advance=liveness.advance,
+    )
 
 
 class _Heartbeat:
@@ -185,14 +249,23 @@ def _task_threads(cores: int):
             os.environ["OMP_NUM_THREADS"] = saved_env
 
 
-class _PrefixedWriter(io.TextIOBase):
-    """Prefixes every line with the rank, so interleaved executor logs stay readable."""
+#: Set while a sparkdl log record is written to stderr: the record reaches the driver as a
+#: "log" message already, so its line is not forwarded as output too.
+_writing_log = threading.local()
 
-    def __init__(self, target: Any, prefix: str) -> None:
+
+class _PrefixedWriter(io.TextIOBase):
+    """Prefixes every line with the rank, so interleaved executor logs stay readable; while
+    ``forward`` is set (the user's function runs) complete lines also go to it."""
+
+    def __init__(self, target: Any, prefix: str, stream: str) -> None:
         self._target = target
         self._prefix = prefix
+        self._stream = stream
         self._at_line_start = True
         self._lock = threading.Lock()
+        self.forward: Optional[Callable[[str, str], None]] = None
+        self._partial = ""
 
     def write(self, text: str) -> int:
         with self._lock:
@@ -203,7 +276,18 @@ class _PrefixedWriter(io.TextIOBase):
                 out.append(piece)
                 self._at_line_start = piece.endswith("\n")
             self._target.write("".join(out))
+            if self.forward is not None and not getattr(_writing_log, "active", False):
+                *lines, self._partial = (self._partial + text).split("\n")
+                for line in lines:
+                    self.forward(self._stream, line)
         return len(text)
+
+    def end_forwarding(self) -> None:
+        """Forwards a last line without its newline, then stops forwarding."""
+        with self._lock:
+            if self.forward is not None and self._partial:
+                self.forward(self._stream, self._partial)
+            self.forward, self._partial = None, ""
 
     def flush(self) -> None:
         self._target.flush()
@@ -212,8 +296,8 @@ class _PrefixedWriter(io.TextIOBase):
 @contextlib.contextmanager
 def _rank_prefixed_output(rank: int):
     saved = sys.stdout, sys.stderr
-    sys.stdout = _PrefixedWriter(saved[0], f"[sparkdl rank {rank}] ")
-    sys.stderr = _PrefixedWriter(saved[1], f"[sparkdl rank {rank}] ")
+    sys.stdout = _PrefixedWriter(saved[0], f"[sparkdl rank {rank}] ", "stdout")
+    sys.stderr = _PrefixedWriter(saved[1], f"[sparkdl rank {rank}] ", "stderr")
     try:
         yield
     finally:
@@ -235,11 +319,36 @@ class _ChannelLogHandler(logging.Handler):
 
 
 @contextlib.contextmanager
+def _output_to_driver(client: ChannelClient):
+    """What the user's function prints reaches the driver too (batched "output" messages, shown
+    prefixed with the rank), as a launched script's output does."""
+    writers = [w for w in (sys.stdout, sys.stderr) if isinstance(w, _PrefixedWriter)]
+    forwarder = OutputForwarder(client.send)
+    for writer in writers:
+        writer.forward = forwarder.add
+    try:
+        yield
+    finally:
+        for writer in writers:
+            writer.end_forwarding()
+        forwarder.close()
+
+
+class _LogToStderr(logging.StreamHandler):
+    def emit(self, record: logging.LogRecord) -> None:
+        _writing_log.active = True
+        try:
+            super().emit(record)
+        finally:
+            _writing_log.active = False
+
+
+@contextlib.contextmanager
 def _forward_logs(client: ChannelClient, rank: int):
     """Records of the ``sparkdl`` loggers go to the task's stderr and to the driver."""
     root = logging.getLogger("sparkdl")
     to_driver = _ChannelLogHandler(client)
-    to_stderr = logging.StreamHandler(sys.stderr)
+    to_stderr = _LogToStderr(sys.stderr)
     to_stderr.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     saved_level, saved_propagate = root.level, root.propagate
     root.addHandler(to_driver)

@@ -13,8 +13,9 @@ non-zero with a one-paragraph message on failure (1: training failed, 2: bad arg
 ``predict`` writes ``DIR/predictions`` (Parquet) and ``DIR/metrics.json``; ``inspect`` prints a
 dataset's schema, row groups and first rows, a saved model's metadata, or a run's metrics.json;
 ``package`` zips sparkdl for ``spark-submit --py-files`` (docs/deploy.md).
+``compare`` trains the model with each strategy and writes ``DIR/compare.json`` and ``DIR/compare.png``.
 
-One module per command: ``_train``, ``_predict``, ``_inspect``, ``_package`` (what two or more
+One module per command: ``_train``, ``_predict``, ``_inspect``, ``_package``, ``_compare`` (what two or more
 share: ``_common``); this package holds the ``sparkdl`` dispatcher and re-exports their names, so
 ``sparkdl.cli.main``, ``sparkdl.cli.predict_main``, ``sparkdl.cli.describe``... stay where they were.
 """
@@ -25,6 +26,8 @@ import sys
 from typing import Callable, Dict, List, Optional
 
 from sparkdl.cli._common import UsageError, load_factory, rank_rates
+from sparkdl.cli._compare import build_compare_parser, compare_main
+from sparkdl.cli._launch import build_launch_parser, launch_main
 from sparkdl.cli._inspect import build_inspect_parser, describe, format_description, inspect_main
 from sparkdl.cli._package import build_package_parser, package, package_main
 from sparkdl.cli._predict import build_predict_parser, predict, predict_main
@@ -35,14 +38,18 @@ COMMANDS: Dict[str, Callable[[Optional[List[str]]], int]] = {
     "predict": predict_main,
     "inspect": inspect_main,
     "package": package_main,
+    "launch": launch_main,
+    "compare": compare_main,
 }
 
-USAGE = """usage: sparkdl {train,predict,inspect,package} [options]
+USAGE = """usage: sparkdl {train,predict,inspect,package,compare,launch} [options]
 
   train     train a model on a Spark cluster (= sparkdl-train and jobs/train.py); writes DIR/model, DIR/metrics.json
   predict   load a saved model and write predictions for a Parquet dataset; --label also evaluates
   inspect   print a dataset's schema, rows and row groups, a saved model's metadata, or a run's metrics.json
   package   zip sparkdl for spark-submit --py-files (executors without sparkdl installed)
+  launch    run an existing training script unchanged on barrier tasks, torchrun style: sparkdl launch train.py -- ARGS
+  compare   train the model with each strategy for the same epochs; one table, DIR/compare.json, DIR/compare.png
 
 'sparkdl COMMAND --help' describes a command's options."""
 
@@ -69,13 +76,17 @@ __all__ = [
     "OPTIMIZERS",
     "USAGE",
     "UsageError",
+    "build_compare_parser",
     "build_inspect_parser",
+    "build_launch_parser",
     "build_package_parser",
     "build_parser",
     "build_predict_parser",
+    "compare_main",
     "describe",
     "format_description",
     "inspect_main",
+    "launch_main",
     "load_factory",
     "main",
     "package",

@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="write each checkpoint before training goes on (default: in the background after a copy to host memory)",
     )
     recovery.add_argument("--max-failures", type=int, default=0, help="relaunch the training stage up to N times after a failure (default 0)")
+    recovery.add_argument(
+        "--min-workers", type=int, default=None,
+        help="a relaunch that finds fewer free slots than --num-workers continues on as many as are free, down to N (default: --num-workers)",
+    )
     recovery.add_argument("--no-resume", dest="resume", action="store_false", help="ignore existing checkpoints and train from scratch")
     tracking = parser.add_argument_group("tracking (pip install 'sparkdl[tracking]')")
     tracking.add_argument("--mlflow-experiment", default=None, help="log params, per-epoch metrics and the model to this MLflow experiment")
@@ -255,6 +259,7 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
         checkpoint_every=args.checkpoint_every,
         checkpoint_async=args.checkpoint_async,
         max_failures=args.max_failures,
+        min_workers=args.min_workers,
         resume=args.resume,
         mlflow_experiment=args.mlflow_experiment,
         tensorboard_dir=args.tensorboard_dir,

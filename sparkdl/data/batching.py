@@ -29,6 +29,9 @@ Sharding and balance rules (the same for every reader):
   work) with at most ``2 * decode_threads`` batches in flight, in stream order; random
   augmentations are seeded by (seed, rank, batch index), so they do not depend on which thread
   ran a batch, and a resumed run that skips ``n`` batches skips them undecoded.
+* A checkpoint of N ranks resumed on M finishes the interrupted epoch with exactly the rows the
+  N ranks had left (found by replaying their streams, positions only), then continues as an
+  M-rank stream: :mod:`sparkdl.data.elastic`.
 """
 
 from __future__ import annotations
@@ -157,9 +160,30 @@ def batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int,
     checkpoint's position costs reading, not decoding).
     """
     plan = dataset.plan
+    source = reader.chunks(dataset, spec, rank, world_size)
+
+    def finish(index: int, arrays: Chunk) -> Batch:
+        # Augmented training batches are seeded by their place in the stream; plans without
+        # augmentation build no generator per step.
+        augment = np.random.default_rng([spec.seed, rank, index]) if plan.augments else None
+        return finish_batch(plan, arrays, augment, spec.transform_fn, dataset.locate)
+
+    cuts = cut_stream(source, spec, rank)
+    try:
+        for _ in range(skip):
+            next(cuts)
+        yield from _finish_in_order(cuts, finish, skip, _threads_for(plan, spec))
+    finally:
+        cuts.close()
+        source.close()
+
+
+def cut_stream(source: Iterator[Chunk], spec: DataSpec, rank: int) -> Iterator[Chunk]:
+    """The training stream's unfinished batches cut from ``source``'s chunks: shuffled in a
+    buffer seeded ``spec.seed + rank``. The shuffle depends only on the chunks' row counts, so a
+    source of position-only chunks gives each batch's positions (:mod:`sparkdl.data.elastic`)."""
     rng = np.random.default_rng(spec.seed + rank)
     target = spec.batch_size * (spec.shuffle_buffer_batches if spec.shuffle else 1)
-    source = reader.chunks(dataset, spec, rank, world_size)
 
     def merge(pending: List[Chunk]) -> Chunk:
         if spec.shuffle and len(pending) == 1:
@@ -172,20 +196,7 @@ def batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int,
             merged = {key: values[order] for key, values in merged.items()}
         return merged
 
-    def finish(index: int, arrays: Chunk) -> Batch:
-        # Augmented training batches are seeded by their place in the stream; plans without
-        # augmentation build no generator per step.
-        augment = np.random.default_rng([spec.seed, rank, index]) if plan.augments else None
-        return finish_batch(plan, arrays, augment, spec.transform_fn, dataset.locate)
-
-    cuts = _cut_batches(source, spec.batch_size, target, merge, keep_rest=False)
-    try:
-        for _ in range(skip):
-            next(cuts)
-        yield from _finish_in_order(cuts, finish, skip, _threads_for(plan, spec))
-    finally:
-        cuts.close()
-        source.close()
+    return _cut_batches(source, spec.batch_size, target, merge, keep_rest=False)
 
 
 def validation_batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int) -> Iterator[Batch]:

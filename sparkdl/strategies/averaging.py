@@ -4,7 +4,8 @@ Two strategies share one mechanism:
 
 * :class:`ModelAveraging` — local SGD / SparkNet-style consolidation (Moritz et al., ICLR 2016;
   post-local SGD warm-up from Lin et al., ICLR 2020): every ``sync_every`` local optimizer steps
-  the ranks replace their parameters by the mean over ranks and carry on from there.
+  the ranks replace their parameters by the mean over ranks and carry on from there. With an
+  ``outer_optimizer`` it is DiLoCo (Douillard et al., 2023; :mod:`sparkdl.strategies._outer`).
 * :class:`ElasticAveraging` — synchronous EASGD (Zhang et al., NeurIPS 2015): every rank keeps an
   identical copy of a *center* variable; every ``sync_every`` steps each replica is pulled toward
   the center and the center toward the replicas, both from one allreduce.
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from sparkdl.errors import ConfigError
+from sparkdl.strategies._outer import OuterOptimizerFactory, OuterStep, check_outer_optimizer, factory_name
 from sparkdl.strategies._tensors import (
     SyncingOptimizer,
     broadcast_from_rank0,
@@ -79,11 +81,22 @@ class ModelAveraging(Strategy):
             communication by that factor at some cost in statistical efficiency.
         warmup_steps: the first ``warmup_steps`` steps average after every step (post-local SGD:
             synchronous training while the loss drops fast, local steps afterwards); averaging
-            then happens after steps ``warmup_steps + k * sync_every``.
+            then happens after steps ``warmup_steps + k * sync_every``. With an outer optimizer
+            the warm-up averages are plain averages (the global copy follows them, the outer
+            optimizer does not step), so DiLoCo starts from a warmed-up model, as in the paper.
+        outer_optimizer: None for plain averaging, or DiLoCo's outer optimizer: a function
+            ``params -> torch.optim.Optimizer`` (it must pickle: a lambda is fine, or
+            :class:`~sparkdl.OuterSGD`; a dict of ``OuterSGD`` fields becomes one). Each rank
+            keeps a global copy of the parameters (identical on every rank, starting from the
+            broadcast weights); at every synchronization after the warm-up, ``global -
+            average`` is the gradient of one outer step on it, and every replica continues from
+            the new global copy. Floating-point buffers are plainly averaged. Outer SGD with lr 1
+            and no momentum is plain averaging. The traffic is the same as plain averaging's.
 
     Example::
 
         model = sparkdl.TorchEstimator(model=make_net, strategy=sparkdl.ModelAveraging(sync_every=8)).fit(df)
+        diloco = sparkdl.ModelAveraging(sync_every=64, outer_optimizer=sparkdl.OuterSGD(lr=0.7, momentum=0.9, nesterov=True))
     """
 
     name = "model_averaging"
@@ -91,13 +104,19 @@ class ModelAveraging(Strategy):
 
     sync_every: int = 8
     warmup_steps: int = 0
+    outer_optimizer: Optional[OuterOptimizerFactory] = None
 
     def __post_init__(self) -> None:
         _check_int("ModelAveraging", "sync_every", self.sync_every, 1, "local optimizer steps between averages, e.g. 8")
         _check_int("ModelAveraging", "warmup_steps", self.warmup_steps, 0, "steps that average after every step first; 0 for none")
+        # A dict (what --strategy-arg outer_optimizer={...} parses to) becomes an OuterSGD.
+        object.__setattr__(self, "outer_optimizer", check_outer_optimizer(self.outer_optimizer))
 
     def create_runtime(self, env: "DistEnv") -> StrategyRuntime:
-        return _ModelAveragingRuntime(env, int(self.sync_every), int(self.warmup_steps))
+        return _ModelAveragingRuntime(env, int(self.sync_every), int(self.warmup_steps), self.outer_optimizer)
+
+    def describe(self) -> Dict[str, Any]:
+        return {**super().describe(), "outer_optimizer": factory_name(self.outer_optimizer)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,11 +289,25 @@ class _PeriodicSyncRuntime(StrategyRuntime):
 
 
 class _ModelAveragingRuntime(_PeriodicSyncRuntime):
+    """Plain averaging, or DiLoCo with an outer optimizer: its state (the global copies and the
+    outer optimizer's state, one :class:`OuterStep` per module) is identical on every rank, so
+    rank 0's ``state_dict()["outer"]`` is a valid state for any number of workers."""
+
     strategy_name = "ModelAveraging"
+
+    def __init__(self, env: "DistEnv", sync_every: int, warmup_steps: int, outer_optimizer: Optional[OuterOptimizerFactory] = None) -> None:
+        super().__init__(env, sync_every, warmup_steps)
+        self.outer_factory = outer_optimizer
+        #: One global copy and outer optimizer per prepared module (empty without outer_optimizer).
+        self.outer: List[OuterStep] = []
+
+    def _module_prepared(self, module: torch.nn.Module) -> None:
+        if self.outer_factory is not None:
+            self.outer.append(OuterStep(module, self.outer_factory))
 
     def _sync(self) -> None:
         world_size = self.env.world_size
-        for module in self.modules:
+        for index, module in enumerate(self.modules):
             for group in by_device_and_dtype(model_tensors(module, floating_only=True)):
                 flat = flatten(group)
                 # Divide before summing, as DDP's default hook does: no overflow in half
@@ -283,6 +316,44 @@ class _ModelAveragingRuntime(_PeriodicSyncRuntime):
                 dist.all_reduce(flat)
                 self.comm_bytes += nbytes(flat)
                 unflatten_into(flat, group)
+            if self.outer:
+                # No traffic: every rank steps the same global copy with the same average.
+                if self.steps <= self.warmup_steps:
+                    self.outer[index].follow()
+                else:
+                    self.outer[index].step()
+
+    def state_dict(self) -> Dict[str, Any]:
+        state = super().state_dict()
+        if self.outer:
+            state["outer"] = [outer.state_dict() for outer in self.outer]
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        saved = state.get("outer")
+        if (saved is None) != (not self.outer):
+            written, now = ("without", "set") if saved is None else ("with", "None")
+            raise ConfigError(
+                f"ModelAveraging.outer_optimizer is {now} in this run, but the checkpoint was written {written} it: "
+                f"resume with the setting the checkpoint was written with, or start fresh (resume=False)"
+            )
+        if saved is not None and len(saved) != len(self.outer):
+            raise RuntimeError(f"ModelAveraging: the checkpoint holds outer state for {len(saved)} module(s), this run prepared {len(self.outer)}")
+        super().load_state_dict(state)
+        for outer, part in zip(self.outer, saved or []):
+            outer.load_state_dict(part)
+
+    def close(self) -> None:
+        super().close()
+        self.outer = []
+
+    def reshard_state(self, old, old_world_size):  # type: ignore[no-untyped-def]
+        """Elastic resume: every new rank starts from the average of the old replicas (what the
+        next synchronization would have made); the sync schedule and the outer state, identical
+        on every rank, carry over as they are."""
+        from sparkdl.strategies._reshard import averaged_reshard
+
+        return averaged_reshard(old, self.env.rank)
 
 
 class _ElasticAveragingRuntime(_PeriodicSyncRuntime):

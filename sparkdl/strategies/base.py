@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, Type
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Sequence, Tuple, Type
 
 import torch
 
@@ -71,6 +71,15 @@ class StrategyRuntime(abc.ABC):
         """The plain module holding the strategy's result (e.g. the final average), same on all
         ranks when ``identical_final_weights``. Called once, after the last step, on every rank."""
 
+    def evaluation_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module whose forward the validation pass runs: it must run no collectives,
+        because ranks may evaluate different numbers of batches. Called on every rank at the same
+        point (an override may gather, collectively). Default: the module, unwrapped from DDP
+        (whose forward may synchronize buffers)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
     def epoch_metrics(self) -> Dict[str, float]:
         """Strategy-specific figures for this rank since the previous call (e.g. a parameter
         server's ``staleness``), added to each epoch's history record by the training loop.
@@ -91,6 +100,30 @@ class StrategyRuntime(abc.ABC):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores what :meth:`state_dict` returned on this rank, after ``prepare_model`` and
         ``prepare_optimizer`` and before the first step of the resumed run."""
+
+    def model_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        """The model's and optimizer's state as a checkpoint stores it (plain containers of
+        tensors: parts load with ``weights_only=True``). Default: their ``state_dict``\\ s under
+        ``"model"`` and ``"optimizer"``; a sharding strategy returns this rank's shards."""
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    def load_model_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
+        """Restores what :meth:`model_state` returned (on this rank, or on every rank alike when
+        ``replicas_identical``) into the prepared model and optimizer."""
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+    def reshard_state(self, old: Sequence[Tuple[Dict[str, Any], Dict[str, Any]]], old_world_size: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        """This rank's (user state, strategy state) when a checkpoint of ``old_world_size`` ranks
+        resumes on ``env.world_size`` (elastic resume). ``old[i]`` is old rank ``i``'s pair (the
+        user state merged with the replicated state). Called on every rank, after
+        ``prepare_optimizer``, before :meth:`load_state_dict` gets the strategy state returned.
+
+        Default: old rank ``rank % old_world_size``'s pair — exact for state that is identical on
+        every rank (AllReduce's), a plausible replica for per-rank state. The averaging strategies
+        and the parameter server override it (an average; shards re-laid out).
+        """
+        return old[self.env.rank % old_world_size]
 
     def close(self) -> None:
         """Releases hooks, threads or servers. Must be safe to call after a failure."""

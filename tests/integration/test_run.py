@@ -63,6 +63,28 @@ def test_run_returns_rank_zeros_value_and_streams_reports(spark):
     assert sorted(r["rank_value"] for r in received if "rank_value" in r) == [0.0, 1.0]
 
 
+def test_what_each_rank_prints_reaches_the_driver_prefixed_and_logs_once(spark, capfd, caplog):
+    def train_fn(ctx):
+        import sys
+
+        print(f"printed by {ctx.rank}")
+        print(f"stderr of {ctx.rank}", file=sys.stderr)
+        sys.stdout.write(f"no newline from {ctx.rank}")  # the last partial line comes too
+        ctx.logger.warning("logged by %d", ctx.rank)
+        return None
+
+    capfd.readouterr()
+    sparkdl.run(train_fn, num_workers=2, spark=spark, progress=True)
+    out, err = capfd.readouterr()
+    for rank in (0, 1):
+        assert out.count(f"[sparkdl rank {rank}] printed by {rank}\n") == 1, out
+        assert out.count(f"[sparkdl rank {rank}] no newline from {rank}") == 1, out
+        assert f"[sparkdl rank {rank}] stderr of {rank}" in err, err
+        # The logger's record arrives once, as a log record, not again as forwarded stderr.
+        assert f"logged by {rank}" not in out + err, (out, err)
+        assert sum(f"logged by {rank}" in record.getMessage() for record in caplog.records) == 1
+
+
 def test_epoch_batches_without_data_is_a_clear_error(spark):
     def train_fn(ctx):
         next(iter(ctx.epoch_batches()))

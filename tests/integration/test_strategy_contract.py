@@ -26,6 +26,7 @@ STRATEGIES = [
     pytest.param(sparkdl.ModelAveraging(sync_every=4), id="model_averaging"),
     pytest.param(sparkdl.ElasticAveraging(sync_every=4), id="elastic_averaging"),
     pytest.param(sparkdl.ParameterServer(), id="parameter_server"),
+    pytest.param(sparkdl.ShardedDataParallel(), id="sharded"),
 ]
 IDENTICAL = [p for p in STRATEGIES if type(p.values[0]).identical_final_weights]
 

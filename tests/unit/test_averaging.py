@@ -300,7 +300,7 @@ def test_strategies_are_registered_exported_and_frozen():
     assert strategy_from_name("model_averaging", sync_every=4) == sparkdl.ModelAveraging(sync_every=4)
     assert strategy_from_name("elastic_averaging", alpha=0.2) == sparkdl.ElasticAveraging(alpha=0.2)
     assert sparkdl.ModelAveraging.identical_final_weights and sparkdl.ElasticAveraging.identical_final_weights
-    assert ModelAveraging(sync_every=4).describe() == {"name": "model_averaging", "sync_every": 4, "warmup_steps": 0}
+    assert ModelAveraging(sync_every=4).describe() == {"name": "model_averaging", "sync_every": 4, "warmup_steps": 0, "outer_optimizer": None}
     with pytest.raises(AttributeError):
         ModelAveraging().sync_every = 2  # type: ignore[misc]
 

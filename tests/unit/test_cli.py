@@ -44,7 +44,7 @@ def test_cli_package_keeps_the_one_module_names():
     for name in ("main", "sparkdl_main", "train", "predict", "predict_main", "describe", "format_description", "inspect_main",
                  "package", "package_main", "throughput", "rank_rates", "load_factory", "parse_inputs", "build_parser"):
         assert callable(getattr(cli, name)), name
-    assert set(cli.COMMANDS) == {"train", "predict", "inspect", "package"} and issubclass(cli.UsageError, Exception)
+    assert set(cli.COMMANDS) == {"train", "predict", "inspect", "package", "launch", "compare"} and issubclass(cli.UsageError, Exception)
     factory = _train._optimizer_factory("sgd", 0.1, 0.9)  # executors import it by reference
     assert type(pickle.loads(pickle.dumps(factory))) is _train._OptimizerFactory
     result = subprocess.run([sys.executable, "-m", "sparkdl.cli", "--help"], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)

@@ -355,6 +355,16 @@ class ParameterServerRuntime(StrategyRuntime):
         self._pull_all()
         dist.barrier()
 
+    def reshard_state(self, old: Sequence[Tuple[Dict[str, Any], Dict[str, Any]]], old_world_size: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        """Elastic resume: the old shards re-laid out for this run's ranks
+        (:mod:`~sparkdl.strategies.parameter_server.reshard`); the user state is old rank
+        ``rank % N``'s (the replica is pulled from the servers by :meth:`load_state_dict`)."""
+        from sparkdl.strategies.parameter_server.reshard import relayout_state
+
+        tables = [(t.spec, self.state.shard(t.spec.table).optimizer) for t in self.tables]
+        strategy = relayout_state(self.config.layout, [pair[1] for pair in old], tables, self.env.rank, self.env.world_size)
+        return old[self.env.rank % old_world_size][0], strategy
+
     def close(self) -> None:
         if self._closed:
             return

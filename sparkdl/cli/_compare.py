@@ -1,0 +1,133 @@
+"""``sparkdl compare``: train the model with each strategy for the same epochs and print one table;
+writes DIR/compare.json and DIR/compare.png. The model, data and training options are
+``sparkdl train``'s own (the same argparse actions, so they cannot drift apart)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+from sparkdl.cli._common import UsageError, load_factory
+from sparkdl.cli._train import LOSSES, METRICS, _optimizer_factory, build_parser, parse_inputs
+
+#: ``sparkdl train`` options that ``compare`` takes as they are (dest names).
+SHARED_OPTIONS = (
+    "data", "model", "features", "inputs", "label", "num_workers", "epochs", "batch_size", "optimizer", "lr", "momentum",
+    "loss", "seed", "master", "quiet", "reader", "decode_threads", "validation", "metrics", "precision",
+)
+
+
+def build_compare_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sparkdl compare",
+        description="Train the model with each strategy (same data, model, optimizer, seed and epochs) and compare "
+        "samples/s, comm bytes per sample, the loss after the budget and the time to a target loss.",
+    )
+    train = build_parser()
+    # The train parser's own actions, shared (what argparse's parents= does, without train's
+    # strategy, checkpoint and tracking options, which a comparison sets or refuses).
+    for action in train._actions:
+        if action.dest in SHARED_OPTIONS:
+            parser._add_action(action)
+    parser.add_argument(
+        "--strategies", default=None,
+        help="comma-separated strategies with :KEY=VALUE settings, e.g. allreduce,model_averaging:sync_every=4,"
+        "parameter_server:max_staleness=2 (default: allreduce, model_averaging at sync_every 4 and 16, elastic_averaging, "
+        "parameter_server unbounded and with max_staleness=2)",
+    )
+    parser.add_argument("--target-loss", type=float, default=None, help="also report the training time until the loss is at or below this")
+    parser.add_argument("--slow-rank", type=int, default=None, help="simulate a straggler: this rank sleeps before every training step")
+    parser.add_argument("--slow-seconds", type=float, default=None, help="the slowed rank's sleep per step (default 0.05 s)")
+    parser.add_argument("--output", required=True, help="directory for compare.json and compare.png")
+    parser.add_argument("--no-plot", dest="plot", action="store_false", help="do not draw compare.png (no matplotlib needed)")
+    return parser
+
+
+def _estimator_arguments(args: argparse.Namespace) -> Dict[str, Any]:
+    """The TorchEstimator arguments ``sparkdl train`` would build from the shared options."""
+    inputs = parse_inputs(args.inputs) if args.inputs else None
+    if bool(inputs) == bool(args.features):
+        raise UsageError("give --features (one positional input) or --input NAME=SPEC (named inputs), not both and not neither")
+    if args.metrics and args.validation is None:
+        raise UsageError("--metric is computed on held-out rows: give --validation FRACTION as well")
+    return dict(
+        model=load_factory(args.model),
+        optimizer=_optimizer_factory(args.optimizer, args.lr, args.momentum),
+        loss=LOSSES[args.loss],
+        feature_cols=[c.strip() for c in args.features.split(",") if c.strip()] if args.features else None,
+        inputs=inputs,
+        label_col=args.label,
+        num_workers=args.num_workers,
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        seed=args.seed,
+        reader=args.reader,
+        decode_threads=args.decode_threads,
+        validation=args.validation,
+        metrics={name: METRICS[name] for name in args.metrics} or None,
+        precision=args.precision,
+    )
+
+
+def compare_main(argv: Optional[List[str]] = None) -> int:
+    """Entry point: 0 when every strategy trained, 1 when one failed (its row says why), 2 on bad
+    arguments."""
+    from sparkdl.comparison import DEFAULT_SLOW_S, CompareSettings, compare
+    from sparkdl._comparison_result import check_plotting
+    from sparkdl.errors import ConfigError
+
+    args = build_compare_parser().parse_args(argv)
+    try:
+        estimator = _estimator_arguments(args)
+        slow_s = DEFAULT_SLOW_S if args.slow_seconds is None else args.slow_seconds
+        if args.slow_seconds is not None and args.slow_rank is None:
+            raise UsageError("--slow-seconds needs --slow-rank (which rank to slow down)")
+        # Checked before Spark starts: a typo costs a second, not a session.
+        settings = CompareSettings(
+            strategies=args.strategies, epochs=args.epochs, num_workers=args.num_workers, target_loss=args.target_loss,
+            slow_rank=args.slow_rank, slow_s=slow_s,
+        )
+        if args.plot:
+            check_plotting()
+        os.makedirs(args.output, exist_ok=True)
+        for name in ("compare.json", "compare.png"):  # what the directory lists afterwards is this run's
+            if os.path.exists(os.path.join(args.output, name)):
+                os.remove(os.path.join(args.output, name))
+    except (UsageError, ConfigError, OSError) as exc:
+        print(f"sparkdl compare: {_option_names(str(exc))}", file=sys.stderr)
+        return 2
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.appName(f"sparkdl-compare {os.path.basename(args.output.rstrip('/'))}")
+    if args.master:
+        builder = builder.master(args.master)
+    started = time.time()
+    spark = builder.getOrCreate()
+    try:
+        comparison = compare(
+            data=args.data, strategies=dict(settings.strategies), target_loss=settings.target_loss, slow_rank=settings.slow_rank,
+            slow_s=settings.slow_s, output_dir=args.output, plot=args.plot, progress=not args.quiet, **estimator,
+        )
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a message and an exit code
+        print(f"sparkdl compare: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+    finally:
+        spark.stop()
+    print(comparison.table())
+    written = [os.path.join(args.output, name) for name in ("compare.json", "compare.png") if os.path.exists(os.path.join(args.output, name))]
+    print(f"\nsparkdl compare: {len(comparison.rows)} strategies in {time.time() - started:.1f}s; wrote {', '.join(written)}")
+    if not comparison.ok:
+        print(f"sparkdl compare: failed: {', '.join(row.label for row in comparison.failures)} (see the table)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _option_names(message: str) -> str:
+    """A library message in the command line's terms (``slow_rank=`` is ``--slow-rank``)."""
+    for name, option in (("slow_rank=", "--slow-rank "), ("slow_s=", "--slow-seconds "), ("target_loss=", "--target-loss "),
+                         ("epochs=", "--epochs "), ("num_workers=", "--num-workers "), ("strategies=", "--strategies ")):
+        message = message.replace(name, option)
+    return message.replace("strategies:", "--strategies:")

@@ -85,18 +85,10 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5)
     args = parser.parse_args()
 
-    from pyspark.sql import SparkSession
-
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
-    from examples.digits import write_split  # on the driver only
+    from examples.digits import local_session, write_split  # on the driver only
 
-    spark = (
-        SparkSession.builder.master(os.environ.get("SPARKDL_MASTER", "local-cluster[2,1,1024]"))
-        .appName("sparkdl-accelerate-digits")
-        .config("spark.driver.host", os.environ.get("SPARK_LOCAL_IP", "127.0.0.1"))
-        .config("spark.ui.showConsoleProgress", "false")
-        .getOrCreate()
-    )
+    spark = local_session("sparkdl-accelerate-digits")
     with tempfile.TemporaryDirectory() as tmp:
         train_path, test_path = write_split(tmp)
         epochs = args.epochs

@@ -58,3 +58,19 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0, help="seed of the split (default 0)")
     args = parser.parse_args()
     print(*(write_split(args.dir, args.holdout, args.seed) if args.holdout else [write_dataset(args.dir)]), sep="\n")
+
+
+def local_session(app_name: str):
+    """The examples' embedded cluster: ``local-cluster[2,1,1024]`` on loopback (``SPARKDL_MASTER``
+    names another master)."""
+    import os
+
+    from pyspark.sql import SparkSession
+
+    return (
+        SparkSession.builder.master(os.environ.get("SPARKDL_MASTER", "local-cluster[2,1,1024]"))
+        .appName(app_name)
+        .config("spark.driver.host", os.environ.get("SPARK_LOCAL_IP", "127.0.0.1"))
+        .config("spark.ui.showConsoleProgress", "false")
+        .getOrCreate()
+    )

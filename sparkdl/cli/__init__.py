@@ -1,4 +1,4 @@
-"""The command line: ``sparkdl train | predict | inspect | package`` (and ``sparkdl-train``, which is
+"""The command line: ``sparkdl train | predict | inspect | package | launch | compare`` (and ``sparkdl-train``, which is
 ``sparkdl train``); ``jobs/train.py`` runs :func:`main` under spark-submit.
 
 Example::

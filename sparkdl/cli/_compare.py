@@ -11,7 +11,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from sparkdl.cli._common import UsageError, load_factory
-from sparkdl.cli._train import LOSSES, METRICS, _optimizer_factory, build_parser, parse_inputs
+from sparkdl.cli._train import LOSSES, METRICS, _optimizer_factory, build_parser, model_inputs
 
 #: ``sparkdl train`` options that ``compare`` takes as they are (dest names).
 SHARED_OPTIONS = (
@@ -48,16 +48,12 @@ def build_compare_parser() -> argparse.ArgumentParser:
 
 def _estimator_arguments(args: argparse.Namespace) -> Dict[str, Any]:
     """The TorchEstimator arguments ``sparkdl train`` would build from the shared options."""
-    inputs = parse_inputs(args.inputs) if args.inputs else None
-    if bool(inputs) == bool(args.features):
-        raise UsageError("give --features (one positional input) or --input NAME=SPEC (named inputs), not both and not neither")
-    if args.metrics and args.validation is None:
-        raise UsageError("--metric is computed on held-out rows: give --validation FRACTION as well")
+    feature_cols, inputs = model_inputs(args)
     return dict(
         model=load_factory(args.model),
         optimizer=_optimizer_factory(args.optimizer, args.lr, args.momentum),
         loss=LOSSES[args.loss],
-        feature_cols=[c.strip() for c in args.features.split(",") if c.strip()] if args.features else None,
+        feature_cols=feature_cols,
         inputs=inputs,
         label_col=args.label,
         num_workers=args.num_workers,

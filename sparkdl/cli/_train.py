@@ -10,7 +10,7 @@ import os
 import re
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -216,6 +216,18 @@ class _OptimizerFactory:
 
 
 
+def model_inputs(args: argparse.Namespace) -> Tuple[Optional[List[str]], Optional[Dict[str, Any]]]:
+    """``(feature_cols, inputs)`` from ``--features`` / ``--input`` (exactly one of them), checked
+    with ``--metric`` (which needs ``--validation``)."""
+    inputs = parse_inputs(args.inputs) if args.inputs else None
+    if bool(inputs) == bool(args.features):
+        raise UsageError("give --features (one positional input) or --input NAME=SPEC (named inputs), not both and not neither")
+    if args.metrics and args.validation is None:
+        raise UsageError("--metric is computed on held-out rows: give --validation FRACTION as well")
+    feature_cols = [c.strip() for c in args.features.split(",") if c.strip()] if args.features else None
+    return feature_cols, inputs
+
+
 def train(args: argparse.Namespace) -> Dict[str, Any]:
     """Runs one training job from parsed arguments; returns the metrics document."""
     import pyspark
@@ -224,11 +236,7 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
     import sparkdl
     from sparkdl.strategies import strategy_from_name
 
-    inputs = parse_inputs(args.inputs) if args.inputs else None
-    if bool(inputs) == bool(args.features):
-        raise UsageError("give --features (one positional input) or --input NAME=SPEC (named inputs), not both and not neither")
-    if args.metrics and args.validation is None:
-        raise UsageError("--metric is computed on held-out rows: give --validation FRACTION as well")
+    feature_cols, inputs = model_inputs(args)
     factory = load_factory(args.model)
     strategy = strategy_from_name(args.strategy, **_strategy_kwargs(args.strategy_arg))
     if args.mlflow_tracking_uri:
@@ -241,7 +249,7 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
         model=factory,
         optimizer=_optimizer_factory(args.optimizer, args.lr, args.momentum),
         loss=LOSSES[args.loss],
-        feature_cols=[c.strip() for c in args.features.split(",") if c.strip()] if args.features else None,
+        feature_cols=feature_cols,
         inputs=inputs,
         decode_threads=args.decode_threads,
         label_col=args.label,

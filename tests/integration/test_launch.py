@@ -225,3 +225,20 @@ def test_the_cli_exits_with_the_scripts_status(tmp_path):
     assert done.returncode == 4, done.stderr[-3000:]
     assert "[sparkdl rank 1] rank 1 of 2 args ['--lr', '0.1']" in done.stdout, done.stdout[-3000:]
     assert "exited with status 4 on rank 0" in done.stderr
+
+
+def _spawns_its_own_workers():
+    import torch.multiprocessing as mp
+
+    mp.spawn(print, nprocs=2)
+
+
+def test_a_launched_function_that_spawns_its_own_workers_fails_fast_naming_the_rank(spark):
+    started = time.monotonic()
+    with pytest.raises(sparkdl.TrainingError) as caught:
+        sparkdl.launch(_spawns_its_own_workers, num_workers=2, spark=spark, progress=False, timeout_s=120)
+    message = str(caught.value)
+    assert "ProcessSpawnError" in message and "nprocs=2" in message and "LOCAL_WORLD_SIZE=1" in message, message
+    assert "rank 0" in message or "rank 1" in message, message
+    # Failed at the spawn call, not after a hang until timeout_s.
+    assert time.monotonic() - started < 60

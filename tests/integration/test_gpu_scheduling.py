@@ -44,6 +44,15 @@ def _discovery_script(directory) -> str:
     return str(script)
 
 
+def _what_failed(stderr: str) -> str:
+    """The app's Python traceback and the JVM's exception lines, without the JVM's stack frames
+    (a stopped application's worker threads print long stacks that would hide the cause)."""
+    lines = [line for line in stderr.splitlines() if not line.lstrip().startswith("at ") and not line.startswith("\tat ")]
+    text = "\n".join(lines)
+    start = text.rfind("Traceback (most recent call last)")
+    return text[start:start + 6000] if start >= 0 else text[-6000:]
+
+
 @pytest.fixture(scope="module")
 def gpu_app(tmp_path_factory):
     directory = tmp_path_factory.mktemp("gpu-scheduling")
@@ -54,7 +63,7 @@ def gpu_app(tmp_path_factory):
         [sys.executable, APP, _discovery_script(directory), str(output)],
         env=env, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
     )
-    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-5000:])
+    assert done.returncode == 0, (done.stdout[-3000:], _what_failed(done.stderr))
     return json.loads(output.read_text())
 
 

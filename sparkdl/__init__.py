@@ -16,58 +16,67 @@ Public surface::
 
 __version__ = "0.1.0"
 
-from sparkdl._warmup import warm_up
-from sparkdl.custom_loop import run
-from sparkdl.context import TrainContext
-from sparkdl.data.cache import clear_cache
-from sparkdl.data.inputs import Image, Sequence
-from sparkdl.errors import (
-    ConfigError,
-    DataError,
-    InsufficientSlotsError,
-    NonFiniteLossError,
-    PeerLostError,
-    SparkdlError,
-    TrainingError,
-)
-from sparkdl.comparison import Comparison, compare
-from sparkdl.estimator import TorchEstimator
-from sparkdl.launching import ScriptResult, launch
-from sparkdl.reporting import report
-from sparkdl.data.torch_dataset import ShardDataset, shard_dataset
-from sparkdl.model import TorchModel
-from sparkdl.plotting import plot_history
-from sparkdl.strategies import AllReduce, ElasticAveraging, ModelAveraging, OuterSGD, ParameterServer, ShardedDataParallel, Strategy
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "ScriptResult",
-    "ShardDataset",
-    "launch",
-    "report",
-    "shard_dataset",
-    "AllReduce",
-    "Comparison",
-    "ConfigError",
-    "DataError",
-    "ElasticAveraging",
-    "Image",
-    "InsufficientSlotsError",
-    "ModelAveraging",
-    "NonFiniteLossError",
-    "OuterSGD",
-    "ParameterServer",
-    "ShardedDataParallel",
-    "PeerLostError",
-    "Sequence",
-    "SparkdlError",
-    "Strategy",
-    "TorchEstimator",
-    "TorchModel",
-    "TrainContext",
-    "TrainingError",
-    "clear_cache",
-    "compare",
-    "plot_history",
-    "run",
-    "warm_up",
-]
+from sparkdl._lazy import lazy_attributes
+
+# Each public name and the module that defines it; imported on first use (sparkdl._lazy says why).
+_PUBLIC = {
+    "AllReduce": "sparkdl.strategies",
+    "Comparison": "sparkdl.comparison",
+    "ConfigError": "sparkdl.errors",
+    "DataError": "sparkdl.errors",
+    "ElasticAveraging": "sparkdl.strategies",
+    "Image": "sparkdl.data.inputs",
+    "InsufficientSlotsError": "sparkdl.errors",
+    "ModelAveraging": "sparkdl.strategies",
+    "NonFiniteLossError": "sparkdl.errors",
+    "OuterSGD": "sparkdl.strategies",
+    "ParameterServer": "sparkdl.strategies",
+    "PeerLostError": "sparkdl.errors",
+    "ScriptResult": "sparkdl.launching",
+    "Sequence": "sparkdl.data.inputs",
+    "ShardDataset": "sparkdl.data.torch_dataset",
+    "ShardedDataParallel": "sparkdl.strategies",
+    "SparkdlError": "sparkdl.errors",
+    "Strategy": "sparkdl.strategies",
+    "TorchEstimator": "sparkdl.estimator",
+    "TorchModel": "sparkdl.model",
+    "TrainContext": "sparkdl.context",
+    "TrainingError": "sparkdl.errors",
+    "clear_cache": "sparkdl.data.cache",
+    "compare": "sparkdl.comparison",
+    "launch": "sparkdl.launching",
+    "plot_history": "sparkdl.plotting",
+    "report": "sparkdl.reporting",
+    "run": "sparkdl.custom_loop",
+    "shard_dataset": "sparkdl.data.torch_dataset",
+    "warm_up": "sparkdl._warmup",
+}
+__getattr__, __dir__ = lazy_attributes(__name__, _PUBLIC)
+
+if TYPE_CHECKING:  # pragma: no cover - what type checkers and IDEs see
+    from sparkdl._warmup import warm_up
+    from sparkdl.comparison import Comparison, compare
+    from sparkdl.context import TrainContext
+    from sparkdl.custom_loop import run
+    from sparkdl.data.cache import clear_cache
+    from sparkdl.data.inputs import Image, Sequence
+    from sparkdl.data.torch_dataset import ShardDataset, shard_dataset
+    from sparkdl.errors import (
+        ConfigError,
+        DataError,
+        InsufficientSlotsError,
+        NonFiniteLossError,
+        PeerLostError,
+        SparkdlError,
+        TrainingError,
+    )
+    from sparkdl.estimator import TorchEstimator
+    from sparkdl.launching import ScriptResult, launch
+    from sparkdl.model import TorchModel
+    from sparkdl.plotting import plot_history
+    from sparkdl.reporting import report
+    from sparkdl.strategies import AllReduce, ElasticAveraging, ModelAveraging, OuterSGD, ParameterServer, ShardedDataParallel, Strategy
+
+__all__ = sorted(_PUBLIC)

@@ -1,9 +1,9 @@
 """Warm Python workers: the executors import torch and sparkdl before the first launch needs them.
 
 The first barrier stage of a Spark application pays for new Python workers on the executors:
-the executor's first Python task, forking a worker and importing torch, pyarrow and sparkdl's
-task side (about 10 s on a loaded 2-core machine, against 0.4 s for a later fit). Spark reuses a
-worker for later tasks (``spark.python.worker.reuse``, on by default), so a small job that only
+the executor's first Python task, forking a worker and importing torch, pyarrow, sparkdl's task
+side and torch._dynamo (which the first optimizer built in a process imports): about 10 s on a
+loaded 2-core machine, against 0.4 s for a later fit. Spark reuses a worker for later tasks (``spark.python.worker.reuse``, on by default), so a small job that only
 imports those — one task per rank, through ``mapInArrow``, the kind of Python worker the barrier
 stage uses, on classic sessions and Spark Connect alike — moves that cost out of the first fit:
 
@@ -95,6 +95,7 @@ def _run(spark: Any, tasks: int) -> None:
 
 def _import_task_side(batches: Iterator[Any]) -> Iterator[Any]:
     import pyarrow as pa
+    import torch._dynamo  # noqa: F401 - torch.optim's first optimizer imports it (add_param_group): 1.5 s
 
     import sparkdl._launcher.task  # noqa: F401 - torch, the channel, the store
     import sparkdl.context  # noqa: F401 - the data path, the strategies

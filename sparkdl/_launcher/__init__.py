@@ -15,23 +15,32 @@ Layout, one concern per module:
 * :mod:`~sparkdl._launcher.task` — what each barrier task runs (``_task_main``): channel, rank
   prefixed output, threads, device, rendezvous, the user's function, the report. The stage's
   pickled closure refers to it, so the executors import it; it imports nothing of the driver
-  side itself (importing it still runs this ``__init__``, as the one-module launcher did).
+  side itself, and this ``__init__`` imports the rest only when asked for it.
 
 This package re-exports the names the rest of sparkdl and the tests use.
 """
 
-from sparkdl._launcher.config import Decision, FailurePolicy, LaunchConfig, LaunchOutcome
-from sparkdl._launcher.driver import _expected_executors, _failure_from_spark, check_slots, launch
-from sparkdl._launcher.monitor import JobMonitor
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "Decision",
-    "FailurePolicy",
-    "JobMonitor",
-    "LaunchConfig",
-    "LaunchOutcome",
-    "_expected_executors",
-    "_failure_from_spark",
-    "check_slots",
-    "launch",
-]
+from sparkdl._lazy import lazy_attributes
+
+# Imported on first use: a task imports ``task`` through this package and must not pay for the
+# driver side (pyspark.sql, pandas); sparkdl._lazy says why.
+_NAMES = {
+    "Decision": "sparkdl._launcher.config",
+    "FailurePolicy": "sparkdl._launcher.config",
+    "LaunchConfig": "sparkdl._launcher.config",
+    "LaunchOutcome": "sparkdl._launcher.config",
+    "JobMonitor": "sparkdl._launcher.monitor",
+    "_expected_executors": "sparkdl._launcher.driver",
+    "_failure_from_spark": "sparkdl._launcher.driver",
+    "check_slots": "sparkdl._launcher.driver",
+    "launch": "sparkdl._launcher.driver",
+}
+__getattr__, __dir__ = lazy_attributes(__name__, _NAMES)
+__all__ = sorted(_NAMES)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sparkdl._launcher.config import Decision, FailurePolicy, LaunchConfig, LaunchOutcome
+    from sparkdl._launcher.driver import _expected_executors, _failure_from_spark, check_slots, launch
+    from sparkdl._launcher.monitor import JobMonitor

@@ -8,10 +8,10 @@ import argparse
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
-from sparkdl.cli._common import UsageError, load_factory
-from sparkdl.cli._train import LOSSES, METRICS, _optimizer_factory, build_parser, model_inputs
+from sparkdl.cli._common import UsageError
+from sparkdl.cli._train import build_parser, estimator_arguments
 
 #: ``sparkdl train`` options that ``compare`` takes as they are (dest names).
 SHARED_OPTIONS = (
@@ -46,28 +46,6 @@ def build_compare_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _estimator_arguments(args: argparse.Namespace) -> Dict[str, Any]:
-    """The TorchEstimator arguments ``sparkdl train`` would build from the shared options."""
-    feature_cols, inputs = model_inputs(args)
-    return dict(
-        model=load_factory(args.model),
-        optimizer=_optimizer_factory(args.optimizer, args.lr, args.momentum),
-        loss=LOSSES[args.loss],
-        feature_cols=feature_cols,
-        inputs=inputs,
-        label_col=args.label,
-        num_workers=args.num_workers,
-        batch_size=args.batch_size,
-        epochs=args.epochs,
-        seed=args.seed,
-        reader=args.reader,
-        decode_threads=args.decode_threads,
-        validation=args.validation,
-        metrics={name: METRICS[name] for name in args.metrics} or None,
-        precision=args.precision,
-    )
-
-
 def compare_main(argv: Optional[List[str]] = None) -> int:
     """Entry point: 0 when every strategy trained, 1 when one failed (its row says why), 2 on bad
     arguments."""
@@ -77,7 +55,7 @@ def compare_main(argv: Optional[List[str]] = None) -> int:
 
     args = build_compare_parser().parse_args(argv)
     try:
-        estimator = _estimator_arguments(args)
+        estimator = estimator_arguments(args)
         slow_s = DEFAULT_SLOW_S if args.slow_seconds is None else args.slow_seconds
         if args.slow_seconds is not None and args.slow_rank is None:
             raise UsageError("--slow-seconds needs --slow-rank (which rank to slow down)")

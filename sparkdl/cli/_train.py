@@ -228,6 +228,29 @@ def model_inputs(args: argparse.Namespace) -> Tuple[Optional[List[str]], Optiona
     return feature_cols, inputs
 
 
+def estimator_arguments(args: argparse.Namespace) -> Dict[str, Any]:
+    """The TorchEstimator arguments of the model, data and training options that ``sparkdl
+    train`` and ``sparkdl compare`` share (``compare`` adds no strategy: it tries each)."""
+    feature_cols, inputs = model_inputs(args)
+    return dict(
+        model=load_factory(args.model),
+        optimizer=_optimizer_factory(args.optimizer, args.lr, args.momentum),
+        loss=LOSSES[args.loss],
+        feature_cols=feature_cols,
+        inputs=inputs,
+        label_col=args.label,
+        num_workers=args.num_workers,
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        seed=args.seed,
+        reader=args.reader,
+        decode_threads=args.decode_threads,
+        validation=args.validation,
+        metrics={name: METRICS[name] for name in args.metrics} or None,
+        precision=args.precision,
+    )
+
+
 def train(args: argparse.Namespace) -> Dict[str, Any]:
     """Runs one training job from parsed arguments; returns the metrics document."""
     import pyspark
@@ -236,8 +259,7 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
     import sparkdl
     from sparkdl.strategies import strategy_from_name
 
-    feature_cols, inputs = model_inputs(args)
-    factory = load_factory(args.model)
+    estimator_options = estimator_arguments(args)
     strategy = strategy_from_name(args.strategy, **_strategy_kwargs(args.strategy_arg))
     if args.mlflow_tracking_uri:
         os.environ["MLFLOW_TRACKING_URI"] = args.mlflow_tracking_uri
@@ -246,23 +268,9 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
         builder = builder.master(args.master)
     spark = builder.getOrCreate()
     estimator = sparkdl.TorchEstimator(
-        model=factory,
-        optimizer=_optimizer_factory(args.optimizer, args.lr, args.momentum),
-        loss=LOSSES[args.loss],
-        feature_cols=feature_cols,
-        inputs=inputs,
-        decode_threads=args.decode_threads,
-        label_col=args.label,
+        **estimator_options,
         strategy=strategy,
-        num_workers=args.num_workers,
-        batch_size=args.batch_size,
-        epochs=args.epochs,
-        seed=args.seed,
         progress=not args.quiet,
-        reader=args.reader,
-        validation=args.validation,
-        metrics={name: METRICS[name] for name in args.metrics} or None,
-        precision=args.precision,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         checkpoint_async=args.checkpoint_async,

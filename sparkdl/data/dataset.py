@@ -12,7 +12,6 @@ import warnings
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import pyarrow as pa
-import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 
 from sparkdl.filesystem import child_url, file_paths, normalize_url, open_url
@@ -169,6 +168,8 @@ def inspect_dataset(
     """
     from sparkdl.data.plan import InputPlan
 
+    import pyarrow.dataset as pads  # here, not at the top: it imports pandas, which tasks never need
+
     plan = feature_cols if isinstance(feature_cols, InputPlan) else InputPlan.from_feature_cols(feature_cols, label_col)
     explicit = isinstance(data, ParquetFiles) and bool(data.files)
     url = normalize_url(data.url if isinstance(data, ParquetFiles) else data)
@@ -306,6 +307,8 @@ def referenced_columns(filters: Filters, schema: pa.Schema, url: str) -> Tuple[s
     """The dataset columns a filter reads. pyarrow 14 does not list an expression's fields, so
     each column is left out in turn: the ones the expression cannot bind without are its own."""
     expression = to_expression(filters)
+
+    import pyarrow.dataset as pads
 
     def binds(fields: List[pa.Field]) -> Optional[Exception]:
         try:

@@ -1,0 +1,69 @@
+"""What an executor imports for a barrier task, and the lazily imported public surface.
+
+A task unpickles the stage's closure, which imports sparkdl's task side; Python runs
+``sparkdl/__init__`` and ``sparkdl/_launcher/__init__`` first. If those imported the whole
+public surface, every executor's first task would also load pyspark.ml, pandas and the driver's
+launcher (about half a second per worker of a cold fit's start-up: benchmarks/startup.py).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import sparkdl
+
+#: The modules a fit's task payload refers to: the task entry point, the training loop, the
+#: strategies, the Arrow reader, the dataset description and the batching spec.
+TASK_MODULES = (
+    "sparkdl._launcher.task",
+    "sparkdl._launcher.config",
+    "sparkdl._training",
+    "sparkdl.strategies",
+    "sparkdl.data.readers.arrow",
+    "sparkdl.data.dataset",
+    "sparkdl.data.batching",
+    "sparkdl.data.plan",
+)
+#: Driver-only modules a task must not load.
+DRIVER_ONLY = ("pandas", "pyspark.ml", "pyspark.sql", "matplotlib", "sparkdl.estimator", "sparkdl._launcher.driver", "sparkdl.comparison")
+
+
+def test_a_task_imports_none_of_the_driver_side():
+    code = f"import json, sys\nfor name in {TASK_MODULES!r}: __import__(name)\nprint(json.dumps(sorted(m for m in {DRIVER_ONLY!r} if m in sys.modules)))"
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
+    assert loaded == [], f"a task's imports load driver-side modules: {loaded}"
+
+
+@pytest.mark.parametrize("name", sparkdl.__all__)
+def test_every_public_name_resolves_and_is_listed(name):
+    value = getattr(sparkdl, name)
+    assert value.__name__ == name
+    assert name in dir(sparkdl)
+
+
+def test_an_unknown_name_is_an_attribute_error_naming_it():
+    with pytest.raises(AttributeError, match="no attribute 'TorchEstimater'"):
+        sparkdl.TorchEstimater  # noqa: B018 - the access is the test
+
+
+def test_after_the_warm_up_a_tasks_first_optimizer_step_does_not_import_torch_dynamo():
+    # torch.optim's add_param_group imports torch._dynamo on its first call: 1.5 s of a cold fit.
+    code = (
+        "import json, sys\n"
+        "from sparkdl._warmup import _import_task_side\n"
+        "list(_import_task_side(iter(())))\n"
+        f"for name in {TASK_MODULES!r}: __import__(name)\n"
+        "before = set(sys.modules)\n"
+        "import torch\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)\n"
+        "torch.nn.functional.cross_entropy(model(torch.randn(3, 4)), torch.tensor([0, 1, 1])).backward()\n"
+        "optimizer.step()\n"
+        "print(json.dumps(sorted(set(sys.modules) - before)))"
+    )
+    imported = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
+    assert not [name for name in imported if name.startswith("torch._dynamo")], f"the first step still imports: {imported[:10]}"

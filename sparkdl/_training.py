@@ -92,7 +92,7 @@ class FitLoop:
                 watch.add(epoch, state.step + 1, loss)
                 ctx.backward_and_step(loss, optimizer)  # through the grad scaler for "16-mixed"
                 rows = batch_rows(features)
-                loss_sum += loss.detach().double() * rows
+                loss_sum.add_(loss.detach(), alpha=rows)  # one op: the float64 sum takes the loss as it is
                 state.samples += rows
                 state.step += 1
                 state.global_step += 1

@@ -144,10 +144,9 @@ class TrainContext:
 
         Each batch is ``(inputs, labels)``: ``inputs`` is one float tensor with ``feature_cols=``
         and a dict of named tensors (call the model as ``model(**inputs)``) with ``inputs=``;
-        ``labels`` is None for unlabeled data. Call once per epoch; the underlying stream continues across epochs (see
-        :mod:`sparkdl.data.batching` for what that means for the remainder rows). After resuming
-        from a checkpoint taken mid-epoch, pass ``skip`` = the steps of this epoch already done:
-        the stream itself is already positioned after them.
+        ``labels`` is None for unlabeled data. Call once per epoch; the stream continues across
+        epochs (:mod:`sparkdl.data.batching`: the remainder rows). After resuming mid-epoch, pass
+        ``skip`` = the steps of this epoch already done: the stream is already positioned after them.
         """
         if self._dataset is None:
             raise RuntimeError("this run has no dataset: pass data=... to sparkdl.run")
@@ -172,7 +171,8 @@ class TrainContext:
             self._liveness.advance(f"training step {step + 1} (forward, backward, sync, optimizer)")
             if self.first_batch_time is None:
                 self.first_batch_time = time.time()
-            yield move_batch((features, labels), self.device, non_blocking)
+            # On the CPU the batch is already there; .to() would hand the GIL to the prefetch thread.
+            yield (features, labels) if self.device.type == "cpu" else move_batch((features, labels), self.device, non_blocking)
 
     # ---- validation (sparkdl/_validation.py) ------------------------------------------------
 
@@ -424,10 +424,10 @@ class _Prefetcher:
         return False
 
     def next(self) -> Batch:
-        while True:
+        item = self.poll()  # the usual case, a batch is waiting: no timed wait on the queue's lock
+        while item is None:
             try:
                 item = self._queue.get(timeout=1.0)
-                break
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():
                     raise RuntimeError("the data reader thread stopped without an error") from None

@@ -34,19 +34,10 @@ import sys
 import tempfile
 import threading
 import time
-import types
 from typing import Any, Dict, List, Optional
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
-try:
-    import pyspark  # noqa: F401
-except ImportError:
-    # sparkdl/__init__.py imports the Spark-facing API (estimator, launcher); the task-side
-    # modules this check uses do not need pyspark, so load the package without its __init__.
-    _package = types.ModuleType("sparkdl")
-    _package.__path__ = [os.path.join(REPO_ROOT, "sparkdl")]  # type: ignore[attr-defined]
-    sys.modules["sparkdl"] = _package
 
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402

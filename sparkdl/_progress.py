@@ -36,6 +36,7 @@ class ProgressDisplay:
         self.total_epochs = total_epochs
         self.records: List[Dict[str, Any]] = []
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
         self._handle = None
         if enabled and _in_notebook():
             from IPython.display import HTML, display  # type: ignore[import-not-found]
@@ -49,7 +50,7 @@ class ProgressDisplay:
                 if self._handle is not None:
                     self._update_notebook()
                 else:
-                    print(format_epoch(record, self.total_epochs), file=sys.stdout, flush=True)
+                    self._write(format_epoch(record, self.total_epochs))
         if self.callback is not None:
             try:
                 self.callback(dict(record))
@@ -59,7 +60,7 @@ class ProgressDisplay:
     def metrics(self, rank: int, metrics: Dict[str, Any]) -> None:
         if self.enabled and self._handle is None:
             shown = "  ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
-            print(f"[sparkdl rank {rank}] {shown}", file=sys.stdout, flush=True)
+            self._write(f"[sparkdl rank {rank}] {shown}")
         if self.callback is not None:
             try:
                 self.callback({"rank": rank, **metrics})
@@ -72,7 +73,15 @@ class ProgressDisplay:
         if not self.enabled:
             return
         for stream, text in lines:
-            print(f"[sparkdl rank {rank}] {text}", file=sys.stderr if stream == "stderr" else sys.stdout, flush=True)
+            self._write(f"[sparkdl rank {rank}] {text}", sys.stderr if stream == "stderr" else sys.stdout)
+
+    def _write(self, line: str, stream: Any = None) -> None:
+        """One line, written whole: the ranks' messages arrive on several threads, and print()
+        writes the newline separately, so two ranks' lines could run together."""
+        stream = sys.stdout if stream is None else stream
+        with self._write_lock:
+            stream.write(line + "\n")
+            stream.flush()
 
     def _update_notebook(self) -> None:
         from IPython.display import HTML  # type: ignore[import-not-found]

@@ -1,5 +1,5 @@
-"""What two or more ``sparkdl`` commands share: the usage error, ``--model``-style factory loading,
-metrics.json (configuration, versions, writing) and per-rank rates of an epoch record."""
+"""What two or more ``sparkdl`` commands share: the usage error, the Spark session, ``--model``-style
+factory loading, metrics.json (configuration, versions, writing) and per-rank rates of an epoch record."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import importlib
 import json
 import os
 import platform
-from typing import TYPE_CHECKING, Any, Callable, Dict, List
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 if TYPE_CHECKING:
     import torch
@@ -17,6 +17,19 @@ if TYPE_CHECKING:
 class UsageError(Exception):
     """A command-line argument is wrong; exit code 2."""
 
+
+def spark_session(app_name: str, master: Optional[str]) -> Any:
+    """The command's SparkSession: spark-submit's when it started the command (its master and
+    ``--conf`` settings stand), else a new one on ``--master`` with Spark's console progress bar
+    off: sparkdl prints its own progress lines, and the bar would cut into them."""
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.appName(app_name)
+    if "PYSPARK_GATEWAY_PORT" not in os.environ:  # set when spark-submit started this driver
+        builder = builder.config("spark.ui.showConsoleProgress", "false")
+    if master:
+        builder = builder.master(master)
+    return builder.getOrCreate()
 
 
 def load_factory(spec: str) -> Callable[[], torch.nn.Module]:

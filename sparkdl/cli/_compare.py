@@ -10,7 +10,7 @@ import sys
 import time
 from typing import List, Optional
 
-from sparkdl.cli._common import UsageError
+from sparkdl.cli._common import UsageError, spark_session
 from sparkdl.cli._train import build_parser, estimator_arguments
 
 #: ``sparkdl train`` options that ``compare`` takes as they are (dest names).
@@ -73,13 +73,9 @@ def compare_main(argv: Optional[List[str]] = None) -> int:
     except (UsageError, ConfigError, OSError) as exc:
         print(f"sparkdl compare: {_option_names(str(exc))}", file=sys.stderr)
         return 2
-    from pyspark.sql import SparkSession
 
-    builder = SparkSession.builder.appName(f"sparkdl-compare {os.path.basename(args.output.rstrip('/'))}")
-    if args.master:
-        builder = builder.master(args.master)
     started = time.time()
-    spark = builder.getOrCreate()
+    spark = spark_session(f"sparkdl-compare {os.path.basename(args.output.rstrip('/'))}", args.master)
     try:
         comparison = compare(
             data=args.data, strategies=dict(settings.strategies), target_loss=settings.target_loss, slow_rank=settings.slow_rank,

@@ -14,7 +14,7 @@ import re
 import sys
 from typing import List, Optional
 
-from sparkdl.cli._common import UsageError
+from sparkdl.cli._common import UsageError, spark_session
 from sparkdl.data.readers import registered_readers
 
 
@@ -56,15 +56,11 @@ def launch_main(argv: Optional[List[str]] = None) -> int:
     except UsageError as exc:
         print(f"sparkdl launch: {exc}", file=sys.stderr)
         return 2
-    from pyspark.sql import SparkSession
 
     import sparkdl
     from sparkdl.errors import ConfigError, SparkdlError, TrainingError
 
-    builder = SparkSession.builder.appName(f"sparkdl launch {args.script}")
-    if args.master:
-        builder = builder.master(args.master)
-    spark = builder.getOrCreate()
+    spark = spark_session(f"sparkdl launch {args.script}", args.master)
     data_options = {}
     if args.data is not None:
         data_options = dict(

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from sparkdl.cli._common import UsageError, _config, _versions, _write_metrics, load_factory
+from sparkdl.cli._common import UsageError, _config, _versions, _write_metrics, load_factory, spark_session
 
 
 def build_predict_parser() -> argparse.ArgumentParser:
@@ -33,16 +33,12 @@ def build_predict_parser() -> argparse.ArgumentParser:
 
 def predict(args: argparse.Namespace) -> Dict[str, Any]:
     import pyspark
-    from pyspark.sql import SparkSession
     from pyspark.sql import functions as sf
 
     import sparkdl
 
     factory = load_factory(args.model_factory) if args.model_factory else None
-    builder = SparkSession.builder.appName(f"sparkdl-predict {os.path.basename(args.output.rstrip('/'))}")
-    if args.master:
-        builder = builder.master(args.master)
-    spark = builder.getOrCreate()
+    spark = spark_session(f"sparkdl-predict {os.path.basename(args.output.rstrip('/'))}", args.master)
     target = os.path.join(args.output, "predictions")
     try:
         model = sparkdl.TorchModel.load(args.model, model=factory)

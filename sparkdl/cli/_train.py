@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from sparkdl._progress import validation_figures
-from sparkdl.cli._common import UsageError, _config, _versions, _write_metrics, load_factory, rank_rates
+from sparkdl.cli._common import UsageError, _config, _versions, _write_metrics, load_factory, rank_rates, spark_session
 from sparkdl.data.readers import registered_readers
 
 # Where the package re-exports this module's names: what pickles and MLflow's "optimizer"/"loss"
@@ -254,7 +254,6 @@ def estimator_arguments(args: argparse.Namespace) -> Dict[str, Any]:
 def train(args: argparse.Namespace) -> Dict[str, Any]:
     """Runs one training job from parsed arguments; returns the metrics document."""
     import pyspark
-    from pyspark.sql import SparkSession
 
     import sparkdl
     from sparkdl.strategies import strategy_from_name
@@ -263,10 +262,7 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
     strategy = strategy_from_name(args.strategy, **_strategy_kwargs(args.strategy_arg))
     if args.mlflow_tracking_uri:
         os.environ["MLFLOW_TRACKING_URI"] = args.mlflow_tracking_uri
-    builder = SparkSession.builder.appName(f"sparkdl-train {os.path.basename(args.output.rstrip('/'))}")
-    if args.master:
-        builder = builder.master(args.master)
-    spark = builder.getOrCreate()
+    spark = spark_session(f"sparkdl-train {os.path.basename(args.output.rstrip('/'))}", args.master)
     estimator = sparkdl.TorchEstimator(
         **estimator_options,
         strategy=strategy,

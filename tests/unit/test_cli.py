@@ -74,6 +74,10 @@ def _fake_spark(monkeypatch, captured):
             captured["master"] = master
             return self
 
+        def config(self, key, value):
+            captured.setdefault("conf", {})[key] = value
+            return self
+
         def getOrCreate(self):
             context = types.SimpleNamespace(master="local[2]", applicationId="local-1")
             return types.SimpleNamespace(sparkContext=context, stop=lambda: captured.setdefault("stopped", True))
@@ -86,8 +90,9 @@ def _fake_spark(monkeypatch, captured):
             captured["data"] = data
             return _FakeModel()
 
-    monkeypatch.setattr(pyspark.sql, "SparkSession", types.SimpleNamespace(builder=Builder()))
+    # The estimator first: reading the real one (to restore it) imports pyspark.ml, which needs the real SparkSession.
     monkeypatch.setattr(sparkdl, "TorchEstimator", FakeEstimator)
+    monkeypatch.setattr(pyspark.sql, "SparkSession", types.SimpleNamespace(builder=Builder()))
 
 
 def test_train_passes_recovery_and_tracking_options_and_writes_metrics(tmp_path, monkeypatch):
@@ -108,6 +113,7 @@ def test_train_passes_recovery_and_tracking_options_and_writes_metrics(tmp_path,
     assert (kwargs["mlflow_experiment"], kwargs["tensorboard_dir"]) == ("exp", "/tb")
     assert os.environ["MLFLOW_TRACKING_URI"] == "file:/tmp/mlruns"
     assert captured["stopped"] and captured["master"] == "local[2]"
+    assert captured["conf"] == {"spark.ui.showConsoleProgress": "false"}  # sparkdl prints its own progress
     metrics = json.load(open(tmp_path / "run" / "metrics.json"))
     assert metrics["status"] == "succeeded" and metrics["exit_code"] == 0
     assert metrics["throughput"] == {"samples_per_sec": [100.0, 120.0], "rank_samples_per_sec_mean": [65.0, 45.0], "slowest_rank": 1}

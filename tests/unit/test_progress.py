@@ -1,6 +1,10 @@
 """Driver-side progress display (console path; no Spark)."""
 
+import io
 import logging
+import os
+import sys
+import threading
 
 from sparkdl._progress import ProgressDisplay, format_epoch
 
@@ -37,3 +41,29 @@ def test_format_without_total():
     assert format_epoch({"epoch": 2, "loss": 0.5, "val_loss": 0.7}) == "[sparkdl] epoch 2  loss 0.5  val_loss 0.7"
     record = {"epoch": 3, "loss": 0.5, "val_samples": 360, "val_top5": 0.99, "val_accuracy": 0.9, "val_loss": 0.7}
     assert format_epoch(record) == "[sparkdl] epoch 3  loss 0.5  val_loss 0.7  val_accuracy 0.9  val_top5 0.99"
+
+
+def test_lines_from_several_ranks_never_run_together(monkeypatch):
+    # The channel hands each rank's messages to the display on its own thread. A stream whose
+    # write() gives up the GIL stands for a busy terminal: a line written in two pieces (print()
+    # writes the newline apart) would let another rank's line in between.
+    class YieldingStream(io.StringIO):
+        def write(self, text):
+            os.sched_yield()
+            return super().write(text)
+
+    stream = YieldingStream()
+    monkeypatch.setattr(sys, "stdout", stream)
+    display = ProgressDisplay(enabled=True)
+    expected = {f"[sparkdl rank {rank}] step={step}" for rank in range(4) for step in range(200)}
+
+    def rank_messages(rank):
+        for step in range(200):
+            display.metrics(rank, {"step": step})
+
+    threads = [threading.Thread(target=rank_messages, args=(rank,)) for rank in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(stream.getvalue().splitlines()) == sorted(expected)

@@ -3,9 +3,10 @@
 The first barrier stage of a Spark application pays for new Python workers on the executors:
 the executor's first Python task, forking a worker and importing torch, pyarrow, sparkdl's task
 side and torch._dynamo (which the first optimizer built in a process imports): about 10 s on a
-loaded 2-core machine, against 0.4 s for a later fit. Spark reuses a worker for later tasks (``spark.python.worker.reuse``, on by default), so a small job that only
-imports those — one task per rank, through ``mapInArrow``, the kind of Python worker the barrier
-stage uses, on classic sessions and Spark Connect alike — moves that cost out of the first fit:
+loaded 2-core machine, against 0.4 s for a later fit. Spark reuses a worker for later tasks
+(``spark.python.worker.reuse``, on by default), so a small job that only imports those — one
+task per rank, through ``mapInArrow``, the kind of Python worker the barrier stage uses, on
+classic sessions and Spark Connect alike — moves that cost out of the first fit:
 
 * :func:`warm_up` (public as ``sparkdl.warm_up``), called when the session is created (a
   notebook's first cell, a job's start), runs it while the user's own code goes on;

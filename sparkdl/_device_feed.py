@@ -18,7 +18,10 @@ Batch = Tuple[Any, Optional[torch.Tensor]]
 
 
 def move_batch(batch: Batch, device: torch.device, non_blocking: bool = False) -> Batch:
-    """A batch's tensors (a dict of named inputs too) on ``device``."""
+    """A batch's host tensors (a dict of named inputs too) on ``device``."""
+    if device.type == "cpu":
+        # Already there; tensor.to() would still release the GIL, handing it to the prefetch thread mid-step.
+        return batch
     inputs, labels = batch
     if isinstance(inputs, dict):
         inputs = {name: value.to(device, non_blocking=non_blocking) for name, value in inputs.items()}

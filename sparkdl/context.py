@@ -171,8 +171,7 @@ class TrainContext:
             self._liveness.advance(f"training step {step + 1} (forward, backward, sync, optimizer)")
             if self.first_batch_time is None:
                 self.first_batch_time = time.time()
-            # On the CPU the batch is already there; .to() would hand the GIL to the prefetch thread.
-            yield (features, labels) if self.device.type == "cpu" else move_batch((features, labels), self.device, non_blocking)
+            yield move_batch((features, labels), self.device, non_blocking)
 
     # ---- validation (sparkdl/_validation.py) ------------------------------------------------
 

@@ -42,7 +42,8 @@ _MAX_BATCH_CHARS = 256 * 1024
 @dataclasses.dataclass(frozen=True)
 class ScriptResult:
     """What ``sparkdl.launch("script.py", ...)`` returns: rank 0's exit status (0: a rank that
-    exits non-zero fails the launch) and its last lines of output (stdout and stderr, in order)."""
+    exits non-zero fails the launch) and its last lines of output: stdout and stderr in the order
+    they were read (two pipes, so lines written to both at nearly the same time may swap)."""
 
     exit_code: int
     last_lines: Tuple[str, ...]

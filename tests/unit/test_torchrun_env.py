@@ -42,7 +42,9 @@ def _launch_two(tmp_path, exit_code_of_rank1: int):
     messages, outcomes = {0: [], 1: []}, {}
 
     def rank_main(rank: int) -> None:
-        env = dict(os.environ, PYTHONPATH=REPO_ROOT, SPARKDL_LAUNCHED="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        # TORCH_CPP_LOG_LEVEL: the refused TCPStore probe's retry and timeout logs (C++ stack traces on
+        # stderr, a separate pipe read by its own thread) would otherwise crowd out the stdout line
+        env = dict(os.environ, PYTHONPATH=REPO_ROOT, SPARKDL_LAUNCHED="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="FATAL")
         env.update(torchrun_environment(rank, 2, server.address, "sparkdl-test"))
         if "lo" in {name for _, name in socket.if_nameindex()}:
             env["GLOO_SOCKET_IFNAME"] = "lo"
@@ -69,8 +71,8 @@ def _launch_two(tmp_path, exit_code_of_rank1: int):
 def test_env_rendezvous_reaches_the_authenticated_store_and_output_is_forwarded(tmp_path):
     outcomes, messages = _launch_two(tmp_path, 0)
     assert outcomes[0].exit_code == 0, outcomes
-    line = outcomes[0].last_lines[-1]
-    assert line.startswith("sum 3.0 tcpstore ") and "connected" not in line, line
+    results = [line for line in outcomes[0].last_lines if line.startswith("sum 3.0 tcpstore ")]
+    assert len(results) == 1 and "connected" not in results[0], outcomes[0].last_lines
     forwarded = [text for message in messages[1] if message["kind"] == "output" for stream, text in message["lines"]]
     assert any(text.startswith("sum 3.0") for text in forwarded)
 

@@ -1,8 +1,8 @@
 """Reader throughput: Petastorm vs the native Arrow reader vs in-memory tensors.
 
 What one training task does with its shard, in one process: the reader's chunks, rebatched and
-shuffled by ``sparkdl.data.batching.batches``, turned into tensors by the TrainContext prefetch
-thread, fed to a tiny model (one linear layer) so that the data path dominates. The in-memory
+shuffled by ``sparkdl.data.batching.batches``, turned into tensors as a TrainContext on the CPU
+does (``sparkdl._host_batches``), fed to a tiny model (one linear layer) so that the data path dominates. The in-memory
 baseline runs the same training loop over batches sliced from tensors already in memory.
 
     .venv/bin/python benchmarks/data_readers.py [--rows 300000] [--width 64] [--epochs 3] [--repeats 3]
@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from sparkdl.context import _Prefetcher
+from sparkdl._host_batches import host_batches
 from sparkdl.data.dataset import inspect_dataset
 from sparkdl.data.batching import DataSpec, batches, steps_per_epoch
 from sparkdl.data.readers import reader_from_name
@@ -94,7 +94,7 @@ def run_reader(name: str, url: str, batch_size: int, epochs: int, model_step: bo
     dataset = inspect_dataset(url, ["features"], "label")
     spec = DataSpec(batch_size=batch_size, shuffle=True, seed=0)
     steps = steps_per_epoch(dataset.num_rows, batch_size, 1)
-    stream = _Prefetcher(batches(reader_from_name(name), dataset, spec, rank=0, world_size=1), pin=False)
+    stream = host_batches(batches(reader_from_name(name), dataset, spec, rank=0, world_size=1), torch.device("cpu"))
     try:
         first, steady, samples, cpu = train(stream.next, steps, epochs, model_step)
     finally:

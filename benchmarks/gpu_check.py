@@ -46,7 +46,8 @@ import torch  # noqa: E402
 
 from sparkdl._rendezvous import rendezvous, teardown  # noqa: E402
 from sparkdl._training import FitLoop  # noqa: E402
-from sparkdl.context import TrainContext, _Prefetcher  # noqa: E402
+from sparkdl._host_batches import Prefetcher  # noqa: E402
+from sparkdl.context import TrainContext  # noqa: E402
 from sparkdl.data.dataset import inspect_dataset  # noqa: E402
 from sparkdl.data.batching import DataSpec, batches  # noqa: E402
 from sparkdl.data.readers import reader_from_name  # noqa: E402
@@ -198,7 +199,7 @@ def loader_rate(dataset: Any, spec: DataSpec, reader_name: str, device: torch.de
     """What the reader plus the prefetch thread deliver with nothing training (pinned on CUDA),
     read for at least ``seconds`` (the stream cycles over the data forever)."""
     source = batches(reader_from_name(reader_name), dataset, spec, 0, 1)
-    prefetcher = _Prefetcher(source, pin=device.type == "cuda", device=device)
+    prefetcher = Prefetcher(source, pin=device.type == "cuda", device=device)
     try:
         features, _ = prefetcher.next()  # start-up (first row groups) is not the steady rate
         row_bytes = features[0].numel() * features.element_size() + 8

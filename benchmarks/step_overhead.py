@@ -1,18 +1,21 @@
 """What sparkdl's training loop costs per step beyond the model: one rank, one core, no Spark.
 
-    .venv/bin/python benchmarks/step_overhead.py [--steps 1200] [--rounds 6] [--core 1]
+    .venv/bin/python benchmarks/step_overhead.py [--model mlp|linear] [--batch-size 64] [--steps 1200] [--rounds 6] [--core 1]
 
-The compute-bound configuration of ``allreduce_vs_ddp.py`` (the 85k-parameter MLP, batch 64,
-SGD with momentum) in one process pinned to one core, as a one-core Spark task runs it: a
-one-rank gloo group, DDP, and either
+A configuration of ``allreduce_vs_ddp.py`` (default the compute-bound one: the 85k-parameter
+MLP, batch 64, SGD with momentum; ``--model linear --batch-size 1024`` is the data-bound one) in
+one process pinned to one core, as a one-core Spark task runs it: a one-rank gloo group, DDP, and
 
-* **in memory**: the plain DDP loop over tensors already in memory (the floor), or
-* **sparkdl**: ``FitLoop`` with ``AllReduce`` streaming a Parquet shard through the Arrow reader
-  and the prefetch thread, exactly as a task does (minus Spark and the channel).
+* **in memory**: the plain DDP loop over tensors already in memory (the floor);
+* **sparkdl**: ``FitLoop`` with ``AllReduce`` streaming a Parquet shard through the Arrow reader,
+  exactly as a task on the CPU does (minus Spark and the channel): batches become tensors in the
+  training thread when it takes them;
+* **sparkdl, prefetch thread**: the same with a prefetch thread converting batches ahead (what
+  a CUDA task does, and what CPU tasks did before): the reason for the choice above.
 
-Each round runs both, one after the other, and prints the ratio of their CPU time per step (the
-process's CPU time, so the prefetch thread's work counts and other tenants of a shared machine
-mostly do not); the median over rounds is the figure. The end-to-end benchmark with two Spark
+Each round runs all three, one after the other, and prints the ratio of their CPU time per step
+(the process's CPU time, so every thread's work counts and other tenants of a shared machine
+mostly do not) and of their wall time; the median over rounds is the figure. The end-to-end benchmark with two Spark
 workers (``allreduce_vs_ddp.py``) swings by ±10 % between runs here; this one isolates the loop.
 A script that prints figures, not a test.
 """
@@ -25,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Callable, Dict, List, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -33,26 +37,28 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from allreduce_vs_ddp import make_mlp, make_optimizer, synthetic, write_parquet  # noqa: E402
+from allreduce_vs_ddp import MODELS, make_optimizer, synthetic, write_parquet  # noqa: E402
 
-BATCH = 64
+Times = Tuple[float, float]  # (CPU seconds, wall seconds)
 
 
-def in_memory(x: torch.Tensor, y: torch.Tensor, steps: int) -> float:
+def in_memory(make_model: Callable[[], torch.nn.Module], x: torch.Tensor, y: torch.Tensor, batch: int, steps: int) -> Times:
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(make_mlp())
+    model = torch.nn.parallel.DistributedDataParallel(make_model())
     optimizer = make_optimizer(model.parameters())
     order = torch.randperm(len(x))
-    start = time.process_time()
+    start, wall = time.process_time(), time.perf_counter()
     for step in range(steps):
-        index = order[step * BATCH:(step + 1) * BATCH]
+        index = order[step * batch:(step + 1) * batch]
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(x[index]), y[index]).backward()
         optimizer.step()
-    return time.process_time() - start
+    return time.process_time() - start, time.perf_counter() - wall
 
 
-def sparkdl_loop(env, dataset, spec, steps: int) -> float:
+def sparkdl_loop(make_model: Callable[[], torch.nn.Module], env, dataset, spec, steps: int, prefetch_thread: bool) -> Times:
+    import sparkdl.context
+    from sparkdl._host_batches import Prefetcher, host_batches
     from sparkdl._training import FitLoop
     from sparkdl.context import TrainContext
     from sparkdl.data.readers import reader_from_name
@@ -60,18 +66,23 @@ def sparkdl_loop(env, dataset, spec, steps: int) -> float:
 
     runtime = AllReduce().create_runtime(env)
     ctx = TrainContext(env, runtime, lambda record: None, dataset=dataset, data_spec=spec, reader=reader_from_name("arrow"), steps_per_epoch=steps)
-    loop = FitLoop(model=make_mlp, optimizer=make_optimizer, loss=torch.nn.functional.cross_entropy, epochs=1, seed=0)
+    loop = FitLoop(model=make_model, optimizer=make_optimizer, loss=torch.nn.functional.cross_entropy, epochs=1, seed=0)
+    if prefetch_thread:
+        sparkdl.context.host_batches = lambda source, device: Prefetcher(source, pin=False, device=device)
     try:
-        start = time.process_time()
+        start, wall = time.process_time(), time.perf_counter()
         loop(ctx)
-        return time.process_time() - start
+        return time.process_time() - start, time.perf_counter() - wall
     finally:
+        sparkdl.context.host_batches = host_batches
         ctx.close()
         runtime.close()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
+    parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--core", type=int, default=1, help="the core to pin to (-1: no pinning)")
@@ -83,28 +94,34 @@ def main() -> None:
     from sparkdl.data.batching import DataSpec
     from sparkdl.data.dataset import inspect_dataset
 
-    features, labels = synthetic(args.steps * BATCH)
+    batch, make_model = args.batch_size, MODELS[args.model]
+    features, labels = synthetic(args.steps * batch)
     workdir = tempfile.mkdtemp(prefix="sparkdl-step-overhead-")
     write_parquet(workdir, features, labels)
     dataset = inspect_dataset(workdir, ["features"], "label")
     x, y = torch.from_numpy(np.ascontiguousarray(features)), torch.from_numpy(labels)
     env = rendezvous(0, 1, ["127.0.0.1:0"], lambda value: [value], torch.device("cpu"), timeout_s=60)
-    ratios, floor, ours = [], [], []
+    sides = ("in memory (plain DDP)", "sparkdl FitLoop, Arrow reader", "sparkdl FitLoop, Arrow reader, prefetch thread")
+    times: Dict[str, List[Times]] = {side: [] for side in sides}
     try:
         for _ in range(args.rounds + 1):  # the first round warms up and is left out
-            plain = in_memory(x, y, args.steps)
-            loop = sparkdl_loop(env, dataset, DataSpec(batch_size=BATCH, seed=0), args.steps)
-            floor.append(plain / args.steps)
-            ours.append(loop / args.steps)
-            ratios.append(plain / loop)
+            spec = DataSpec(batch_size=batch, seed=0)
+            times[sides[0]].append(in_memory(make_model, x, y, batch, args.steps))
+            times[sides[1]].append(sparkdl_loop(make_model, env, dataset, spec, args.steps, prefetch_thread=False))
+            times[sides[2]].append(sparkdl_loop(make_model, env, dataset, spec, args.steps, prefetch_thread=True))
     finally:
         teardown()
-    print(f"MLP (85k params), batch {BATCH}, {args.steps} steps, one core, CPU time per step, median of {args.rounds} rounds")
-    print("| loop | CPU ms/step | vs in memory |")
-    print("|---|---:|---:|")
-    print(f"| in memory (plain DDP) | {1000 * statistics.median(floor[1:]):.3f} | 1.00 |")
-    print(f"| sparkdl FitLoop, Arrow reader | {1000 * statistics.median(ours[1:]):.3f} | {statistics.median(ratios[1:]):.2f} |")
-    print("ratios per round: " + " ".join(f"{r:.3f}" for r in ratios[1:]))
+    floor = times[sides[0]][1:]
+    print(f"{args.model}, batch {batch}, {args.steps} steps, one core, per step, median of {args.rounds} rounds")
+    print("| loop | CPU ms/step | vs in memory (CPU) | wall ms/step | vs in memory (wall) |")
+    print("|---|---:|---:|---:|---:|")
+    for side in sides:
+        rounds = times[side][1:]
+        cpu = statistics.median(cpu for cpu, _ in rounds) / args.steps
+        wall = statistics.median(wall for _, wall in rounds) / args.steps
+        cpu_ratio = statistics.median(base[0] / mine[0] for base, mine in zip(floor, rounds))
+        wall_ratio = statistics.median(base[1] / mine[1] for base, mine in zip(floor, rounds))
+        print(f"| {side} | {1000 * cpu:.3f} | {cpu_ratio:.2f} | {1000 * wall:.3f} | {wall_ratio:.2f} |")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Keeping the GPU fed: batches moved to the training device, the next one copied while the
 current one trains.
 
-On CUDA the context's prefetch thread pins host batches (in a thread made to use the task's GPU,
-:func:`pin_thread_to`), and :class:`DeviceFeed` starts each next batch's copy on a side stream
-(:class:`CudaCopier`) so it overlaps the current step's kernels. On the CPU it passes the
-prefetch thread's batches through. Which device a task trains on is :mod:`sparkdl._device`.
+On CUDA a prefetch thread pins host batches (in a thread made to use the task's GPU,
+:func:`pin_thread_to`; :mod:`sparkdl._host_batches`), and :class:`DeviceFeed` starts each next
+batch's copy on a side stream (:class:`CudaCopier`) so it overlaps the current step's kernels. On
+the CPU it passes the host batches through. Which device a task trains on is :mod:`sparkdl._device`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ Batch = Tuple[Any, Optional[torch.Tensor]]
 def move_batch(batch: Batch, device: torch.device, non_blocking: bool = False) -> Batch:
     """A batch's host tensors (a dict of named inputs too) on ``device``."""
     if device.type == "cpu":
-        # Already there; tensor.to() would still release the GIL, handing it to the prefetch thread mid-step.
+        # Already there; tensor.to() would still release the GIL, handing it to another thread mid-step.
         return batch
     inputs, labels = batch
     if isinstance(inputs, dict):
@@ -38,7 +38,7 @@ def _batch_tensors(batch: Batch) -> Iterator[torch.Tensor]:
 
 
 class HostBatches(Protocol):
-    """Where :class:`DeviceFeed` takes host batches from (the context's prefetch thread)."""
+    """Where :class:`DeviceFeed` takes host batches from (:mod:`sparkdl._host_batches`)."""
 
     def next(self) -> Batch: ...
 
@@ -88,7 +88,7 @@ class DeviceFeed:
     in pinned memory — starts its copy on a side stream at once, so the copy runs during step
     *i*'s kernels instead of after them; if it is not ready yet, nothing waits for it (the copy
     starts when it is asked for). At most two batches are on the GPU at a time. On the CPU this
-    is a pass-through: exactly the prefetch thread's batches, as before.
+    is a pass-through: exactly the host batches, as before.
 
     Args:
         source: host batches (pinned on CUDA).

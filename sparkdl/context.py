@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import sys
-import threading
 import time
 from typing import Any, Dict, Iterator, Optional, Tuple
 
@@ -16,7 +14,8 @@ import torch
 from sparkdl import _resharding
 from sparkdl._checkpoint_writer import CheckpointWriteError, CheckpointWriter, capture
 from sparkdl._device import DeviceAssignment
-from sparkdl._device_feed import DeviceFeed, move_batch, pin_thread_to
+from sparkdl._device_feed import DeviceFeed, move_batch
+from sparkdl._host_batches import host_batches
 from sparkdl._precision import Precision, PrecisionRuntime
 from sparkdl._rendezvous import DistEnv
 from sparkdl.checkpoint import CheckpointStore
@@ -160,9 +159,10 @@ class TrainContext:
             # Resuming: replay the seeded stream up to the checkpoint's position (cut, not
             # decoded). Reading is far cheaper than training, and replay makes resumed batches exact.
             source = batches(self._reader, self._dataset, self._data_spec, self.rank, self.world_size, skip=self._batches_taken)
-            # On CUDA the prefetch thread pins batches and DeviceFeed copies the next one to the
-            # GPU on a side stream while the current one trains; on the CPU both pass through.
-            self._stream = DeviceFeed(_Prefetcher(source, pin=self.device.type == "cuda", device=self.device), self.device)
+            # On CUDA a prefetch thread pins batches and DeviceFeed copies the next one to the
+            # GPU on a side stream while the current one trains; on the CPU this thread converts
+            # each batch when it takes it (sparkdl._host_batches says why).
+            self._stream = DeviceFeed(host_batches(source, self.device), self.device)
         non_blocking = self.device.type == "cuda"
         for step in range(skip, self.steps_per_epoch):
             self._liveness.advance(f"loading data (step {step + 1})")
@@ -379,71 +379,3 @@ class Liveness:
         self.progress += 1
         if phase is not None:
             self.phase = phase
-
-
-class _Prefetcher:
-    """Converts batches to tensors on a background thread so reading overlaps compute.
-
-    The queue is bounded (a few batches), so memory stays bounded; an error in the reader
-    re-raises in the training thread at the next ``next()``.
-    """
-
-    _DONE = object()
-
-    def __init__(self, source: Iterator, pin: bool, depth: int = 4, device: Optional[torch.device] = None) -> None:
-        self._source = source
-        self._pin = pin
-        self._device = device
-        self._queue: "queue.Queue[Any]" = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._fill, name="sparkdl-prefetch", daemon=True)
-        self._thread.start()
-
-    def _fill(self) -> None:
-        try:
-            if self._pin:
-                pin_thread_to(self._device)  # else pinning puts a CUDA context on GPU 0
-            for batch in self._source:
-                if not self._put(to_tensors(batch, self._pin)):
-                    return
-            self._put(StopIteration("the data stream ended"))
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer thread
-            self._put(exc)
-        finally:
-            self._source.close()
-
-    def _put(self, item: Any) -> bool:
-        """Waits for room in the queue, unless the consumer stopped; False when it did."""
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.5)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def next(self) -> Batch:
-        item = self.poll()  # the usual case, a batch is waiting: no timed wait on the queue's lock
-        while item is None:
-            try:
-                item = self._queue.get(timeout=1.0)
-            except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():
-                    raise RuntimeError("the data reader thread stopped without an error") from None
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def poll(self) -> Optional[Batch]:
-        """The next batch if one is ready now, else None (never waits); errors as ``next``."""
-        try:
-            item = self._queue.get_nowait()
-        except queue.Empty:
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)

@@ -4,9 +4,10 @@ rows become model inputs (for training, validation and ``TorchModel.transform`` 
 Pipeline of a task (readers: :mod:`sparkdl.data.readers`; inputs: :mod:`sparkdl.data.inputs`)::
 
     reader thread        row groups -> named columns -> InputPlan.extract -> chunk (row-aligned arrays)
-    prefetch thread      chunks -> shuffle buffer -> batches of batch_size rows
+    training thread      chunks -> shuffle buffer -> batches of batch_size rows
     decode threads       batch -> InputPlan.finish (decode images, pad sequences) -> transform_fn
-    prefetch thread      -> tensors (pinned on CUDA), a bounded queue the training step takes from
+    training thread      -> tensors; on CUDA a prefetch thread does this and the cutting
+                         above, pinned, into a bounded queue (sparkdl._host_batches says why)
 
 Sharding and balance rules (the same for every reader):
 

@@ -119,12 +119,12 @@ class ShardDataset(IterableDataset):
         restored checkpoint moved the position)."""
         position = self._position.get()
         if self._stream is None or self._stream_at != position:
-            from sparkdl.context import _Prefetcher
+            from sparkdl._host_batches import Prefetcher
             from sparkdl.data.batching import batches
 
             self.close()
             source = batches(self._reader, self._dataset, self._spec, self.rank, self.world_size, skip=position)
-            self._stream, self._stream_at = _Prefetcher(source, pin=False), position
+            self._stream, self._stream_at = Prefetcher(source, pin=False), position
         return self._stream
 
     def _notice(self, phase: str) -> None:

@@ -22,7 +22,7 @@ from sparkdl._device import (
 )
 from sparkdl._device_feed import DeviceFeed
 from sparkdl._launcher import LaunchConfig
-from sparkdl.context import _Prefetcher
+from sparkdl._host_batches import Prefetcher
 from sparkdl.errors import ConfigError
 
 SETTINGS = ("spark.executor.resource.gpu.amount", "spark.task.resource.gpu.amount", "spark.executor.resource.gpu.discoveryScript")
@@ -281,7 +281,7 @@ def test_prefetcher_poll_returns_ready_batches_without_waiting():
         gate.wait()
         yield np.ones((2, 3), np.float32), None
 
-    prefetcher = _Prefetcher(produce(), pin=False, device=torch.device("cpu"))
+    prefetcher = Prefetcher(produce(), pin=False, device=torch.device("cpu"))
     try:
         features, labels = prefetcher.next()
         assert features.sum() == 0 and labels is not None

@@ -39,7 +39,7 @@ CLASSES = 10
 def write_dataset(path: str, rows: int, files: int, row_group_rows: int, layout: str = "list") -> str:
     """``files`` Parquet files (snappy, like sparkdl's DataFrame cache) of features stored as
     ``list<float>`` (what Spark writes for an array column) or, with ``layout="packed"``, as
-    float32 bytes per row (what sparkdl writes for the Arrow reader: sparkdl.data.tensor_bytes),
+    float32 bytes per row (what sparkdl writes for either reader: sparkdl.data.tensor_bytes),
     marked in the footer as Spark marks it."""
     from sparkdl.data.tensor_bytes import pack_array, spark_footer_metadata
 
@@ -104,6 +104,9 @@ def run_reader(name: str, url: str, batch_size: int, epochs: int, model_step: bo
     return {"samples_per_s": samples / steady, "first_batch_s": first + inspect_s, "cpu_us": cpu / samples * 1e6}
 
 
+LAYOUT_LABELS = {"list": "list<float>", "packed": "float32 bytes (sparkdl cache)"}
+
+
 def run_in_memory(url: str, batch_size: int, epochs: int, model_step: bool) -> Dict[str, float]:
     started = time.perf_counter()
     table = pq.read_table(url)
@@ -142,8 +145,8 @@ def main(argv: List[str] = None) -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a task gets spark.task.cpus)")
-    parser.add_argument("--readers", default="petastorm,arrow", help="readers of the list<float> layout")
-    parser.add_argument("--layouts", default="list,packed", help="layouts the arrow reader reads (packed: what sparkdl writes for it)")
+    parser.add_argument("--readers", default="petastorm,arrow", help="the readers (each reads every layout)")
+    parser.add_argument("--layouts", default="list,packed", help="list: Spark's list<float>; packed: float32 bytes, what sparkdl writes")
     args = parser.parse_args(argv)
     global FEATURES
     FEATURES = args.width
@@ -159,12 +162,10 @@ def main(argv: List[str] = None) -> None:
             f"{args.epochs} epochs, torch threads {args.threads}, model Linear({FEATURES}, {CLASSES}), pyarrow {pa.__version__}"
         )
         paths = {"in-memory tensors": (run_in_memory, url)}
-        for name in readers:
-            if name != "arrow":
-                paths[f"{name} reader, list<float>"] = (run_reader, name, url)
         for layout in args.layouts.split(","):
             layout_url = url if layout == "list" else write_dataset(os.path.join(tmp, layout), args.rows, args.files, args.row_group_rows, layout)
-            paths[f"arrow reader, {'list<float>' if layout == 'list' else 'float32 bytes (sparkdl cache)'}"] = (run_reader, "arrow", layout_url)
+            for name in readers:
+                paths[f"{name} reader, {LAYOUT_LABELS[layout]}"] = (run_reader, name, layout_url)
         alone, model = {}, {}
         for label, (run, *run_args) in paths.items():
             alone[label] = best_of(args.repeats, run, *run_args, args.batch_size, args.epochs, False)
@@ -178,13 +179,13 @@ def main(argv: List[str] = None) -> None:
             f"| {label} | {alone[label]['samples_per_s']:,.0f} | {alone[label]['cpu_us']:.2f} | {model[label]['samples_per_s']:,.0f} | "
             f"{model[label]['samples_per_s'] / baseline:.2f} | {model[label]['cpu_us']:.2f} | {model[label]['first_batch_s']:.3f} s |"
         )
-    petastorm = "petastorm reader, list<float>"
-    for arrow in [label for label in paths if label.startswith("arrow reader")]:
+    petastorm = f"petastorm reader, {LAYOUT_LABELS['list']}"  # Petastorm on the lists Spark writes
+    for other in [label for label in paths if label not in ("in-memory tensors", petastorm)]:
         if petastorm in paths:
             print(
-                f"\n{arrow} / petastorm: {alone[arrow]['samples_per_s'] / alone[petastorm]['samples_per_s']:.1f}x "
-                f"data path alone, {model[arrow]['samples_per_s'] / model[petastorm]['samples_per_s']:.1f}x into the model, "
-                f"{model[petastorm]['first_batch_s'] / model[arrow]['first_batch_s']:.1f}x faster first batch"
+                f"\n{other} / {petastorm}: {alone[other]['samples_per_s'] / alone[petastorm]['samples_per_s']:.1f}x "
+                f"data path alone, {model[other]['samples_per_s'] / model[petastorm]['samples_per_s']:.1f}x into the model, "
+                f"{model[petastorm]['first_batch_s'] / model[other]['first_batch_s']:.1f}x faster first batch"
             )
 
 

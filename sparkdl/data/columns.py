@@ -17,7 +17,7 @@ import typing as t
 import numpy as np
 import pyarrow as pa
 
-from sparkdl.data.tensor_bytes import row_width, tensor_rows
+from sparkdl.data.tensor_bytes import row_width, tensor_rows, tensor_rows_from_values
 from sparkdl.errors import DataError
 
 if t.TYPE_CHECKING:  # pragma: no cover
@@ -50,6 +50,8 @@ def numeric_values(values: ColumnData, info: ColumnInfo, role: str, source: str)
     """A numeric column as one array: scalars as a vector, equal-length lists as a matrix (a view
     of the Arrow values buffer when possible), codec fields decoded with their codec."""
     array = arrow_array(values)
+    if array is None and info.packed:
+        return tensor_rows_from_values(numpy_values(values), info.name, role, source)
     if array is not None:
         if array.null_count:
             raise DataError(f"{role} column {info.name!r} has {array.null_count} null values in {source}")

@@ -1,4 +1,4 @@
-"""Dense array columns stored as raw float32 bytes: the layout sparkdl writes for the Arrow reader.
+"""Dense array columns stored as raw float32 bytes: the layout sparkdl writes for its readers.
 
 When sparkdl materializes a DataFrame (:mod:`sparkdl.data.cache`) for a reader that reads it
 (``DataReader.reads_tensor_bytes``), every array column a :class:`~sparkdl.data.inputs.Dense`
@@ -9,8 +9,10 @@ length per row and one contiguous buffer, which the reader turns into a ``[rows,
 without a copy. Measured by ``benchmarks/data_readers.py --layouts``: see docs/data.md.
 
 The columns are marked in the Spark schema Spark stores in every file's footer (field metadata
-``sparkdl.tensor = "float32"``), so a dataset says itself how to read it. Petastorm cannot
-read the layout, so data materialized for the Petastorm reader keeps Spark's lists.
+``sparkdl.tensor = "float32"``), so a dataset says itself how to read it. Petastorm reads the
+column as what it is, ``binary``: its batch reader hands out one Python ``bytes`` per row, which
+:func:`tensor_rows_from_values` joins into the same matrix (still far cheaper than Petastorm's
+decoding of a ``LIST``), so both readers read one materialized copy.
 
 Nulls keep their meaning: a null array is a null value (reported as such), a null element
 becomes NaN (reported as "NaN or null"), as the list path reports them.
@@ -113,6 +115,19 @@ def tensor_rows(array: pa.Array, name: str, role: str, source: str) -> np.ndarra
     width = row_width(offsets // 4, name, role, source)
     flat = np.frombuffer(array.buffers()[2], dtype="<f4", count=rows * width, offset=int(offsets[0]))
     return flat.reshape(rows, width)
+
+
+def tensor_rows_from_values(values: np.ndarray, name: str, role: str, source: str) -> np.ndarray:
+    """A packed column handed out as one Python ``bytes`` per row (Petastorm's batch reader
+    converts columns through pandas) as a ``[rows, width]`` float32 array: one join of the rows'
+    bytes, checked like :func:`tensor_rows`."""
+    nulls = sum(1 for value in values if value is None)
+    if nulls:
+        raise DataError(f"{role} column {name!r} has {nulls} null values in {source}")
+    offsets = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, values), dtype=np.int64, count=len(values)), out=offsets[1:])
+    width = row_width(offsets // 4, name, role, source)
+    return np.frombuffer(b"".join(values), dtype="<f4").reshape(len(values), width)
 
 
 def row_width(offsets: np.ndarray, name: str, role: str, source: str) -> int:

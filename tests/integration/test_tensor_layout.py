@@ -1,6 +1,6 @@
 """The layout sparkdl writes when it materializes a DataFrame, on a real cluster: dense array
-columns as float32 bytes for the Arrow reader (marked in Spark's own footer schema), Spark's
-lists for Petastorm; the same rows either way, and bad rows reported in the user's terms."""
+columns as float32 bytes (marked in Spark's own footer schema), read by both readers from one
+copy; the same rows either way, and bad rows reported in the user's terms."""
 
 from __future__ import annotations
 
@@ -68,13 +68,18 @@ def test_a_null_element_and_ragged_arrays_are_named_as_in_the_dataframe(spark):
 
 
 @pytest.mark.petastorm
-def test_a_dataframe_for_the_petastorm_reader_keeps_sparks_lists_and_the_same_rows(spark):
+def test_the_petastorm_reader_reads_the_same_float32_bytes_and_shares_the_arrow_readers_copy(spark):
     rows = [([i * 0.5, -i * 1.0, i * 0.25], [i, i + 1], i, i % 2) for i in range(96)]
+    frame = _frame(spark, rows)
     before = cache.cached_urls()
-    seen = sparkdl.run(
-        _rows_by_id, num_workers=2, data=_frame(spark, rows), feature_cols=["vec", "ints", "id"], label_col="label",
-        batch_size=8, shuffle=False, spark=spark, progress=False, reader="petastorm",
-    )
-    schema = pq.read_schema(_new_cache_files(before)[0])
-    assert str(schema.field("vec").type).startswith("list<") and str(schema.field("ints").type).startswith("list<")
-    assert seen and all(seen[i] == pytest.approx(list(rows[i][0]) + [float(v) for v in rows[i][1]]) for i in seen)
+    seen = {}
+    for reader in ("petastorm", "arrow"):
+        seen[reader] = sparkdl.run(
+            _rows_by_id, num_workers=2, data=frame, feature_cols=["vec", "ints", "id"], label_col="label",
+            batch_size=8, shuffle=False, spark=spark, progress=False, reader=reader,
+        )
+    files = _new_cache_files(before)  # one copy: the second fit found the first one's
+    schema = pq.read_schema(files[0])
+    assert str(schema.field("vec").type) == "binary" and str(schema.field("ints").type) == "binary"
+    assert seen["petastorm"] == seen["arrow"]
+    assert seen["petastorm"] and all(seen["petastorm"][i] == pytest.approx(list(rows[i][0]) + [float(v) for v in rows[i][1]]) for i in seen["petastorm"])

@@ -16,8 +16,8 @@ from sparkdl.data.batching import DataSpec, batches
 from sparkdl.data.dataset import inspect_dataset
 from sparkdl.data.nonfinite import describe_non_finite
 from sparkdl.data.readers import reader_from_name
-from sparkdl.data.tensor_bytes import pack_array, packed_columns, spark_footer_metadata, tensor_rows
-from sparkdl.errors import ConfigError, DataError
+from sparkdl.data.tensor_bytes import pack_array, packed_columns, spark_footer_metadata, tensor_rows, tensor_rows_from_values
+from sparkdl.errors import DataError
 
 WIDTH = 5
 
@@ -99,9 +99,33 @@ def test_a_nan_in_packed_data_is_found_by_column_row_group_and_row(tmp_path):
     assert message.startswith("column 'features' holds NaN at row 1 of row group 0 of file") and "part-1.parquet" in message
 
 
+def test_rows_handed_out_as_python_bytes_decode_like_the_arrow_column_and_are_checked_alike():
+    rows = np.arange(12, dtype=np.float32).reshape(4, 3)
+    as_objects = np.array([row.tobytes() for row in rows] + [None], dtype=object)
+    assert tensor_rows_from_values(as_objects[:4], "f", "feature", "x").tolist() == rows.tolist()
+    with pytest.raises(DataError, match="feature column 'f' has 1 null values in the DataFrame"):
+        tensor_rows_from_values(as_objects, "f", "feature", "the DataFrame")
+    ragged = np.array([rows[0].tobytes(), rows[1, :2].tobytes()], dtype=object)
+    with pytest.raises(DataError, match=r"holds arrays of different lengths in the DataFrame \(from 2 to 3\)"):
+        tensor_rows_from_values(ragged, "f", "feature", "the DataFrame")
+    assert tensor_rows_from_values(np.array([], dtype=object), "f", "feature", "x").shape[0] == 0
+
+
 @pytest.mark.petastorm
-def test_the_petastorm_reader_refuses_packed_columns_by_name(tmp_path):
-    features = np.ones((20, WIDTH), dtype=np.float32)
-    dataset = inspect_dataset(_write(str(tmp_path / "p"), features, "packed"), ["features"], "label")
-    with pytest.raises(ConfigError, match="reader='petastorm' cannot read column\\(s\\) 'features'.*use reader='arrow'"):
-        reader_from_name("petastorm").check(dataset)
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_the_petastorm_reader_gives_the_packed_layout_exactly_the_batches_of_the_list_layout(tmp_path, shuffle):
+    features = np.random.default_rng(1).standard_normal((100, WIDTH)).astype(np.float32)
+    as_lists = inspect_dataset(_write(str(tmp_path / "list"), features, "list"), ["features", "id"], "label")
+    as_bytes = inspect_dataset(_write(str(tmp_path / "packed"), features, "packed"), ["features", "id"], "label")
+    reader = reader_from_name("petastorm")
+    reader.check(as_bytes)
+    spec = DataSpec(batch_size=8, shuffle=shuffle, seed=3, shuffle_buffer_batches=2)
+    for rank in (0, 1):
+        expected = batches(reader_from_name("arrow"), as_lists, spec, rank, 2)
+        actual = batches(reader, as_bytes, spec, rank, 2)
+        for _ in range(20):  # more than a pass: the stream wraps around
+            (x_list, y_list), (x_bytes, y_bytes) = next(expected), next(actual)
+            assert np.array_equal(x_list, x_bytes) and np.array_equal(y_list, y_bytes)
+            assert np.array_equal(x_bytes[:, :WIDTH], features[x_bytes[:, WIDTH].astype(np.int64)])
+        expected.close()
+        actual.close()

@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/startup.py [--fits 3] [--rows 20000]
 
-Starts a new ``local-cluster[2,1,1024]`` application twice and, in each, waits until both
+Starts a new ``local-cluster[2,1,1024]`` application twice, each in a fresh driver process (a
+process that already fitted once has torch._dynamo and pandas imported), and, in each, waits until both
 executors registered (Spark's own start-up is not sparkdl's), then fits the same small MLP on
 the same Parquet ``--fits`` times. In the first application the first fit finds the executors
 cold; in the second, ``sparkdl.warm_up(spark)`` ran when the session was created (what a
@@ -17,8 +18,10 @@ rows, not the absolute seconds.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -65,16 +68,30 @@ def _fits(rows: int, workdir: str, fits: int, warm_up: bool) -> Dict[str, Any]:
         spark.stop()
 
 
+APPLICATIONS = {"cold": "cold executors", "warm-up": "sparkdl.warm_up(spark) at session start"}
+
+
+def _application(kind: str, rows: int, fits: int) -> Dict[str, Any]:
+    """One application in a fresh Python process: its figures as JSON."""
+    command = [sys.executable, os.path.abspath(__file__), "--application", kind, "--rows", str(rows), "--fits", str(fits)]
+    done = subprocess.run(command, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fits", type=int, default=3)
     parser.add_argument("--rows", type=int, default=20_000)
+    parser.add_argument("--application", choices=sorted(APPLICATIONS), help=argparse.SUPPRESS)  # the child's side
     args = parser.parse_args()
-    workdir = tempfile.mkdtemp(prefix="sparkdl-startup-")
-    try:
-        runs = {"cold executors": _fits(args.rows, workdir, args.fits, False), "sparkdl.warm_up(spark) at session start": _fits(args.rows, workdir, args.fits, True)}
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    if args.application:
+        workdir = tempfile.mkdtemp(prefix="sparkdl-startup-")
+        try:
+            print(json.dumps(_fits(args.rows, workdir, args.fits, args.application == "warm-up")))
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return
+    runs = {label: _application(kind, args.rows, args.fits) for kind, label in APPLICATIONS.items()}
     print(f"\nlocal-cluster[2,1,1024], {args.rows} rows, MLP, 2 workers, 1 epoch per fit")
     print("| application | fit | prepare (driver) | launch → first batch | fit called → first batch |")
     print("|---|---:|---:|---:|---:|")

@@ -14,6 +14,9 @@ classic sessions and Spark Connect alike — moves that cost out of the first fi
   materializes the DataFrame. (With data read in place the driver's preparation is too short to
   hide it behind: the warm-up job would only run before the barrier stage instead of inside it.)
 
+The driver's own first-fit imports (torch._dynamo for its optimizer check, pyarrow.dataset, the
+launcher: about 2 s) run beside the job, on a thread of their own.
+
 Once per application; best effort: a failure is logged at debug level and fails nothing.
 """
 
@@ -34,7 +37,7 @@ _warmed: Set[str] = set()
 
 def warm_up(spark: Any = None, num_workers: Optional[int] = None, wait: bool = False) -> None:
     """Starts the executors' Python workers and imports torch and sparkdl in them, once per
-    application, in the background.
+    application, in the background; the driver imports what its first fit needs meanwhile.
 
     Args:
         spark: the session (default: the active one).
@@ -53,10 +56,16 @@ def warm_up(spark: Any = None, num_workers: Optional[int] = None, wait: bool = F
             return
         _warmed.add(key)
     tasks = num_workers or _slots(spark)
-    thread = threading.Thread(target=_run, args=(spark, max(1, int(tasks))), name="sparkdl-warm-up", daemon=True)
-    thread.start()
+    threads = [
+        threading.Thread(target=_run, args=(spark, max(1, int(tasks))), name="sparkdl-warm-up", daemon=True),
+        # The driver's part runs beside the job (which only waits on the JVM), not before it.
+        threading.Thread(target=_import_driver_side, name="sparkdl-warm-up-driver", daemon=True),
+    ]
+    for thread in threads:
+        thread.start()
     if wait:
-        thread.join()
+        for thread in threads:
+            thread.join()
 
 
 def _slots(spark: Any) -> int:
@@ -92,6 +101,20 @@ def _run(spark: Any, tasks: int) -> None:
         spark.range(0, tasks, 1, tasks).mapInArrow(_import_task_side, "ready int").collect()
     except Exception as exc:  # noqa: BLE001 - only an optimization
         logger.debug("warming the executors' Python workers failed: %s", exc)
+
+
+def _import_driver_side() -> None:
+    """What the driver's first fit imports: torch._dynamo (its optimizer check builds the
+    process's first optimizer), pyarrow.dataset (inspecting the data; it imports pandas) and the
+    launcher. Once per process; a failure here fails nothing (the fit imports them again)."""
+    try:
+        import pyarrow.dataset  # noqa: F401
+        import torch._dynamo  # noqa: F401
+
+        import sparkdl._launcher.driver  # noqa: F401
+        import sparkdl._preflight  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - only an optimization
+        logger.debug("importing the driver side ahead of the first fit failed: %s", exc)
 
 
 def _import_task_side(batches: Iterator[Any]) -> Iterator[Any]:

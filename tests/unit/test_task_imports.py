@@ -67,3 +67,27 @@ def test_after_the_warm_up_a_tasks_first_optimizer_step_does_not_import_torch_dy
     )
     imported = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
     assert not [name for name in imported if name.startswith("torch._dynamo")], f"the first step still imports: {imported[:10]}"
+
+
+def test_after_the_warm_up_the_drivers_first_checks_import_neither_torch_dynamo_nor_pyarrow_dataset(tmp_path):
+    # The optimizer check builds the driver's first optimizer; inspecting data imports pyarrow.dataset.
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"x": np.arange(8, dtype=np.float32), "label": np.arange(8) % 2}), str(tmp_path / "part-0.parquet"))
+    code = (
+        "import json, sys\n"
+        "import torch\n"
+        "from sparkdl._warmup import _import_driver_side\n"
+        "_import_driver_side()\n"
+        "before = set(sys.modules)\n"
+        "from sparkdl._preflight import check_optimizer\n"
+        "from sparkdl.data.dataset import inspect_dataset\n"
+        f"inspect_dataset({str(tmp_path)!r}, ['x'], 'label')\n"
+        "check_optimizer(lambda params: torch.optim.Adam(params), torch.nn.Linear(1, 2))\n"
+        "print(json.dumps(sorted(set(sys.modules) - before)))"
+    )
+    imported = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
+    late = [name for name in imported if name.startswith(("torch._dynamo", "pyarrow.dataset", "pandas"))]
+    assert not late, f"the first fit's checks still import: {late[:10]}"

@@ -80,7 +80,7 @@ class DataSettings:
         return reader_from_name(self.reader)
 
 
-_LAUNCH = ("num_workers", "use_gpu", "timeout_s", "precision", "max_failures", "watchdog_timeout_s", "min_workers")
+_LAUNCH = ("num_workers", "use_gpu", "timeout_s", "precision", "max_failures", "watchdog_timeout_s", "min_workers", "slot_wait_s")
 _DATA = tuple(f.name for f in dataclasses.fields(DataSettings) if f.init)
 #: Arguments that only make sense with data.
 _NEED_DATA = ("inputs", "validation", "filters", "transform_fn", "metrics")

@@ -53,6 +53,7 @@ def run(
     max_failures: int = 0,
     watchdog_timeout_s: Optional[float] = 600.0,
     min_workers: Optional[int] = None,
+    slot_wait_s: float = 30.0,
 ) -> Any:
     """Runs ``train_fn(ctx)`` on ``num_workers`` Spark barrier tasks and returns rank 0's result.
 
@@ -110,6 +111,8 @@ def run(
         min_workers: a relaunch that finds fewer free slots than ``num_workers`` continues on as
             many as are free, down to this many, resuming ``checkpoint_dir`` on the new number
             of workers (docs/recovery.md, "Elastic worker counts"); None: never fewer.
+        slot_wait_s: how long to wait for enough free task slots (executors still registering,
+            or, over Spark Connect, the barrier stage's tasks to start) before failing.
 
     Raises:
         TrainingError: a rank failed; names the rank and carries its traceback.

@@ -74,6 +74,9 @@ class TorchEstimator(Estimator, _TorchParams):
         min_workers: a relaunch that finds fewer free slots than ``num_workers`` trains on as
             many as are free, down to this many, resuming the checkpoint on that many workers
             (``batch_size`` stays per worker, so the global batch shrinks); None: never fewer.
+        slot_wait_s: how long to wait for enough free task slots (executors still registering,
+            or, over Spark Connect, the barrier stage's tasks to start) before failing with
+            ``InsufficientSlotsError``; raise it on clusters whose executors start slowly.
         progress: per-epoch progress on the driver; a callable also receives every record.
         cache_dir: where DataFrames are materialized (default: ``spark.sparkdl.cacheDir``).
         reader: the data reader: ``"arrow"`` (native pyarrow) or ``"petastorm"``.
@@ -123,6 +126,7 @@ class TorchEstimator(Estimator, _TorchParams):
         max_failures: int = 0,
         watchdog_timeout_s: Optional[float] = 600.0,
         min_workers: Optional[int] = None,
+        slot_wait_s: float = 30.0,
         progress: "bool | ProgressCallback" = True,
         cache_dir: Optional[str] = None,
         reader: str = DEFAULT_READER,

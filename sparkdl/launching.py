@@ -49,6 +49,7 @@ def launch(
     progress: Union[bool, ProgressCallback] = True,
     max_failures: int = 0,
     watchdog_timeout_s: Optional[float] = 600.0,
+    slot_wait_s: float = 30.0,
 ) -> Any:
     """Runs a script or a function on ``num_workers`` barrier tasks, each in a child process
     with torchrun's environment; returns rank 0's outcome.
@@ -71,6 +72,8 @@ def launch(
             False keeps the output in the executors' logs only.
         max_failures: relaunch every rank up to this many times after a failure.
         watchdog_timeout_s: fail a rank whose child prints, reports and reads nothing for this long.
+        slot_wait_s: how long to wait for enough free task slots before failing, as for
+            ``sparkdl.run``.
 
     Returns:
         a script: rank 0's :class:`ScriptResult` (exit status 0, last lines of output); a

@@ -20,7 +20,9 @@ class LaunchConfig:
     Args:
         num_workers: number of barrier tasks (ranks); each needs one task slot.
         timeout_s: bound on rendezvous and on every collective; a rank stuck longer fails the run.
-        slot_wait_s: how long to wait for executors to register before giving up on slots.
+        slot_wait_s: how long to wait for task slots before failing: for executors to register
+            (classic sessions), or for all the barrier stage's tasks to start (Spark Connect,
+            where the driver cannot ask the scheduler).
         use_gpu: True to require GPUs, False for CPU, None to use GPUs when Spark gives tasks some
             (see :mod:`sparkdl._device`).
         precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"`` (see :mod:`sparkdl._precision`).
@@ -52,7 +54,7 @@ class LaunchConfig:
         if self.use_gpu is not None and not isinstance(self.use_gpu, bool):
             raise ConfigError(f"use_gpu={self.use_gpu!r} must be True, False or None (use GPUs when Spark assigns them)")
         object.__setattr__(self, "precision", Precision(self.precision).value)  # normalized: 32 -> "32"
-        if self.slot_wait_s < 0:
+        if not isinstance(self.slot_wait_s, (int, float)) or isinstance(self.slot_wait_s, bool) or self.slot_wait_s < 0:
             raise ConfigError(f"slot_wait_s={self.slot_wait_s!r} must be >= 0 seconds")
         if not isinstance(self.max_failures, int) or isinstance(self.max_failures, bool) or self.max_failures < 0:
             raise ConfigError(f"max_failures={self.max_failures!r} must be an integer >= 0")

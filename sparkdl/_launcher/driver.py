@@ -296,10 +296,13 @@ def check_slots(sc: Any, num_workers: int, wait_s: float) -> None:
             break
         time.sleep(0.25)  # polling the scheduler: executor registration has no Python-side event
     task_cpus = sc.getConf().get("spark.task.cpus", "1")
+    # Waiting longer helps only when executors may still be registering (the deadline decided).
+    still_starting = expected is None or executors < expected
     raise InsufficientSlotsError(
         f"num_workers={num_workers} needs {num_workers} concurrent task slots, but the cluster has {slots} "
         f"({executors} executor(s); slots = executor cores / spark.task.cpus={task_cpus}). "
-        f"Lower num_workers to at most {slots}, or add executors or cores."
+        f"Lower num_workers to at most {slots}, or add executors or cores"
+        + (f"; if executors are still starting, wait longer for them with slot_wait_s (now {wait_s:g} s)." if still_starting else ".")
     )
 
 
@@ -338,7 +341,8 @@ def relaunch_workers(sc: Any, num_workers: int, min_workers: int, wait_s: float)
         return free
     raise InsufficientSlotsError(
         f"the relaunch after a failure found {free} free task slot(s), fewer than min_workers={min_workers} "
-        f"(num_workers={num_workers}); lower min_workers to train on fewer workers, or free or add executors"
+        f"(num_workers={num_workers}) within slot_wait_s={wait_s:g} s; lower min_workers to train on fewer workers, "
+        f"free or add executors, or wait longer for replacement executors with slot_wait_s"
     )
 
 

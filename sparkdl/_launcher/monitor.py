@@ -94,8 +94,9 @@ class JobMonitor:
             self._cancelled = True
             self.slots_missing = InsufficientSlotsError(
                 f"num_workers={self.num_workers} needs {self.num_workers} concurrent task slots, but {started} of the barrier "
-                f"stage's tasks started within {wait_s:g}s: the cluster has fewer free slots than that (slots = executor "
-                f"cores / spark.task.cpus). Lower num_workers, or add executors or cores"
+                f"stage's tasks started within slot_wait_s={wait_s:g}s: the cluster has fewer free slots than that (slots = executor "
+                f"cores / spark.task.cpus). Lower num_workers, add executors or cores, or raise slot_wait_s when the "
+                f"cluster's executors start slowly or other jobs hold its slots for a while"
             )
         logger.error("%s; cancelling the Spark job", self.slots_missing)
         self._cancel()

@@ -16,7 +16,7 @@ from sparkdl.cli._train import build_parser, estimator_arguments
 #: ``sparkdl train`` options that ``compare`` takes as they are (dest names).
 SHARED_OPTIONS = (
     "data", "model", "features", "inputs", "label", "num_workers", "epochs", "batch_size", "optimizer", "lr", "momentum",
-    "loss", "seed", "master", "quiet", "reader", "decode_threads", "validation", "metrics", "precision",
+    "loss", "seed", "master", "quiet", "reader", "decode_threads", "validation", "metrics", "precision", "slot_wait_s",
 )
 
 

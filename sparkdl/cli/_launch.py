@@ -37,6 +37,10 @@ def build_launch_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=600.0, dest="timeout_s", help="rendezvous and store timeout, seconds")
     parser.add_argument("--max-failures", type=int, default=0)
     parser.add_argument("--watchdog-timeout", type=float, default=600.0, dest="watchdog_timeout_s")
+    parser.add_argument(
+        "--slot-wait", type=float, default=30.0, dest="slot_wait_s", metavar="SECONDS",
+        help="how long to wait for --num-workers free task slots before failing (default 30)",
+    )
     parser.add_argument("--quiet", action="store_true", help="do not print the ranks' output on the driver")
     return parser
 
@@ -70,7 +74,8 @@ def launch_main(argv: Optional[List[str]] = None) -> int:
     try:
         result = sparkdl.launch(
             args.script, *script_args, num_workers=args.num_workers, spark=spark, progress=not args.quiet,
-            timeout_s=args.timeout_s, max_failures=args.max_failures, watchdog_timeout_s=args.watchdog_timeout_s, **data_options,
+            timeout_s=args.timeout_s, max_failures=args.max_failures, watchdog_timeout_s=args.watchdog_timeout_s,
+            slot_wait_s=args.slot_wait_s, **data_options,
         )
     except ConfigError as exc:
         print(f"sparkdl launch: {exc}", file=sys.stderr)

@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a strategy setting, e.g. --strategy-arg sync_every=8 (repeatable; values parsed as JSON when possible)",
     )
     parser.add_argument("--num-workers", type=int, default=2)
+    parser.add_argument(
+        "--slot-wait", type=float, default=30.0, dest="slot_wait_s", metavar="SECONDS",
+        help="how long to wait for --num-workers free task slots (executors still starting) before failing (default 30)",
+    )
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32, help="rows per batch on each worker")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
@@ -240,6 +244,7 @@ def estimator_arguments(args: argparse.Namespace) -> Dict[str, Any]:
         inputs=inputs,
         label_col=args.label,
         num_workers=args.num_workers,
+        slot_wait_s=args.slot_wait_s,
         batch_size=args.batch_size,
         epochs=args.epochs,
         seed=args.seed,

@@ -135,11 +135,14 @@ def test_a_failing_rank_is_named_on_the_client(connect):
         sparkdl.run(_fail_on_rank_1, num_workers=2, spark=connect, progress=False)
 
 
-def test_too_few_slots_fail_fast_from_a_connect_client(connect):
+def test_too_few_slots_fail_fast_from_a_connect_client_after_slot_wait_s(connect):
     started = time.monotonic()
-    with pytest.raises(sparkdl.InsufficientSlotsError, match="num_workers=3 needs 3 concurrent task slots"):
-        sparkdl.run(_rank_sum, num_workers=3, spark=connect, progress=False)
-    assert time.monotonic() - started < 120
+    with pytest.raises(sparkdl.InsufficientSlotsError, match="num_workers=3 needs 3 concurrent task slots") as info:
+        sparkdl.run(_rank_sum, num_workers=3, spark=connect, progress=False, slot_wait_s=5)
+    # 2 of 3 tasks start and wait at the barrier; the client gives up after the 5 s asked for
+    # (the default 30 s would make this bound fail), and says which setting waits longer.
+    assert "started within slot_wait_s=5s" in str(info.value) and "raise slot_wait_s" in str(info.value)
+    assert time.monotonic() - started < 28
 
 
 def test_checkpoints_and_recovery_from_a_connect_client(connect_digits, tmp_path):

@@ -103,10 +103,11 @@ def test_train_passes_recovery_and_tracking_options_and_writes_metrics(tmp_path,
         "train", "--data", "/data/x", "--model", "tests.models:digits_mlp", "--features", "features", "--label", "label",
         "--output", str(tmp_path / "run"), "--checkpoint-dir", "/ckpt/x", "--checkpoint-every", "50", "--max-failures", "3",
         "--checkpoint-sync", "--no-resume", "--mlflow-experiment", "exp", "--mlflow-tracking-uri", "file:/tmp/mlruns", "--tensorboard-dir", "/tb",
-        "--master", "local[2]", "--reader", "petastorm", "--validation", "0.1", "--precision", "bf16-mixed",
+        "--master", "local[2]", "--reader", "petastorm", "--validation", "0.1", "--precision", "bf16-mixed", "--slot-wait", "90",
     ])
     assert code == 0
     kwargs = captured["estimator"]
+    assert kwargs["slot_wait_s"] == 90.0
     assert (kwargs["reader"], kwargs["validation"], kwargs["precision"]) == ("petastorm", 0.1, "bf16-mixed")
     assert (kwargs["checkpoint_dir"], kwargs["checkpoint_every"], kwargs["max_failures"], kwargs["resume"]) == ("/ckpt/x", 50, 3, False)
     assert kwargs["checkpoint_async"] is False

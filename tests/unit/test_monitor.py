@@ -259,7 +259,7 @@ def test_watch_start_cancels_when_fewer_ranks_than_num_workers_started():
     _start(monitor, 0)
     monitor.watch_start(0.2, threading.Event())
     assert isinstance(monitor.slots_missing, InsufficientSlotsError)
-    assert "num_workers=3 needs 3 concurrent task slots, but 1 of the barrier stage's tasks started within 0.2s" in str(
+    assert "num_workers=3 needs 3 concurrent task slots, but 1 of the barrier stage's tasks started within slot_wait_s=0.2s" in str(
         monitor.slots_missing
     )
     assert len(cancel.calls) == 1

@@ -17,6 +17,7 @@ COMMON = dict(
     num_workers=3, batch_size=16, shuffle=False, seed=7, reader="arrow", validation=0.25, timeout_s=42.0,
     precision="bf16-mixed", max_failures=2, watchdog_timeout_s=30.0, checkpoint_dir="/tmp/sparkdl-settings",
     keep_checkpoints=5, checkpoint_async=False, resume=False, decode_threads=2, feature_cols=["a", "b"], label_col="y",
+    slot_wait_s=120.0,
 )
 
 
@@ -29,6 +30,7 @@ def test_estimator_and_run_build_the_same_configs_from_the_same_arguments():
     direct = RunSettings.from_arguments({**COMMON, "strategy": sparkdl.ModelAveraging(sync_every=4)}, with_data=True)
     assert estimator.settings == direct
     assert direct.launch.num_workers == 3 and direct.launch.precision == "bf16-mixed" and direct.launch.max_failures == 2
+    assert direct.launch.slot_wait_s == 120.0
     assert (direct.checkpoint.keep, direct.checkpoint.resume, direct.checkpoint.every_steps) == (5, False, None)
     assert direct.checkpoint.async_write is False
     assert direct.data.spec.holdout == 0.25 and direct.data.spec.batch_size == 16 and direct.data.spec.decode_threads == 2
@@ -51,6 +53,7 @@ def test_default_strategy_is_allreduce():
         ({"validation": 1.5}, "validation=1.5: a fraction of the rows must be in \\(0, 1\\)"),
         ({"validation": True}, "validation=True must be a fraction in \\(0, 1\\) or validation data"),
         ({"batch_size": 0}, "batch_size=0 must be a positive integer"),
+        ({"slot_wait_s": -1}, "slot_wait_s=-1 must be >= 0 seconds"),
         ({"feature_cols": ["a"], "inputs": {"x": "b"}}, "give feature_cols= or inputs=, not both"),
     ],
 )

@@ -1,6 +1,6 @@
 """What sparkdl's training loop costs per step beyond the model: one rank, one core, no Spark.
 
-    .venv/bin/python benchmarks/step_overhead.py [--model mlp|linear] [--batch-size 64] [--steps 1200] [--rounds 6] [--core 1]
+    .venv/bin/python benchmarks/step_overhead.py [--model mlp|linear] [--batch-size 64] [--layout list|packed] [--steps 1200] [--rounds 6] [--core 1]
 
 A configuration of ``allreduce_vs_ddp.py`` (default the compute-bound one: the 85k-parameter
 MLP, batch 64, SGD with momentum; ``--model linear --batch-size 1024`` is the data-bound one) in
@@ -79,10 +79,29 @@ def sparkdl_loop(make_model: Callable[[], torch.nn.Module], env, dataset, spec, 
         runtime.close()
 
 
+def _pack(workdir: str) -> None:
+    """Rewrites the features column as float32 bytes per row, marked as sparkdl marks its copy."""
+    import pyarrow.parquet as pq
+
+    from sparkdl.data.tensor_bytes import pack_array, spark_footer_metadata
+
+    for name in os.listdir(workdir):
+        path = os.path.join(workdir, name)
+        table = pq.read_table(path)
+        packed = table.set_column(0, "features", pack_array(table.column("features").combine_chunks()))
+        packed = packed.replace_schema_metadata(spark_footer_metadata(packed.schema, ["features"]))
+        row_group = pq.ParquetFile(path).metadata.row_group(0).num_rows
+        pq.write_table(packed, path, row_group_size=row_group, use_dictionary=["label"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument(
+        "--layout", choices=("list", "packed"), default="list",
+        help="the features as Spark's list<float> (a Parquet dataset as Spark wrote it) or float32 bytes (sparkdl's copy of a DataFrame)",
+    )
     parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--core", type=int, default=1, help="the core to pin to (-1: no pinning)")
@@ -98,6 +117,8 @@ def main() -> None:
     features, labels = synthetic(args.steps * batch)
     workdir = tempfile.mkdtemp(prefix="sparkdl-step-overhead-")
     write_parquet(workdir, features, labels)
+    if args.layout == "packed":
+        _pack(workdir)
     dataset = inspect_dataset(workdir, ["features"], "label")
     x, y = torch.from_numpy(np.ascontiguousarray(features)), torch.from_numpy(labels)
     env = rendezvous(0, 1, ["127.0.0.1:0"], lambda value: [value], torch.device("cpu"), timeout_s=60)
@@ -112,7 +133,7 @@ def main() -> None:
     finally:
         teardown()
     floor = times[sides[0]][1:]
-    print(f"{args.model}, batch {batch}, {args.steps} steps, one core, per step, median of {args.rounds} rounds")
+    print(f"{args.model}, batch {batch}, {args.layout} layout, {args.steps} steps, one core, per step, median of {args.rounds} rounds")
     print("| loop | CPU ms/step | vs in memory (CPU) | wall ms/step | vs in memory (wall) |")
     print("|---|---:|---:|---:|---:|")
     for side in sides:

@@ -35,7 +35,8 @@ class PetastormReader(DataReader):
     name = "petastorm"
     description = "Petastorm's make_batch_reader / make_reader (needs petastorm and pyarrow < 15)"
     # Petastorm hands a binary column out as Python bytes per row, which sparkdl.data.columns
-    # joins into one float32 matrix: 2.3-2.5x Petastorm's own decoding of a list<float> column.
+    # joins into one float32 matrix: 1.7x Petastorm's own decoding of a list<float> column
+    # (benchmarks/data_readers.py, 64 floats per row).
     reads_tensor_bytes = True
 
     def __init__(self) -> None:

@@ -2,8 +2,9 @@
 
 What one training task does with its shard, in one process: the reader's chunks, rebatched and
 shuffled by ``sparkdl.data.batching.batches``, turned into tensors as a TrainContext on the CPU
-does (``sparkdl._host_batches``), fed to a tiny model (one linear layer) so that the data path dominates. The in-memory
-baseline runs the same training loop over batches sliced from tensors already in memory.
+does (``sparkdl._host_batches``), fed to a tiny model (one linear layer) so that the data path
+dominates. The in-memory baseline runs the same training loop over batches sliced from tensors
+already in memory.
 
     .venv/bin/python benchmarks/data_readers.py [--rows 300000] [--width 64] [--epochs 3] [--repeats 3]
 

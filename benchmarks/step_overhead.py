@@ -15,8 +15,9 @@ one process pinned to one core, as a one-core Spark task runs it: a one-rank glo
 
 Each round runs all three, one after the other, and prints the ratio of their CPU time per step
 (the process's CPU time, so every thread's work counts and other tenants of a shared machine
-mostly do not) and of their wall time; the median over rounds is the figure. The end-to-end benchmark with two Spark
-workers (``allreduce_vs_ddp.py``) swings by ±10 % between runs here; this one isolates the loop.
+mostly do not) and of their wall time; the median over rounds is the figure. The end-to-end
+benchmark with two Spark workers (``allreduce_vs_ddp.py``) swings by ±10 % between runs here;
+this one isolates the loop.
 A script that prints figures, not a test.
 """
 

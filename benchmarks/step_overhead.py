@@ -29,7 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -95,6 +95,49 @@ def _pack(workdir: str) -> None:
         pq.write_table(packed, path, row_group_size=row_group, use_dictionary=["label"])
 
 
+SIDES = ("in memory (plain DDP)", "sparkdl FitLoop, Arrow reader", "sparkdl FitLoop, Arrow reader, prefetch thread")
+
+
+def measure(rank: int, world_size: int, args: argparse.Namespace, workdir: str, store: Optional[Tuple[Tuple[str, int], bytes]]) -> Dict[str, List[Times]]:
+    """One rank's rounds: all three sides per round, in the same order on every rank (their
+    collectives keep the ranks in step). Each rank trains on rows ``rank::world_size``."""
+    if args.core >= 0:
+        os.sched_setaffinity(0, {(args.core + rank) % os.cpu_count()})
+    torch.set_num_threads(1)
+    from sparkdl._rendezvous import rendezvous, teardown
+    from sparkdl.data.batching import DataSpec
+    from sparkdl.data.dataset import inspect_dataset
+
+    batch, make_model = args.batch_size, MODELS[args.model]
+    features, labels = synthetic(args.steps * batch * world_size)
+    dataset = inspect_dataset(workdir, ["features"], "label")
+    x = torch.from_numpy(np.ascontiguousarray(features[rank::world_size]))
+    y = torch.from_numpy(labels[rank::world_size])
+    if store is None:
+        env = rendezvous(0, 1, ["127.0.0.1:0"], lambda value: [value], torch.device("cpu"), timeout_s=60)
+    else:
+        address, secret = store
+        env = rendezvous(
+            rank, world_size, ["127.0.0.1:0"] * world_size, None, torch.device("cpu"), timeout_s=60, secret=secret, store_address=address,
+        )
+    times: Dict[str, List[Times]] = {side: [] for side in SIDES}
+    try:
+        for _ in range(args.rounds + 1):  # the first round warms up and is left out
+            spec = DataSpec(batch_size=batch, seed=0)
+            times[SIDES[0]].append(in_memory(make_model, x, y, batch, args.steps))
+            times[SIDES[1]].append(sparkdl_loop(make_model, env, dataset, spec, args.steps, prefetch_thread=False))
+            times[SIDES[2]].append(sparkdl_loop(make_model, env, dataset, spec, args.steps, prefetch_thread=True))
+    finally:
+        teardown()
+    return times
+
+
+def _rank_process(rank: int, world_size: int, args: argparse.Namespace, workdir: str, store, results) -> None:
+    times = measure(rank, world_size, args, workdir, store)
+    if rank == 0:
+        results.put(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
@@ -105,39 +148,47 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--core", type=int, default=1, help="the core to pin to (-1: no pinning)")
+    parser.add_argument("--ranks", type=int, default=1, help="ranks, one process and one core each (2: the collectives sync for real)")
+    parser.add_argument("--core", type=int, default=1, help="rank 0's core; rank r pins to core + r (-1: no pinning)")
     args = parser.parse_args()
-    if args.core >= 0:
-        os.sched_setaffinity(0, {args.core})
-    torch.set_num_threads(1)
-    from sparkdl._rendezvous import rendezvous, teardown
-    from sparkdl.data.batching import DataSpec
-    from sparkdl.data.dataset import inspect_dataset
-
-    batch, make_model = args.batch_size, MODELS[args.model]
-    features, labels = synthetic(args.steps * batch)
+    features, labels = synthetic(args.steps * args.batch_size * args.ranks)
     workdir = tempfile.mkdtemp(prefix="sparkdl-step-overhead-")
     write_parquet(workdir, features, labels)
     if args.layout == "packed":
         _pack(workdir)
-    dataset = inspect_dataset(workdir, ["features"], "label")
-    x, y = torch.from_numpy(np.ascontiguousarray(features)), torch.from_numpy(labels)
-    env = rendezvous(0, 1, ["127.0.0.1:0"], lambda value: [value], torch.device("cpu"), timeout_s=60)
-    sides = ("in memory (plain DDP)", "sparkdl FitLoop, Arrow reader", "sparkdl FitLoop, Arrow reader, prefetch thread")
-    times: Dict[str, List[Times]] = {side: [] for side in sides}
-    try:
-        for _ in range(args.rounds + 1):  # the first round warms up and is left out
-            spec = DataSpec(batch_size=batch, seed=0)
-            times[sides[0]].append(in_memory(make_model, x, y, batch, args.steps))
-            times[sides[1]].append(sparkdl_loop(make_model, env, dataset, spec, args.steps, prefetch_thread=False))
-            times[sides[2]].append(sparkdl_loop(make_model, env, dataset, spec, args.steps, prefetch_thread=True))
-    finally:
-        teardown()
-    floor = times[sides[0]][1:]
-    print(f"{args.model}, batch {batch}, {args.layout} layout, {args.steps} steps, one core, per step, median of {args.rounds} rounds")
+    if args.ranks == 1:
+        times = measure(0, 1, args, workdir, None)
+    else:
+        import multiprocessing
+
+        from sparkdl._channel import new_secret
+        from sparkdl._store import StoreServer
+
+        secret = new_secret()
+        server = StoreServer("127.0.0.1", secret, 60.0)
+        context = multiprocessing.get_context("spawn")
+        results = context.Queue()
+        processes = [
+            context.Process(target=_rank_process, args=(rank, args.ranks, args, workdir, (server.address, secret), results))
+            for rank in range(args.ranks)
+        ]
+        try:
+            for process in processes:
+                process.start()
+            times = results.get(timeout=3600)
+            for process in processes:
+                process.join(timeout=60)
+        finally:
+            server.close()
+            for process in processes:
+                if process.is_alive():
+                    process.kill()
+    floor = times[SIDES[0]][1:]
+    where = "one core" if args.ranks == 1 else f"{args.ranks} ranks on a core each (rank 0's times)"
+    print(f"{args.model}, batch {args.batch_size}, {args.layout} layout, {args.steps} steps, {where}, per step, median of {args.rounds} rounds")
     print("| loop | CPU ms/step | vs in memory (CPU) | wall ms/step | vs in memory (wall) |")
     print("|---|---:|---:|---:|---:|")
-    for side in sides:
+    for side in SIDES:
         rounds = times[side][1:]
         cpu = statistics.median(cpu for cpu, _ in rounds) / args.steps
         wall = statistics.median(wall for _, wall in rounds) / args.steps

@@ -2,8 +2,9 @@
 
 For code that iterates a DataLoader-style object instead of ``ctx.epoch_batches()``: a launched
 script, a foreign framework (Lightning, Accelerate), or a ``sparkdl.run`` function. It is built
-on the same endless stream (:func:`sparkdl.data.batching.batches`, converted to tensors ahead of
-use on a prefetch thread), so it keeps the same guarantees: ``steps_per_epoch`` batches per
+on the same endless stream (:func:`sparkdl.data.batching.batches`, converted to tensors as
+:mod:`sparkdl._host_batches` says: ahead of use on a prefetch thread where the task has a GPU,
+when taken on the CPU), so it keeps the same guarantees: ``steps_per_epoch`` batches per
 ``iter()`` on every rank (balanced steps), the remainder rows open the next epoch, and the
 position (batches taken) is checkpointable — resuming replays the seeded stream to it, cut but
 not decoded, exactly as ``ctx.load_checkpoint`` does for ``ctx.epoch_batches``.
@@ -119,12 +120,15 @@ class ShardDataset(IterableDataset):
         restored checkpoint moved the position)."""
         position = self._position.get()
         if self._stream is None or self._stream_at != position:
-            from sparkdl._host_batches import Prefetcher
+            from sparkdl._host_batches import InlineBatches, Prefetcher
             from sparkdl.data.batching import batches
 
             self.close()
             source = batches(self._reader, self._dataset, self._spec, self.rank, self.world_size, skip=position)
-            self._stream, self._stream_at = Prefetcher(source, pin=False), position
+            # Unpinned: the framework moves batches to its device itself. On the CPU a prefetch
+            # thread would only trade the GIL with the training step.
+            stream = Prefetcher(source, pin=False) if torch.cuda.is_available() else InlineBatches(source)
+            self._stream, self._stream_at = stream, position
         return self._stream
 
     def _notice(self, phase: str) -> None:

@@ -537,8 +537,10 @@ def test_flood_of_unauthenticated_connections_is_bounded_and_summarized(secret, 
             deadline = time.monotonic() + WAIT
             for _ in range(total):
                 assert server.outcomes.acquire(timeout=max(0.0, deadline - time.monotonic()))
-            assert server.pending_handshakes == 0
         assert get(rec.disconnects) == (0, True)
+        # A dropped connection is logged (its outcome above) before its thread stops counting as
+        # pending; once every connection is closed none can be pending.
+        assert server.wait_idle(WAIT) and server.pending_handshakes == 0
         assert_good_client_works(server, secret, rec, rank=1)  # admitted again after the flood
     finally:
         if flooder.poll() is None:

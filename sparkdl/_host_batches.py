@@ -23,11 +23,12 @@ from sparkdl._device_feed import Batch, HostBatches, pin_thread_to
 from sparkdl.data.batching import to_tensors
 
 
-def host_batches(source: Iterator, device: torch.device) -> HostBatches:
-    """The host-batch stream for a rank training on ``device``: a :class:`Prefetcher` that pins
-    on CUDA, batches converted when they are taken (:class:`InlineBatches`) on the CPU."""
+def host_batches(source: Iterator, device: torch.device, pin: bool = True) -> HostBatches:
+    """The host-batch stream for a rank training on ``device``: a :class:`Prefetcher` on CUDA
+    (pinning, unless ``pin`` is False: a framework that moves batches itself), batches
+    converted when they are taken (:class:`InlineBatches`) on the CPU."""
     if device.type == "cuda":
-        return Prefetcher(source, pin=True, device=device)
+        return Prefetcher(source, pin=pin, device=device)
     return InlineBatches(source)
 
 

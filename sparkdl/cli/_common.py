@@ -32,6 +32,14 @@ def spark_session(app_name: str, master: Optional[str]) -> Any:
     return builder.getOrCreate()
 
 
+def add_slot_wait_argument(parser: argparse.ArgumentParser) -> None:
+    """``--slot-wait``, for every command that launches ranks."""
+    parser.add_argument(
+        "--slot-wait", type=float, default=30.0, dest="slot_wait_s", metavar="SECONDS",
+        help="how long to wait for --num-workers free task slots (executors still starting) before failing (default 30)",
+    )
+
+
 def load_factory(spec: str) -> Callable[[], torch.nn.Module]:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:

@@ -14,7 +14,7 @@ import re
 import sys
 from typing import List, Optional
 
-from sparkdl.cli._common import UsageError, spark_session
+from sparkdl.cli._common import UsageError, add_slot_wait_argument, spark_session
 from sparkdl.data.readers import registered_readers
 
 
@@ -37,10 +37,7 @@ def build_launch_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=600.0, dest="timeout_s", help="rendezvous and store timeout, seconds")
     parser.add_argument("--max-failures", type=int, default=0)
     parser.add_argument("--watchdog-timeout", type=float, default=600.0, dest="watchdog_timeout_s")
-    parser.add_argument(
-        "--slot-wait", type=float, default=30.0, dest="slot_wait_s", metavar="SECONDS",
-        help="how long to wait for --num-workers free task slots before failing (default 30)",
-    )
+    add_slot_wait_argument(parser)
     parser.add_argument("--quiet", action="store_true", help="do not print the ranks' output on the driver")
     return parser
 

@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from sparkdl._progress import validation_figures
-from sparkdl.cli._common import UsageError, _config, _versions, _write_metrics, load_factory, rank_rates, spark_session
+from sparkdl.cli._common import (
+    UsageError, _config, _versions, _write_metrics, add_slot_wait_argument, load_factory, rank_rates, spark_session,
+)
 from sparkdl.data.readers import registered_readers
 
 # Where the package re-exports this module's names: what pickles and MLflow's "optimizer"/"loss"
@@ -93,10 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a strategy setting, e.g. --strategy-arg sync_every=8 (repeatable; values parsed as JSON when possible)",
     )
     parser.add_argument("--num-workers", type=int, default=2)
-    parser.add_argument(
-        "--slot-wait", type=float, default=30.0, dest="slot_wait_s", metavar="SECONDS",
-        help="how long to wait for --num-workers free task slots (executors still starting) before failing (default 30)",
-    )
+    add_slot_wait_argument(parser)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32, help="rows per batch on each worker")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")

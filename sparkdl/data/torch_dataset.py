@@ -120,15 +120,14 @@ class ShardDataset(IterableDataset):
         restored checkpoint moved the position)."""
         position = self._position.get()
         if self._stream is None or self._stream_at != position:
-            from sparkdl._host_batches import InlineBatches, Prefetcher
+            from sparkdl._host_batches import host_batches
             from sparkdl.data.batching import batches
 
             self.close()
             source = batches(self._reader, self._dataset, self._spec, self.rank, self.world_size, skip=position)
-            # Unpinned: the framework moves batches to its device itself. On the CPU a prefetch
-            # thread would only trade the GIL with the training step.
-            stream = Prefetcher(source, pin=False) if torch.cuda.is_available() else InlineBatches(source)
-            self._stream, self._stream_at = stream, position
+            # Unpinned: the framework moves batches to its device itself.
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            self._stream, self._stream_at = host_batches(source, device, pin=False), position
         return self._stream
 
     def _notice(self, phase: str) -> None:

@@ -29,6 +29,19 @@ def save_results(results: Any, out_dir: str, rank: int) -> None:
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+def _run_rank(rank: int, worker: Callable[..., None], port: int, out_dir: str) -> None:
+    """A spawned rank: the worker, then the group torn down, so the process exits with no gloo
+    thread left running (one still running at exit aborted the process: "terminate called
+    without an active exception")."""
+    import torch.distributed as dist
+
+    try:
+        worker(rank, port, out_dir)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def spawn_ranks(worker: Callable[..., None], world_size: int, out_dir: str) -> List[Any]:
     """Runs ``worker(rank, port, out_dir)`` in ``world_size`` processes and returns what each
     saved with :func:`save_results`, by rank. The store listens on a kernel-chosen port (no
@@ -38,6 +51,6 @@ def spawn_ranks(worker: Callable[..., None], world_size: int, out_dir: str) -> L
     import torch.multiprocessing as mp
 
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
-    mp.spawn(worker, args=(store.port, str(out_dir)), nprocs=world_size, join=True)
+    mp.spawn(_run_rank, args=(worker, store.port, str(out_dir)), nprocs=world_size, join=True)
     del store
     return [torch.load(os.path.join(str(out_dir), f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

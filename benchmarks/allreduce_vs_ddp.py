@@ -4,6 +4,7 @@ same Parquet, same model, same per-worker batch, 2 workers, 1 thread each, gloo.
 
     .venv-petastorm/bin/python benchmarks/allreduce_vs_ddp.py [--rows 200000] [--epochs 3]
     .venv/bin/python benchmarks/allreduce_vs_ddp.py --readers arrow      # no petastorm in .venv
+    ... [--dataframe] [--repeats 5] [--skip-distributor]
 
 Configurations (the issue's three):
 
@@ -25,15 +26,19 @@ The sides, one table row each:
   Petastorm reader (``--readers``; petastorm is skipped with a note where it cannot be imported)
   inside Spark barrier tasks.
 
-Spark runs on local-cluster[2,1,2048] (two one-core executors). The first sparkdl fit of the
-application starts the executors' Python workers ("cold", 1 epoch); the figures come from the
-fits and the TorchDistributor call after it. DDP and TorchDistributor share one training loop
-(a fresh shuffled order each epoch, ``dist.barrier()`` around each epoch's timing on rank 0).
+Spark runs on local-cluster[2,1,2048] (two one-core executors) and stays up for every side. The
+first call of the application starts the executors' Python workers ("cold", 1 epoch); the figures
+come from the calls after it. With ``--repeats N`` every side runs N times, alternated, and each
+side's ratio to DDP is taken against the DDP run of the same repeat (a slow spell of a shared
+machine then moves both), reported as the median and its range. DDP and TorchDistributor share one
+training loop (a fresh shuffled order each epoch, ``dist.barrier()`` around each epoch's timing on
+rank 0).
 
-Columns: steady samples/s (mean of the epochs after the first), its ratio to plain DDP, the whole
-call (fit / run / start_processes called → returned), and start-up (called → first batch on
-rank 0; for TorchDistributor also its launch, called → the function entered on rank 0, and its
-pyarrow load). The machine may be shared: ratios measured side by side matter, not absolute figures.
+Columns: steady samples/s (mean of the epochs after the first; median over repeats), its ratio to
+plain DDP, the whole call (fit / run / start_processes called → returned), and start-up (called →
+first batch on rank 0; for TorchDistributor also its launch, called → the function entered on
+rank 0, and its pyarrow load). The machine may be shared: ratios measured side by side matter, not
+absolute figures.
 A script that prints figures, not a test.
 """
 
@@ -144,6 +149,12 @@ def _ddp_worker(rank: int, world: int, port: int, model_fn, features, labels, ba
     if rank == 0:
         out.put({"rates": rates, "first_batch": first_batch, "steps": steps})
     dist.destroy_process_group()
+    # Rank 0 hosts the store: it stays until the others are done with it (a rank whose store
+    # vanished while it tore down its group aborted once).
+    if rank == 0:
+        store.wait([f"done-{other}" for other in range(1, world)])
+    else:
+        store.set(f"done-{rank}", "1")
 
 
 def run_ddp(model_fn, features, labels, batch: int, epochs: int) -> Dict:
@@ -225,33 +236,36 @@ def run_distributor(path: str, model_fn, batch: int, epochs: int) -> Dict:
 
 # --- sparkdl AllReduce ---------------------------------------------------------------------------
 
-def run_sparkdl(spark, path: str, model_fn, batch: int, epochs: int, readers: List[str], dataframe: bool = False) -> List[Dict]:
+def run_sparkdl(spark, data, model_fn, batch: int, epochs: int, reader: str) -> Dict:
     import sparkdl
 
-    # A DataFrame is materialized by sparkdl in the layout of its reader (float32 bytes for the
-    # Arrow reader, Spark's lists for Petastorm); a path is read as the benchmark wrote it.
-    data = spark.read.parquet(path) if dataframe else path
-    results = []
-    # The first fit of a new Spark application starts the executors' Python workers ("cold");
-    # the steady-state figures come from later fits, one per reader.
-    for attempt, reader in [("cold", readers[0])] + [("warm", r) for r in readers]:
-        estimator = sparkdl.TorchEstimator(
-            model=model_fn, optimizer=make_optimizer, num_workers=WORKERS, batch_size=batch,
-            epochs=epochs if attempt == "warm" else 1, progress=False, reader=reader,
-        )
-        called = time.time()
-        model = estimator.fit(data)
-        whole = time.time() - called
-        info = model.run_info
-        results.append({
-            "attempt": attempt, "reader": reader, "history": model.history, "whole": whole,
-            "startup": info["prepare_seconds"] + (info["startup_seconds"] or 0.0),
-        })
-    return results
+    estimator = sparkdl.TorchEstimator(
+        model=model_fn, optimizer=make_optimizer, num_workers=WORKERS, batch_size=batch, epochs=epochs, progress=False, reader=reader,
+    )
+    called = time.time()
+    model = estimator.fit(data)
+    whole = time.time() - called
+    info = model.run_info
+    return {
+        "rates": [r["samples_per_sec"] for r in model.history], "whole": whole,
+        "startup": info["prepare_seconds"] + (info["startup_seconds"] or 0.0),
+    }
 
 
 def steady(rates: List[float]) -> float:
     return float(np.mean(rates[1:] or rates))
+
+
+def _figures(runs: List[Dict], ddp_runs: List[Dict]) -> Dict[str, float]:
+    """A side's figures over the repeats: medians, and its steady rate's ratio to the DDP run of
+    the same repeat (paired, so a slow spell of the machine moves both), median and range."""
+    ratios = [steady(run["rates"]) / steady(ddp["rates"]) for run, ddp in zip(runs, ddp_runs)]
+    return {
+        "rate": float(np.median([steady(run["rates"]) for run in runs])),
+        "ratio": float(np.median(ratios)), "low": min(ratios), "high": max(ratios),
+        "whole": float(np.median([run["whole"] for run in runs])),
+        "startup": float(np.median([run["startup"] for run in runs])),
+    }
 
 
 def main() -> None:
@@ -266,7 +280,14 @@ def main() -> None:
         "--dataframe", action="store_true",
         help="sparkdl fits spark.read.parquet(path), a DataFrame it materializes in its reader's layout, instead of the path",
     )
+    parser.add_argument(
+        "--repeats", type=int, default=1,
+        help="run every side this many times, alternated (DDP, then each sparkdl reader, then TorchDistributor); "
+        "the table gives medians and the range of each side's ratio to the DDP run of the same repeat",
+    )
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
 
     model_fn = MODELS[args.model]
     readers = [r.strip() for r in args.readers.split(",") if r.strip()]
@@ -279,65 +300,81 @@ def main() -> None:
 
     features, labels = synthetic(args.rows)
     workdir = tempfile.mkdtemp(prefix="sparkdl-bench-")
-    spark_runs: List[Dict] = []
-    distributor: Optional[Dict] = None
+    ddp_runs: List[Dict] = []
+    sparkdl_runs: Dict[str, List[Dict]] = {reader: [] for reader in readers}
+    distributor_runs: List[Dict] = []
+    cold: Optional[Dict] = None
     distributor_cold: Optional[Dict] = None
     try:
         path = os.path.join(workdir, "data")
         write_parquet(path, features, labels)
-        if readers or not args.skip_distributor:
-            from _spark import local_cluster
+        from _spark import local_cluster
 
-            spark = local_cluster("sparkdl-benchmark-allreduce", executor_memory_mb=2048)
-            try:
-                if readers:
-                    spark_runs = run_sparkdl(spark, path, model_fn, args.batch_size, args.epochs, readers, args.dataframe)
-                # After the sparkdl fits: TorchDistributor's tasks set MASTER_ADDR/PORT, RANK,
-                # WORLD_SIZE and CUDA_VISIBLE_DEVICES="" in the executors' (reused) Python workers.
+        # Every side runs while the Spark application is up (its JVMs idle when not in use), as
+        # a user's would be.
+        spark = local_cluster("sparkdl-benchmark-allreduce", executor_memory_mb=2048)
+        try:
+            # A DataFrame is materialized by sparkdl once (float32 bytes per row, read by both
+            # readers); a path is read as the benchmark wrote it (Spark's list<float>).
+            data = spark.read.parquet(path) if args.dataframe else path
+            # The first call of a new Spark application starts the executors' Python workers
+            # ("cold", 1 epoch); the figures come from the calls after it.
+            if readers:
+                cold = run_sparkdl(spark, data, model_fn, args.batch_size, 1, readers[0])
+            elif not args.skip_distributor:
+                distributor_cold = run_distributor(path, model_fn, args.batch_size, 1)
+            for _ in range(args.repeats):
+                ddp_runs.append(run_ddp(model_fn, features, labels, args.batch_size, args.epochs))
+                for reader in readers:
+                    sparkdl_runs[reader].append(run_sparkdl(spark, data, model_fn, args.batch_size, args.epochs, reader))
                 if not args.skip_distributor:
-                    if not readers:  # its own cold call, as the sparkdl fits would have warmed the application
-                        distributor_cold = run_distributor(path, model_fn, args.batch_size, 1)
-                    distributor = run_distributor(path, model_fn, args.batch_size, args.epochs)
-            finally:
-                spark.stop()
-        ddp = run_ddp(model_fn, features, labels, args.batch_size, args.epochs)
+                    distributor_runs.append(run_distributor(path, model_fn, args.batch_size, args.epochs))
+        finally:
+            spark.stop()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
-    ddp_rate = steady(ddp["rates"])
+    ddp = _figures(ddp_runs, ddp_runs)
     params = sum(p.numel() for p in model_fn().parameters())
     name = {"mlp": "MLP", "linear": "Linear(64, 10)"}[args.model]
     import pyspark
 
     print(
         f"\nrows={args.rows} features={FEATURES} model={name} ({params} params) workers={WORKERS} "
-        f"batch/worker={args.batch_size} epochs={args.epochs} steps/epoch={ddp['steps']} pyspark={pyspark.__version__} torch={torch.__version__}"
+        f"batch/worker={args.batch_size} epochs={args.epochs} steps/epoch={ddp_runs[0]['steps']} repeats={args.repeats} "
+        f"pyspark={pyspark.__version__} torch={torch.__version__}"
     )
-    print("| side | steady samples/s | ratio to DDP | whole call (s) | start-up (s, called → first batch) |")
+    spread = args.repeats > 1
+
+    def ratio(figures: Dict[str, float]) -> str:
+        return f"{figures['ratio']:.2f}" + (f" ({figures['low']:.2f}–{figures['high']:.2f})" if spread else "")
+
+    print(f"| side | steady samples/s | ratio to DDP{' (range)' if spread else ''} | whole call (s) | start-up (s, called → first batch) |")
     print("|---|---:|---:|---:|---:|")
-    print(f"| plain DDP, in-memory tensors (torch.multiprocessing) | {ddp_rate:,.0f} | 1.00 | {ddp['whole']:.1f} | {ddp['startup']:.1f} |")
-    if distributor is not None:
-        rate = steady(distributor["rates"])
-        cold = f"; first call of the app: {distributor_cold['startup']:.1f}" if distributor_cold else ""
+    print(f"| plain DDP, in-memory tensors (torch.multiprocessing) | {ddp['rate']:,.0f} | 1.00 | {ddp['whole']:.1f} | {ddp['startup']:.1f} |")
+    if distributor_runs:
+        figures = _figures(distributor_runs, ddp_runs)
+        launch = float(np.median([run["launch"] for run in distributor_runs]))
+        load = float(np.median([run["load_seconds"] for run in distributor_runs]))
+        first = f"; first call of the app: {distributor_cold['startup']:.1f}" if distributor_cold else ""
         print(
-            f"| TorchDistributor, pyarrow shard in memory + DDP | {rate:,.0f} | {rate / ddp_rate:.2f} | {distributor['whole']:.1f} "
-            f"| {distributor['startup']:.1f} (launch {distributor['launch']:.1f}, pyarrow load {distributor['load_seconds']:.1f}){cold} |"
+            f"| TorchDistributor, pyarrow shard in memory + DDP | {figures['rate']:,.0f} | {ratio(figures)} | {figures['whole']:.1f} "
+            f"| {figures['startup']:.1f} (launch {launch:.1f}, pyarrow load {load:.1f}){first} |"
         )
-    cold_startup = spark_runs[0]["startup"] if spark_runs else None
-    for run in spark_runs[1:]:
-        rate = steady([r["samples_per_sec"] for r in run["history"]])
+    for reader, runs in sparkdl_runs.items():
+        figures = _figures(runs, ddp_runs)
         print(
-            f"| sparkdl AllReduce, {'a DataFrame' if args.dataframe else 'Parquet'} via the {run['reader']} reader | {rate:,.0f} | {rate / ddp_rate:.2f} | {run['whole']:.1f} "
-            f"| {run['startup']:.1f}; first fit of the app: {cold_startup:.1f} |"
+            f"| sparkdl AllReduce, {'a DataFrame' if args.dataframe else 'Parquet'} via the {reader} reader | {figures['rate']:,.0f} | {ratio(figures)} "
+            f"| {figures['whole']:.1f} | {figures['startup']:.1f}; first fit of the app: {cold['startup']:.1f} |"
         )
     print()
-    if distributor is not None and spark_runs:
-        rate = steady(distributor["rates"])
-        for run in spark_runs[1:]:
-            mine = steady([r["samples_per_sec"] for r in run["history"]])
+    if distributor_runs:
+        theirs = _figures(distributor_runs, ddp_runs)
+        for reader, runs in sparkdl_runs.items():
+            mine = _figures(runs, ddp_runs)
             print(
-                f"sparkdl {run['reader']} / TorchDistributor: steady samples/s {mine / rate:.2f}x, "
-                f"whole call {run['whole']:.1f} s vs {distributor['whole']:.1f} s ({distributor['whole'] / run['whole']:.2f}x faster)"
+                f"sparkdl {reader} / TorchDistributor: steady samples/s {mine['rate'] / theirs['rate']:.2f}x, "
+                f"whole call {mine['whole']:.1f} s vs {theirs['whole']:.1f} s ({theirs['whole'] / mine['whole']:.2f}x faster)"
             )
 
 

@@ -187,15 +187,13 @@ def cut_stream(source: Iterator[Chunk], spec: DataSpec, rank: int) -> Iterator[C
     target = spec.batch_size * (spec.shuffle_buffer_batches if spec.shuffle else 1)
 
     def merge(pending: List[Chunk]) -> Chunk:
-        if spec.shuffle and len(pending) == 1:
-            merged = pending[0]  # the shuffle's gather below copies it anyway
-        else:
+        if not spec.shuffle:
             # Also copies a lone chunk: readers may hand out read-only views of Arrow buffers.
-            merged = _concatenate(pending)
-        if spec.shuffle:
-            order = rng.permutation(chunk_rows(merged))
-            merged = {key: values[order] for key, values in merged.items()}
-        return merged
+            return _concatenate(pending)
+        order = rng.permutation(sum(chunk_rows(chunk) for chunk in pending))
+        if len(pending) == 1:
+            return {key: values[order] for key, values in pending[0].items()}
+        return _shuffled_concatenation(pending, order)
 
     return _cut_batches(source, spec.batch_size, target, merge, keep_rest=False)
 
@@ -283,6 +281,25 @@ def _finish_in_order(cuts: Iterator[Chunk], finish: Callable[[int, Chunk], Batch
         for future in in_flight:
             future.cancel()
         pool.shutdown(wait=True)
+
+
+def _shuffled_concatenation(chunks: List[Chunk], order: np.ndarray) -> Chunk:
+    """The chunks concatenated, then rows ``order`` taken, in one copy: each chunk's rows are
+    written straight to their places. A row group's chunk arrives with the rows left from the
+    last one; concatenating them first would copy the whole row group twice (measured: 3-9 ms
+    for 75,000 rows of 256 bytes, beside the permutation's 3.5 ms)."""
+    places = np.empty_like(order)
+    places[order] = np.arange(len(order))
+    merged: Chunk = {}
+    for key in chunks[0]:
+        parts = [chunk[key] for chunk in chunks]
+        values = np.empty((len(order),) + parts[0].shape[1:], dtype=np.result_type(*parts))
+        start = 0
+        for part in parts:
+            values[places[start:start + len(part)]] = part
+            start += len(part)
+        merged[key] = values
+    return merged
 
 
 def _concatenate(chunks: List[Chunk]) -> Chunk:

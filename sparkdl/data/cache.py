@@ -37,6 +37,9 @@ logger = logging.getLogger("sparkdl.data")
 CACHE_DIR_CONF = "spark.sparkdl.cacheDir"
 #: Parquet row-group size for materialized data: the unit of sharding and of Petastorm's reads.
 ROW_GROUP_BYTES = 32 * 1024 * 1024
+#: The smallest row group of a copy must have at least this fraction of the largest one's rows
+#: (:func:`_even_row_groups`).
+EVEN_ROW_GROUPS = 0.8
 
 _lock = threading.Lock()
 _stale_checked = False
@@ -53,7 +56,8 @@ def materialize(
     the array columns in ``packed`` are written as float32 bytes per row
     (:mod:`sparkdl.data.tensor_bytes`), which the Arrow reader decodes several times faster.
     The copy has a multiple of ``num_workers`` files of near-equal size (a round-robin
-    repartition), so the row-group shards of the tasks are balanced.
+    repartition) and row groups of near-equal rows (:func:`_even_row_groups`), so the
+    row-group shards of the tasks are balanced.
     """
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
@@ -89,20 +93,57 @@ def materialize(
         from sparkdl.data.tensor_bytes import pack_dataframe
 
         written = pack_dataframe(written, layout)
-    writer = written.write.option("parquet.block.size", ROW_GROUP_BYTES)
-    for column in layout:
-        # Every row's bytes differ: a dictionary would only be built to be abandoned.
-        writer = writer.option(f"parquet.enable.dictionary#{column}", "false")
-    (
-        writer
-        .option("compression", "snappy")
-        .parquet(url)
-    )
+    _write(written, url, layout, ROW_GROUP_BYTES)
+    url = _even_row_groups(df.sparkSession, url, num_workers, layout)
     _make_private(url)
     with _lock:
         _entries.append((prepared, layout, url))
     logger.info("materialized DataFrame to %s (%d files)", url, num_files)
     return url
+
+
+def _write(df: "DataFrame", url: str, layout: Sequence[str], block_bytes: int) -> None:
+    writer = df.write.option("parquet.block.size", block_bytes)
+    for column in layout:
+        # Every row's bytes differ: a dictionary would only be built to be abandoned.
+        writer = writer.option(f"parquet.enable.dictionary#{column}", "false")
+    writer.option("compression", "snappy").parquet(url)
+
+
+def _even_row_groups(spark, url: str, num_workers: int, layout: Sequence[str]) -> str:
+    """The copy at ``url``, rewritten as row groups of near-equal rows where it is not.
+
+    A file larger than ``ROW_GROUP_BYTES`` is split by Spark's writer into full row groups and a
+    smaller last one (a 150,000-row file of 32.6 MB: 128,551 rows and 21,449). The shard unit is
+    the row group, so a rank could draw both large ones and another both small ones: 6x fewer
+    rows, which it then repeats 6x as often per epoch, and whose row-group reads come every few
+    steps. Such a copy is read back (it is already in its final layout, so this costs a scan of
+    it, not of the DataFrame's plan) and rewritten as a multiple of ``num_workers`` files of one
+    row group each, at most ``ROW_GROUP_BYTES`` per group.
+    """
+    import pyarrow.parquet as pq
+
+    from sparkdl.filesystem import filesystem_and_path, list_files
+
+    fs, root = filesystem_and_path(url)
+    groups: List[Tuple[int, int]] = []  # (rows, uncompressed bytes) of every row group
+    for info in list_files(fs, root):
+        if not info.base_name.endswith(".parquet"):
+            continue
+        with fs.open_input_file(info.path) as handle:
+            metadata = pq.ParquetFile(handle).metadata
+        groups += [(metadata.row_group(i).num_rows, metadata.row_group(i).total_byte_size) for i in range(metadata.num_row_groups)]
+    rows = [count for count, _ in groups if count]
+    if not rows or min(rows) >= EVEN_ROW_GROUPS * max(rows):
+        return url
+    total_rows, total_bytes = sum(rows), sum(size for _, size in groups)
+    count = num_workers * max(1, math.ceil(total_bytes / (num_workers * ROW_GROUP_BYTES)))
+    even = f"{url}-even"
+    # Each file is one row group: the block size is above any file's bytes.
+    _write(spark.read.parquet(url).repartition(min(count, total_rows)), even, layout, 2 * ROW_GROUP_BYTES)
+    _delete(url)
+    logger.info("rewrote the materialized DataFrame as %d row groups of ~%d rows (they were %d to %d rows)", count, total_rows // count, min(rows), max(rows))
+    return even
 
 
 def _same_result(cached: "DataFrame", candidate: "DataFrame") -> bool:

@@ -19,6 +19,7 @@ import connectors
 import sparkdl
 from sparkdl._settings import DataSettings
 from sparkdl.data import cache
+from sparkdl.data.dataset import inspect_dataset
 from sparkdl.data.prepare import prepare_data
 from tests.conftest import REPO_ROOT
 
@@ -66,6 +67,38 @@ def test_a_dataframes_copy_is_equal_files_per_worker_and_clear_cache_deletes_it(
     assert not os.path.exists(path), f"clear_cache() left {_disk(path)}"
     assert all(not os.path.exists(f) for f in files)
     assert url not in cache.cached_urls()
+
+
+def test_files_larger_than_a_row_group_are_rewritten_as_even_row_groups(spark, monkeypatch):
+    """Spark's writer splits a file larger than the row-group size into full row groups and a
+    smaller last one; the copy is rewritten so that every row group has about the same rows
+    (a rank's row-group shard is then never a few small groups while another's is large ones),
+    with the same rows and still in the float32-bytes layout."""
+    from pyspark.sql import functions as F
+
+    # 2,000 rows of 32 float32 (128 bytes) in one partition: two files of ~128 KB; a 48 KB row
+    # group makes each file two full groups and a smaller one.
+    monkeypatch.setattr(cache, "ROW_GROUP_BYTES", 48 * 1024)
+    features = F.array(*[(F.col("id") + k).cast("double") for k in range(32)]).alias("features")
+    df = spark.range(0, 2000, 1, 1).select(features, (F.col("id") % 5).alias("label"), F.col("id"))
+    spark_copy = cache.materialize(df, ["features", "label", "id"], 2, packed=["features"])
+    try:
+        dataset = inspect_dataset(spark_copy, ["features"], "label")
+        groups = [rows for f in dataset.files for rows in f.row_groups]
+        # Even: a round-robin split of the first copy's two files (within one row per file).
+        assert max(groups) - min(groups) <= 2, groups
+        assert len(groups) % 2 == 0 and len(groups) >= 4, groups  # a multiple of the workers, ≤ 48 KB each
+        assert all(len(f.row_groups) == 1 for f in dataset.files)
+        assert dataset.infos["features"].packed  # still sparkdl's float32 bytes
+        table = pq.read_table(spark_copy[len("file://"):])
+        assert sorted(table.column("id").to_pylist()) == list(range(2000))
+        rows = {row["id"]: row for row in table.to_pylist()}
+        assert np.frombuffer(rows[1234]["features"], dtype=np.float32).tolist() == [1234.0 + k for k in range(32)]
+        assert rows[1234]["label"] == 1234 % 5
+        # Only the even copy is left: the first one is deleted.
+        assert spark_copy.endswith("-even") and not os.path.exists(spark_copy[len("file://"):-len("-even")])
+    finally:
+        sparkdl.clear_cache()
 
 
 # A driver as a user writes it: fit's data step on a DataFrame, then the script just ends (the

@@ -177,6 +177,40 @@ def test_arrow_reader_prefetches_a_bounded_number_of_row_groups(uneven, monkeypa
     assert reads == [(0, 0), (0, 1), (0, 2), (0, 3)][: 1 + ahead]
 
 
+def test_arrow_reader_reads_the_next_pass_ahead_while_the_last_row_group_of_this_one_is_consumed(uneven, monkeypatch):
+    """Across a pass boundary (an epoch's start) the read-ahead goes on: while the consumer holds
+    the last row group of pass 0, the first ones of pass 1 are read (waited for as events); and
+    the chunks are still pass 0's rows, then pass 1's."""
+    info = inspect_dataset(uneven, ["id"], "label")
+    groups = info.num_row_groups
+    reads: List[tuple] = []
+    read = threading.Condition()
+    original = selection.OpenFiles.read
+
+    def recording(self, index, row_group, columns):
+        table = original(self, index, row_group, columns)
+        with read:
+            reads.append((index, row_group))
+            read.notify_all()
+        return table
+
+    monkeypatch.setattr(selection.OpenFiles, "read", recording)
+    spec = DataSpec(batch_size=4, shuffle=False, prefetch_row_groups=2)
+    one_pass = ids_of(pairs(ArrowReader().read_pass(info, spec, 0, 1, 0)))
+    reads.clear()
+    stream = ArrowReader().chunks(info, spec, 0, 1)
+    try:
+        taken = [next(stream) for _ in range(groups)]  # the whole of pass 0, the last one held
+        with read:
+            assert read.wait_for(lambda: len(reads) >= groups + 2, timeout=10.0), (
+                f"only {len(reads) - groups} row group(s) of pass 1 were read while pass 0's last was held"
+            )
+        taken += [next(stream) for _ in range(groups)]
+    finally:
+        stream.close()
+    assert ids_of(pairs(iter(taken))) == one_pass + one_pass  # unshuffled: pass 1 repeats pass 0
+
+
 @pytest.mark.parametrize("reader_name", READERS)
 def test_only_the_needed_columns_are_read(uneven, reader_name, monkeypatch):
     info = inspect_dataset(uneven, ["vec"], "label")

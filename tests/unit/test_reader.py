@@ -112,3 +112,39 @@ def test_inspect_dataset_reads_only_metadata_and_checks_columns(tmp_path):
         inspect_dataset(str(tmp_path), ["name"], "y")
     with pytest.raises(DataError, match="label column 'z' is not in dataset .*its columns are: x, name, y"):
         inspect_dataset(str(tmp_path), ["x"], "z")
+
+
+def test_the_shuffle_buffer_takes_the_rows_of_several_chunks_as_if_concatenated_then_permuted():
+    """The shuffle buffer writes each pending chunk's rows straight to their shuffled places
+    (no concatenated copy first): the rows must be exactly those of concatenating, then taking
+    the seeded permutation, for every column type a chunk holds."""
+    from sparkdl.data.batching import cut_stream
+
+    rng = np.random.default_rng(3)
+    sizes = [5, 37, 1, 20]
+    chunks = []
+    start = 0
+    for size in sizes:
+        ids = np.arange(start, start + size)
+        chunks.append({
+            "dense": rng.standard_normal((size, 3, 2)).astype(np.float32),
+            "id": ids,
+            "tokens": np.array([np.arange(i % 4) for i in ids] + [None], dtype=object)[:size],  # ragged: objects
+            "name": np.array([f"r{'x' * (i % 5)}{i}" for i in ids]),  # strings of growing width
+        })
+        start += size
+    spec = DataSpec(batch_size=7, seed=11, shuffle_buffer_batches=4)
+    cut = list(cut_stream(iter(chunks), spec, rank=1))
+    # The reference: concatenate what is pending whenever 28 rows are, permute with the same generator.
+    reference_rng = np.random.default_rng(spec.seed + 1)
+    concatenated = {key: np.concatenate([c[key] for c in chunks]) for key in chunks[0]}
+    # The buffer fills at 42 rows (5 + 37), cuts 6 batches of 7, then has 0 + 1 + 20 = 21 < 28 left.
+    order = reference_rng.permutation(42)
+    expected = {key: values[:42][order] for key, values in concatenated.items()}
+    assert len(cut) == 6
+    for index, batch in enumerate(cut):
+        rows = slice(7 * index, 7 * index + 7)
+        np.testing.assert_array_equal(batch["dense"], expected["dense"][rows])
+        np.testing.assert_array_equal(batch["id"], expected["id"][rows])
+        assert [list(t) for t in batch["tokens"]] == [list(t) for t in expected["tokens"][rows]]
+        assert batch["name"].tolist() == expected["name"][rows].tolist()

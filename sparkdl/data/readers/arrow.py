@@ -5,7 +5,8 @@
 them into arrays without per-row Python objects: a ``list<float>`` column becomes one
 ``[rows, width]`` view of its values buffer (``flatten()`` + reshape), checked for equal
 lengths through its offsets. A background thread reads the next row groups while the current
-ones are trained on (``DataSpec.prefetch_row_groups`` ahead, so memory stays bounded).
+ones are trained on (``DataSpec.prefetch_row_groups`` ahead, so memory stays bounded), across
+the boundaries of passes too.
 
 It follows the same rules as the Petastorm reader (:mod:`sparkdl.data.selection`): the same
 row groups per rank, in the same order for the same seed, the same striding fallback, filter
@@ -18,12 +19,13 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-from typing import TYPE_CHECKING, Deque, Iterator, Optional
+import itertools
+from typing import TYPE_CHECKING, Deque, Iterable, Iterator, Optional, Tuple
 
 import pyarrow as pa
 
 from sparkdl.data.dataset import DatasetInfo
-from sparkdl.data.readers.base import Chunk, DataReader, chunk_rows
+from sparkdl.data.readers.base import Chunk, DataReader, chunk_rows, empty_shard_error
 from sparkdl.data.selection import OpenFiles, RowSelector, pass_row_groups
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,8 +40,29 @@ class ArrowReader(DataReader):
     reads_tensor_bytes = True
 
     def read_pass(self, dataset: DatasetInfo, spec: "DataSpec", rank: int, world_size: int, pass_index: int) -> Iterator[Chunk]:
+        for _, chunk in self._read(dataset, spec, rank, world_size, [pass_index]):
+            if chunk is not _PASS_END:
+                yield chunk
+
+    def chunks(self, dataset: DatasetInfo, spec: "DataSpec", rank: int, world_size: int) -> Iterator[Chunk]:
+        """Endless chunks, pass after pass, read ahead across the passes' boundaries: the first
+        row groups of the next pass are read while the last ones of this pass are trained on,
+        so an epoch's first step does not wait for a read."""
+        rows = 0
+        for _, chunk in self._read(dataset, spec, rank, world_size, itertools.count()):
+            if chunk is _PASS_END:
+                if rows == 0:
+                    raise empty_shard_error(dataset, spec, rank)
+                rows = 0
+                continue
+            rows += chunk_rows(chunk)
+            yield chunk
+
+    @staticmethod
+    def _read(dataset: DatasetInfo, spec: "DataSpec", rank: int, world_size: int, passes: Iterable[int]) -> Iterator[Tuple[int, Chunk]]:
+        """(pass, chunk) for the row groups of ``passes`` in order, each pass followed by
+        ``(pass, _PASS_END)``; ``spec.prefetch_row_groups`` row groups are read ahead."""
         selector = RowSelector(dataset, spec.holdout, spec.part, spec.filters, rank, world_size)
-        order = pass_row_groups(dataset.num_row_groups, rank, world_size, spec.seed + pass_index, spec.shuffle)
         files = OpenFiles(dataset)
         locations = dataset.row_group_location()
         rows = dataset.row_group_rows
@@ -64,26 +87,46 @@ class ArrowReader(DataReader):
             source = dataset.origin or f"row group {row_group} of file {files.urls[file_index]!r}"
             return dataset.plan.extract({c: table.column(c) for c in dataset.columns}, infos, source, positions)
 
+        # Every pass's row groups, then its end (None); a pass's order is drawn when reached.
+        groups = (
+            (pass_index, group)
+            for pass_index in passes
+            for group in [*pass_row_groups(dataset.num_row_groups, rank, world_size, spec.seed + pass_index, spec.shuffle), None]
+        )
         # One thread: reads run in order (a ParquetFile is not shared between threads) and
         # pyarrow decodes without the GIL, so reading overlaps the training thread.
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparkdl-arrow-read")
-        pending: Deque[concurrent.futures.Future] = collections.deque()
-        upcoming = iter(order)
+        pending: Deque[Tuple[int, Optional[concurrent.futures.Future]]] = collections.deque()
+        reading = 0  # futures in pending: the one about to be consumed and those read ahead
+        window = spec.prefetch_row_groups + 1
         try:
             while True:
-                # The one about to be consumed, and prefetch_row_groups more read while it is.
-                while len(pending) < spec.prefetch_row_groups + 1:
-                    group = next(upcoming, None)
-                    if group is None:
+                # A pass adds a row group and an end at least, so the length bound only binds
+                # when passes are empty (the consumer then fails on the first end it takes).
+                while reading < window and len(pending) < 2 * window:
+                    item = next(groups, None)
+                    if item is None:
                         break
-                    pending.append(pool.submit(load, group))
+                    pass_index, group = item
+                    pending.append((pass_index, None if group is None else pool.submit(load, group)))
+                    reading += group is not None
                 if not pending:
                     return
-                chunk = pending.popleft().result()
+                pass_index, future = pending.popleft()
+                if future is None:
+                    yield pass_index, _PASS_END
+                    continue
+                reading -= 1
+                chunk = future.result()
                 if chunk is not None and chunk_rows(chunk):
-                    yield chunk
+                    yield pass_index, chunk
         finally:
-            for future in pending:
-                future.cancel()
+            for _, future in pending:
+                if future is not None:
+                    future.cancel()
             pool.shutdown(wait=True)
             files.close()
+
+
+#: Marks the end of a pass in ArrowReader._read's stream.
+_PASS_END: Chunk = {}

@@ -77,8 +77,13 @@ class DataReader(abc.ABC):
                     rows += chunk_rows(chunk)
                     yield chunk
             if rows == 0:
-                narrowed = " after filters and the validation hold-out" if spec.filters is not None or spec.holdout else ""
-                raise DataError(f"rank {rank} read no rows from its shard of {dataset.name}{narrowed}")
+                raise empty_shard_error(dataset, spec, rank)
+
+
+def empty_shard_error(dataset: DatasetInfo, spec: "DataSpec", rank: int) -> DataError:
+    """A pass over the rank's shard gave no rows: what to tell the user."""
+    narrowed = " after filters and the validation hold-out" if spec.filters is not None or spec.holdout else ""
+    return DataError(f"rank {rank} read no rows from its shard of {dataset.name}{narrowed}")
 
 
 def chunk_rows(chunk: Chunk) -> int:

@@ -274,7 +274,11 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64, help="per worker")
     parser.add_argument("--model", choices=sorted(MODELS), default="mlp", help="mlp: compute-bound (default); linear: data-bound Linear(64, 10)")
-    parser.add_argument("--readers", default="arrow,petastorm", help="sparkdl readers, comma-separated ('' for none)")
+    parser.add_argument(
+        "--readers", default="arrow,petastorm",
+        help="sparkdl readers, comma-separated ('' for none); with --dataframe, READER@path reads the benchmark's "
+        "Parquet in place (Spark's list<float>) instead of the DataFrame's copy, e.g. petastorm@path",
+    )
     parser.add_argument("--skip-distributor", action="store_true", help="leave out the TorchDistributor side")
     parser.add_argument(
         "--dataframe", action="store_true",
@@ -292,11 +296,11 @@ def main() -> None:
     model_fn = MODELS[args.model]
     readers = [r.strip() for r in args.readers.split(",") if r.strip()]
     for reader in readers:
-        if reader not in ("arrow", "petastorm"):
-            parser.error(f"unknown reader {reader!r}: arrow or petastorm")
-    if "petastorm" in readers and importlib.util.find_spec("petastorm") is None:
+        if reader.split("@")[0] not in ("arrow", "petastorm") or reader.partition("@")[2] not in ("", "path"):
+            parser.error(f"unknown reader {reader!r}: arrow or petastorm, optionally @path")
+    if any(r.startswith("petastorm") for r in readers) and importlib.util.find_spec("petastorm") is None:
         print(f"note: petastorm cannot be imported by {sys.executable}; the petastorm reader is skipped (it runs in .venv-petastorm)")
-        readers.remove("petastorm")
+        readers = [r for r in readers if not r.startswith("petastorm")]
 
     features, labels = synthetic(args.rows)
     workdir = tempfile.mkdtemp(prefix="sparkdl-bench-")
@@ -317,16 +321,21 @@ def main() -> None:
             # A DataFrame is materialized by sparkdl once (float32 bytes per row, read by both
             # readers); a path is read as the benchmark wrote it (Spark's list<float>).
             data = spark.read.parquet(path) if args.dataframe else path
+
+            def fit(reader: str, epochs: int) -> Dict:
+                name, _, where = reader.partition("@")
+                return run_sparkdl(spark, path if where == "path" else data, model_fn, args.batch_size, epochs, name)
+
             # The first call of a new Spark application starts the executors' Python workers
             # ("cold", 1 epoch); the figures come from the calls after it.
             if readers:
-                cold = run_sparkdl(spark, data, model_fn, args.batch_size, 1, readers[0])
+                cold = fit(readers[0], 1)
             elif not args.skip_distributor:
                 distributor_cold = run_distributor(path, model_fn, args.batch_size, 1)
             for _ in range(args.repeats):
                 ddp_runs.append(run_ddp(model_fn, features, labels, args.batch_size, args.epochs))
                 for reader in readers:
-                    sparkdl_runs[reader].append(run_sparkdl(spark, data, model_fn, args.batch_size, args.epochs, reader))
+                    sparkdl_runs[reader].append(fit(reader, args.epochs))
                 if not args.skip_distributor:
                     distributor_runs.append(run_distributor(path, model_fn, args.batch_size, args.epochs))
         finally:
@@ -363,8 +372,10 @@ def main() -> None:
         )
     for reader, runs in sparkdl_runs.items():
         figures = _figures(runs, ddp_runs)
+        name, _, where = reader.partition("@")
+        what = "a DataFrame (its copy)" if args.dataframe and not where else "Parquet read in place (list<float>)"
         print(
-            f"| sparkdl AllReduce, {'a DataFrame' if args.dataframe else 'Parquet'} via the {reader} reader | {figures['rate']:,.0f} | {ratio(figures)} "
+            f"| sparkdl AllReduce, {what} via the {name} reader | {figures['rate']:,.0f} | {ratio(figures)} "
             f"| {figures['whole']:.1f} | {figures['startup']:.1f}; first fit of the app: {cold['startup']:.1f} |"
         )
     print()

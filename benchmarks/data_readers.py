@@ -10,7 +10,8 @@ already in memory.
 
 Prints one table row per data path: samples/s of the data path alone (batches taken as fast as
 possible), samples/s into the model (steady state, after the first batch), time to the first
-batch, and the ratio to the in-memory loop. Each figure is the best of ``--repeats`` runs, since
+batch, and the ratio to the in-memory loop; and the model alone on one batch made beforehand,
+the ceiling no data path can pass. Each figure is the best of ``--repeats`` runs, since
 a shared machine's load only ever slows a run down.
 """
 
@@ -131,6 +132,17 @@ def run_in_memory(url: str, batch_size: int, epochs: int, model_step: bool) -> D
     return {"samples_per_s": samples / steady, "first_batch_s": first + load_s, "cpu_us": cpu / samples * 1e6}
 
 
+def run_model_alone(url: str, batch_size: int, epochs: int, model_step: bool) -> Dict[str, float]:
+    """The ceiling: the model stepping on one batch made beforehand, so no data path at all. No
+    reader can feed the model faster than this, which bounds what "N× Petastorm" can show."""
+    table = pq.read_table(url).slice(0, batch_size)
+    features = torch.from_numpy(table.column("features").combine_chunks().flatten().to_numpy().reshape(-1, FEATURES).copy())
+    labels = torch.from_numpy(table.column("label").to_numpy().copy())
+    steps = sum(pq.ParquetFile(os.path.join(url, name)).metadata.num_rows for name in os.listdir(url)) // batch_size
+    first, steady, samples, cpu = train(lambda: (features, labels), steps, epochs, model_step)
+    return {"samples_per_s": samples / steady, "first_batch_s": first, "cpu_us": cpu / samples * 1e6}
+
+
 def best_of(repeats: int, run, *args) -> Dict[str, float]:
     runs = [run(*args) for _ in range(repeats)]
     return {key: (max if key == "samples_per_s" else min)(r[key] for r in runs) for key in runs[0]}
@@ -171,6 +183,7 @@ def main(argv: List[str] = None) -> None:
         for label, (run, *run_args) in paths.items():
             alone[label] = best_of(args.repeats, run, *run_args, args.batch_size, args.epochs, False)
             model[label] = best_of(args.repeats, run, *run_args, args.batch_size, args.epochs, True)
+        ceiling = best_of(args.repeats, run_model_alone, url, args.batch_size, args.epochs, True)
     baseline = model["in-memory tensors"]["samples_per_s"]
     print()
     print("| data path | data path alone, samples/s | CPU µs/sample (alone) | into the model, samples/s | vs in-memory | CPU µs/sample (model) | time to first batch |")
@@ -180,7 +193,13 @@ def main(argv: List[str] = None) -> None:
             f"| {label} | {alone[label]['samples_per_s']:,.0f} | {alone[label]['cpu_us']:.2f} | {model[label]['samples_per_s']:,.0f} | "
             f"{model[label]['samples_per_s'] / baseline:.2f} | {model[label]['cpu_us']:.2f} | {model[label]['first_batch_s']:.3f} s |"
         )
+    print(f"| the model alone (one batch made beforehand: the ceiling) | – | – | {ceiling['samples_per_s']:,.0f} | {ceiling['samples_per_s'] / baseline:.2f} | {ceiling['cpu_us']:.2f} | – |")
     petastorm = f"petastorm reader, {LAYOUT_LABELS['list']}"  # Petastorm on the lists Spark writes
+    if petastorm in paths:
+        print(
+            f"\nthe model alone / {petastorm}: {ceiling['samples_per_s'] / model[petastorm]['samples_per_s']:.1f}x "
+            f"(no data path can be more than this many times Petastorm's rate into this model)"
+        )
     for other in [label for label in paths if label not in ("in-memory tensors", petastorm)]:
         if petastorm in paths:
             print(

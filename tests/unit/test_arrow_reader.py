@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from typing import List
+from typing import List, Tuple
 
 import fsspec
 import numpy as np
@@ -140,12 +140,9 @@ def test_every_pass_is_freshly_seeded_and_reproducible(uneven):
     assert unshuffled == sorted(unshuffled)  # file order without shuffling
 
 
-@pytest.mark.parametrize("ahead", [1, 3])
-def test_arrow_reader_prefetches_a_bounded_number_of_row_groups(uneven, monkeypatch, ahead):
-    """While the consumer holds the first row group, the next ``prefetch_row_groups`` are read in
-    the background (waited for as events), and no more: not the whole shard."""
-    info = inspect_dataset(uneven, ["id"], "label")
-    assert info.num_row_groups == 7 > 1 + ahead
+def _record_reads(monkeypatch) -> Tuple[List[tuple], threading.Condition]:
+    """(the (file, row group) reads so far, a condition notified at each one): the reading
+    thread's progress as events a test can wait on."""
     reads: List[tuple] = []
     read = threading.Condition()
     original = selection.OpenFiles.read
@@ -158,6 +155,16 @@ def test_arrow_reader_prefetches_a_bounded_number_of_row_groups(uneven, monkeypa
         return table
 
     monkeypatch.setattr(selection.OpenFiles, "read", recording)
+    return reads, read
+
+
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_arrow_reader_prefetches_a_bounded_number_of_row_groups(uneven, monkeypatch, ahead):
+    """While the consumer holds the first row group, the next ``prefetch_row_groups`` are read in
+    the background (waited for as events), and no more: not the whole shard."""
+    info = inspect_dataset(uneven, ["id"], "label")
+    assert info.num_row_groups == 7 > 1 + ahead
+    reads, read = _record_reads(monkeypatch)
     stream = ArrowReader().read_pass(info, DataSpec(batch_size=4, shuffle=False, prefetch_row_groups=ahead), 0, 1, 0)
     try:
         first = next(stream)
@@ -183,18 +190,7 @@ def test_arrow_reader_reads_the_next_pass_ahead_while_the_last_row_group_of_this
     the chunks are still pass 0's rows, then pass 1's."""
     info = inspect_dataset(uneven, ["id"], "label")
     groups = info.num_row_groups
-    reads: List[tuple] = []
-    read = threading.Condition()
-    original = selection.OpenFiles.read
-
-    def recording(self, index, row_group, columns):
-        table = original(self, index, row_group, columns)
-        with read:
-            reads.append((index, row_group))
-            read.notify_all()
-        return table
-
-    monkeypatch.setattr(selection.OpenFiles, "read", recording)
+    reads, read = _record_reads(monkeypatch)
     spec = DataSpec(batch_size=4, shuffle=False, prefetch_row_groups=2)
     one_pass = ids_of(pairs(ArrowReader().read_pass(info, spec, 0, 1, 0)))
     reads.clear()

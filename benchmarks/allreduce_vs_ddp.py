@@ -4,7 +4,7 @@ same Parquet, same model, same per-worker batch, 2 workers, 1 thread each, gloo.
 
     .venv-petastorm/bin/python benchmarks/allreduce_vs_ddp.py [--rows 200000] [--epochs 3]
     .venv/bin/python benchmarks/allreduce_vs_ddp.py --readers arrow      # no petastorm in .venv
-    ... [--dataframe] [--repeats 5] [--skip-distributor]
+    ... [--dataframe] [--repeats 5] [--skip-distributor] [--plain-in-executors]
 
 Configurations (the issue's three):
 
@@ -22,6 +22,9 @@ The sides, one table row each:
   torchrun, loads its rank's contiguous half of the rows (the row groups that overlap it) from
   the same Parquet with pyarrow into memory, the usual pattern since TorchDistributor does not
   stream DataFrames, and trains with DDP on those tensors.
+* plain DDP inside the executors (``--plain-in-executors``): the same loop and in-memory shard,
+  run by ``sparkdl.run`` in the executors' barrier tasks: Spark's environment without sparkdl's
+  data path and training loop, which tells the two apart.
 * sparkdl AllReduce: ``TorchEstimator.fit(path)`` streaming the Parquet with the Arrow and/or
   Petastorm reader (``--readers``; petastorm is skipped with a note where it cannot be imported)
   inside Spark barrier tasks.
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.util
 import os
 import shutil
@@ -176,6 +180,25 @@ def run_ddp(model_fn, features, labels, batch: int, epochs: int) -> Dict:
     return {**result, "startup": result["first_batch"] - called, "whole": whole}
 
 
+def _plain_in_executor(model_name: str, rows: int, batch: int, epochs: int, ctx) -> Dict:
+    """The DDP side's loop, run by ``sparkdl.run`` inside the executors' tasks on sparkdl's
+    process group: each rank rebuilds the same synthetic rows and keeps its shard in memory."""
+    features, labels = synthetic(rows)
+    x = torch.from_numpy(np.ascontiguousarray(features[ctx.rank::ctx.world_size]))
+    y = torch.from_numpy(labels[ctx.rank::ctx.world_size].copy())
+    steps = rows // (batch * ctx.world_size)
+    rates, first_batch = _train_ddp(MODELS[model_name], x, y, steps, batch, epochs, ctx.rank, ctx.world_size)
+    return {"rates": rates, "first_batch": first_batch}
+
+
+def run_plain_in_executors(spark, model_name: str, rows: int, batch: int, epochs: int) -> Dict:
+    import sparkdl
+
+    called = time.time()
+    result = sparkdl.run(functools.partial(_plain_in_executor, model_name, rows, batch, epochs), num_workers=WORKERS, spark=spark, progress=False)
+    return {**result, "startup": result["first_batch"] - called, "whole": time.time() - called}
+
+
 # --- TorchDistributor: pyarrow shard in memory + DDP ---------------------------------------------
 
 def _distributor_train(path: str, model_fn, batch: int, epochs: int):
@@ -285,6 +308,11 @@ def main() -> None:
         help="sparkdl fits spark.read.parquet(path), a DataFrame it materializes in its reader's layout, instead of the path",
     )
     parser.add_argument(
+        "--plain-in-executors", action="store_true",
+        help="also run the DDP side's loop inside the executors (launched by sparkdl.run, shard in memory): "
+        "the Spark environment without sparkdl's data path and training loop",
+    )
+    parser.add_argument(
         "--repeats", type=int, default=1,
         help="run every side this many times, alternated (DDP, then each sparkdl reader, then TorchDistributor); "
         "the table gives medians and the range of each side's ratio to the DDP run of the same repeat",
@@ -307,6 +335,7 @@ def main() -> None:
     ddp_runs: List[Dict] = []
     sparkdl_runs: Dict[str, List[Dict]] = {reader: [] for reader in readers}
     distributor_runs: List[Dict] = []
+    in_executor_runs: List[Dict] = []
     cold: Optional[Dict] = None
     distributor_cold: Optional[Dict] = None
     try:
@@ -334,6 +363,8 @@ def main() -> None:
                 distributor_cold = run_distributor(path, model_fn, args.batch_size, 1)
             for _ in range(args.repeats):
                 ddp_runs.append(run_ddp(model_fn, features, labels, args.batch_size, args.epochs))
+                if args.plain_in_executors:
+                    in_executor_runs.append(run_plain_in_executors(spark, args.model, args.rows, args.batch_size, args.epochs))
                 for reader in readers:
                     sparkdl_runs[reader].append(fit(reader, args.epochs))
                 if not args.skip_distributor:
@@ -361,6 +392,12 @@ def main() -> None:
     print(f"| side | steady samples/s | ratio to DDP{' (range)' if spread else ''} | whole call (s) | start-up (s, called → first batch) |")
     print("|---|---:|---:|---:|---:|")
     print(f"| plain DDP, in-memory tensors (torch.multiprocessing) | {ddp['rate']:,.0f} | 1.00 | {ddp['whole']:.1f} | {ddp['startup']:.1f} |")
+    if in_executor_runs:
+        figures = _figures(in_executor_runs, ddp_runs)
+        print(
+            f"| plain DDP inside the executors (sparkdl.run, in-memory tensors) | {figures['rate']:,.0f} | {ratio(figures)} "
+            f"| {figures['whole']:.1f} | {figures['startup']:.1f} |"
+        )
     if distributor_runs:
         figures = _figures(distributor_runs, ddp_runs)
         launch = float(np.median([run["launch"] for run in distributor_runs]))

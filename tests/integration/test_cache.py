@@ -97,6 +97,12 @@ def test_files_larger_than_a_row_group_are_rewritten_as_even_row_groups(spark, m
         assert rows[1234]["label"] == 1234 % 5
         # Only the even copy is left: the first one is deleted.
         assert spark_copy.endswith("-even") and not os.path.exists(spark_copy[len("file://"):-len("-even")])
+
+        # Five rows in two files of one row group each (3 and 2 rows): as even as a split can be,
+        # so not rewritten (a rewrite would cost a Spark job and change nothing).
+        tiny = cache.materialize(spark.range(0, 5, 1, 1).select(features, F.col("id").alias("label")), ["features", "label"], 2, packed=["features"])
+        assert sorted(rows for f in inspect_dataset(tiny, ["features"], "label").files for rows in f.row_groups) == [2, 3]
+        assert not tiny.endswith("-even")
     finally:
         sparkdl.clear_cache()
 

@@ -114,7 +114,7 @@ def _even_row_groups(spark, url: str, num_workers: int, layout: Sequence[str]) -
     """The copy at ``url``, rewritten as row groups of near-equal rows where it is not.
 
     A file larger than ``ROW_GROUP_BYTES`` is split by Spark's writer into full row groups and a
-    smaller last one (a 150,000-row file of 32.6 MB: 128,551 rows and 21,449). The shard unit is
+    smaller last one (a 150,000-row file of 38 MB: 128,551 rows and 21,449). The shard unit is
     the row group, so a rank could draw both large ones and another both small ones: 6x fewer
     rows, which it then repeats 6x as often per epoch, and whose row-group reads come every few
     steps. Such a copy is read back (it is already in its final layout, so this costs a scan of

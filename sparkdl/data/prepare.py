@@ -10,6 +10,7 @@ here, on the driver, in terms of the user's data.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple, Union
 
 from sparkdl.data.batching import DataSpec, TransformFn, ValidationSpec, steps_per_epoch
@@ -24,6 +25,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from sparkdl._settings import DataSettings
 
 DataSource = Union[str, Any]  # a dataset URL/path, a pyspark.sql.DataFrame, ParquetFiles, or a connector source
+
+logger = logging.getLogger("sparkdl.data")
+#: A shard with more than this many times another's rows gets a warning (:func:`_warn_if_uneven`).
+UNEVEN_SHARDS = 1.5
 
 
 def prepare_data(
@@ -64,6 +69,7 @@ def prepare_data(
             f"the shard of rank(s) {', '.join(map(str, empty))} in {dataset.name} holds no rows{narrowed} "
             f"(rows per rank: {counts}); use fewer workers, more row groups, or a wider filter"
         )
+    _warn_if_uneven(dataset, counts, narrowed)
     steps = steps_per_epoch(sum(counts), spec.batch_size, num_workers)
     if settings.validation is not None:
         source = validation_data or dataset
@@ -71,6 +77,22 @@ def prepare_data(
         if sum(held) == 0:
             raise DataError(f"the validation data ({source.name}) holds no rows{' that pass the filters' if filters is not None else ''}")
     return dataset, spec, data_reader, steps
+
+
+def _warn_if_uneven(dataset: DatasetInfo, counts: Sequence[int], narrowed: str) -> None:
+    """Warns when one rank's shard holds more than ``UNEVEN_SHARDS`` times another's rows:
+    every rank runs the same steps per epoch, so the smaller shard's rows are trained on that
+    many times as often (a skew the user should know of, not an error)."""
+    small, large = min(counts), max(counts)
+    if small == 0 or large <= UNEVEN_SHARDS * small:
+        return
+    logger.warning(
+        "the ranks' shards of %s are uneven: rows per rank%s: %s. The shard unit is the Parquet row group (rank r "
+        "reads row groups r, r+n, ...) and every rank runs the same steps per epoch, so rank %d's rows are trained "
+        "on %.1fx as often as rank %d's. Write the data as more row groups of even size, or fit it as a DataFrame "
+        "(sparkdl writes its copy with even row groups)",
+        dataset.name, narrowed, list(counts), counts.index(small), large / small, counts.index(large),
+    )
 
 
 def prepare_dataset(

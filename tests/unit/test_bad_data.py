@@ -200,3 +200,22 @@ def test_a_nan_in_the_data_is_found_and_named_by_column_row_group_and_row(tmp_pa
     assert describe_non_finite(inspect_dataset(str(tmp_path), ["v", "w"], "label")).startswith("column 'w' holds infinite at row 5 of row group 0")
     pq.write_table(table.set_column(1, "w", pa.array(np.ones(24))), tmp_path / "part-0.parquet", row_group_size=8)
     assert "hold no NaN or infinity: the model or the optimizer diverged" in describe_non_finite(inspect_dataset(str(tmp_path), ["v", "w"], "label"))
+
+
+def test_uneven_shards_are_warned_of_naming_the_rows_per_rank_and_the_remedy(tmp_path, caplog):
+    """Row groups of 16 and 2 rows on two ranks: rank 1's 2 rows are trained on 8x as often as
+    rank 0's 16 (the same steps per epoch on every rank). A warning, not an error; even shards
+    get none."""
+    uneven = write(tmp_path / "uneven", "part-0.parquet", x=np.arange(18, dtype=np.float64), label=np.zeros(18, dtype=np.int64))
+    settings = DataSettings(feature_cols=["x"], label_col="label", batch_size=2)
+    with caplog.at_level("WARNING", logger="sparkdl.data"):
+        prepare_data(uneven, settings, num_workers=2)
+    [record] = [r for r in caplog.records if "uneven" in r.getMessage()]
+    message = record.getMessage()
+    assert "rows per rank: [16, 2]" in message and "rank 1's rows are trained on 8.0x as often as rank 0's" in message
+    assert "uneven" in message and "more row groups of even size" in message and "as a DataFrame" in message
+    caplog.clear()
+    even = write(tmp_path / "even", "part-0.parquet", x=np.arange(32, dtype=np.float64), label=np.zeros(32, dtype=np.int64))
+    with caplog.at_level("WARNING", logger="sparkdl.data"):
+        prepare_data(even, settings, num_workers=2)
+    assert not [r for r in caplog.records if "uneven" in r.getMessage()]

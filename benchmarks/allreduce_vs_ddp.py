@@ -314,7 +314,8 @@ def main() -> None:
     )
     parser.add_argument(
         "--repeats", type=int, default=1,
-        help="run every side this many times, alternated (DDP, then each sparkdl reader, then TorchDistributor); "
+        help="run every side this many times, alternated (DDP, the DDP loop in the executors if asked, each sparkdl reader, "
+        "TorchDistributor); "
         "the table gives medians and the range of each side's ratio to the DDP run of the same repeat",
     )
     args = parser.parse_args()

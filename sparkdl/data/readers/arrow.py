@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import itertools
-from typing import TYPE_CHECKING, Deque, Iterable, Iterator, Optional, Tuple
+from typing import TYPE_CHECKING, Deque, Iterable, Iterator, Optional
 
 import pyarrow as pa
 
 from sparkdl.data.dataset import DatasetInfo
-from sparkdl.data.readers.base import Chunk, DataReader, chunk_rows, empty_shard_error
+from sparkdl.data.readers.base import PASS_END, Chunk, DataReader, chunk_rows
 from sparkdl.data.selection import OpenFiles, RowSelector, pass_row_groups
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -40,28 +39,15 @@ class ArrowReader(DataReader):
     reads_tensor_bytes = True
 
     def read_pass(self, dataset: DatasetInfo, spec: "DataSpec", rank: int, world_size: int, pass_index: int) -> Iterator[Chunk]:
-        for _, chunk in self._read(dataset, spec, rank, world_size, [pass_index]):
-            if chunk is not _PASS_END:
+        for chunk in self.passes(dataset, spec, rank, world_size, [pass_index]):
+            if chunk is not PASS_END:
                 yield chunk
 
-    def chunks(self, dataset: DatasetInfo, spec: "DataSpec", rank: int, world_size: int) -> Iterator[Chunk]:
-        """Endless chunks, pass after pass, read ahead across the passes' boundaries: the first
-        row groups of the next pass are read while the last ones of this pass are trained on,
+    def passes(self, dataset: DatasetInfo, spec: "DataSpec", rank: int, world_size: int, pass_indexes: Iterable[int]) -> Iterator[Chunk]:
+        """The passes' row groups in order, each pass followed by ``PASS_END``, with
+        ``spec.prefetch_row_groups`` row groups read ahead across the passes' boundaries too:
+        the next pass's first row groups are read while this pass's last ones are trained on,
         so an epoch's first step does not wait for a read."""
-        rows = 0
-        for _, chunk in self._read(dataset, spec, rank, world_size, itertools.count()):
-            if chunk is _PASS_END:
-                if rows == 0:
-                    raise empty_shard_error(dataset, spec, rank)
-                rows = 0
-                continue
-            rows += chunk_rows(chunk)
-            yield chunk
-
-    @staticmethod
-    def _read(dataset: DatasetInfo, spec: "DataSpec", rank: int, world_size: int, passes: Iterable[int]) -> Iterator[Tuple[int, Chunk]]:
-        """(pass, chunk) for the row groups of ``passes`` in order, each pass followed by
-        ``(pass, _PASS_END)``; ``spec.prefetch_row_groups`` row groups are read ahead."""
         selector = RowSelector(dataset, spec.holdout, spec.part, spec.filters, rank, world_size)
         files = OpenFiles(dataset)
         locations = dataset.row_group_location()
@@ -89,14 +75,14 @@ class ArrowReader(DataReader):
 
         # Every pass's row groups, then its end (None); a pass's order is drawn when reached.
         groups = (
-            (pass_index, group)
-            for pass_index in passes
+            group
+            for pass_index in pass_indexes
             for group in [*pass_row_groups(dataset.num_row_groups, rank, world_size, spec.seed + pass_index, spec.shuffle), None]
         )
         # One thread: reads run in order (a ParquetFile is not shared between threads) and
         # pyarrow decodes without the GIL, so reading overlaps the training thread.
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparkdl-arrow-read")
-        pending: Deque[Tuple[int, Optional[concurrent.futures.Future]]] = collections.deque()
+        pending: Deque[Optional[concurrent.futures.Future]] = collections.deque()  # None: a pass's end
         reading = 0  # futures in pending: the one about to be consumed and those read ahead
         window = spec.prefetch_row_groups + 1
         try:
@@ -104,29 +90,27 @@ class ArrowReader(DataReader):
                 # A pass adds a row group and an end at least, so the length bound only binds
                 # when passes are empty (the consumer then fails on the first end it takes).
                 while reading < window and len(pending) < 2 * window:
-                    item = next(groups, None)
-                    if item is None:
+                    group = next(groups, _EXHAUSTED)
+                    if group is _EXHAUSTED:
                         break
-                    pass_index, group = item
-                    pending.append((pass_index, None if group is None else pool.submit(load, group)))
+                    pending.append(None if group is None else pool.submit(load, group))
                     reading += group is not None
                 if not pending:
                     return
-                pass_index, future = pending.popleft()
+                future = pending.popleft()
                 if future is None:
-                    yield pass_index, _PASS_END
+                    yield PASS_END
                     continue
                 reading -= 1
                 chunk = future.result()
                 if chunk is not None and chunk_rows(chunk):
-                    yield pass_index, chunk
+                    yield chunk
         finally:
-            for _, future in pending:
+            for future in pending:
                 if future is not None:
                     future.cancel()
             pool.shutdown(wait=True)
             files.close()
 
 
-#: Marks the end of a pass in ArrowReader._read's stream.
-_PASS_END: Chunk = {}
+_EXHAUSTED = object()  # the end of a finite pass_indexes (None already marks a pass's end)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import itertools
-from typing import TYPE_CHECKING, ClassVar, Dict, Iterator, List, Type
+from typing import TYPE_CHECKING, ClassVar, Dict, Iterable, Iterator, List, Type
 
 import numpy as np
 
@@ -66,24 +66,33 @@ class DataReader(abc.ABC):
         the dataset's input plan needs."""
 
     def chunks(self, dataset: DatasetInfo, spec: "DataSpec", rank: int, world_size: int) -> Iterator[Chunk]:
-        """Endless chunks of this rank's shard: :meth:`read_pass` for pass 0, 1, 2, ...
-        Must close its resources when the generator is closed."""
-        for pass_index in itertools.count():
-            rows = 0
+        """Endless chunks of this rank's shard: pass 0, 1, 2, ... (:meth:`passes`); a pass that
+        gives no rows fails naming the rank. Must close its resources when the generator is closed."""
+        rows = 0
+        for chunk in self.passes(dataset, spec, rank, world_size, itertools.count()):
+            if chunk is PASS_END:
+                if rows == 0:
+                    narrowed = " after filters and the validation hold-out" if spec.filters is not None or spec.holdout else ""
+                    raise DataError(f"rank {rank} read no rows from its shard of {dataset.name}{narrowed}")
+                rows = 0
+                continue
+            rows += chunk_rows(chunk)
+            yield chunk
+
+    def passes(self, dataset: DatasetInfo, spec: "DataSpec", rank: int, world_size: int, pass_indexes: Iterable[int]) -> Iterator[Chunk]:
+        """The chunks of the passes ``pass_indexes``, one pass after the other, each followed by
+        :data:`PASS_END`: :meth:`read_pass` per pass. A reader that reads ahead across the
+        passes' boundaries overrides it."""
+        for pass_index in pass_indexes:
             # closing(): closing this generator closes the pass's reader at once, not whenever
             # the garbage collector gets to it.
             with contextlib.closing(self.read_pass(dataset, spec, rank, world_size, pass_index)) as stream:
-                for chunk in stream:
-                    rows += chunk_rows(chunk)
-                    yield chunk
-            if rows == 0:
-                raise empty_shard_error(dataset, spec, rank)
+                yield from stream
+            yield PASS_END
 
 
-def empty_shard_error(dataset: DatasetInfo, spec: "DataSpec", rank: int) -> DataError:
-    """A pass over the rank's shard gave no rows: what to tell the user."""
-    narrowed = " after filters and the validation hold-out" if spec.filters is not None or spec.holdout else ""
-    return DataError(f"rank {rank} read no rows from its shard of {dataset.name}{narrowed}")
+#: Ends a pass in :meth:`DataReader.passes` (compared by identity; a real chunk has rows).
+PASS_END: Chunk = {}
 
 
 def chunk_rows(chunk: Chunk) -> int:

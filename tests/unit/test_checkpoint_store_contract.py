@@ -13,7 +13,7 @@ import uuid
 import pytest
 import torch
 
-from sparkdl import filesystem
+from sparkdl import checkpoint, filesystem
 from sparkdl._checkpoint_writer import share
 from sparkdl.checkpoint import (
     MANIFEST,
@@ -255,7 +255,11 @@ def test_file_store_loads_single_file_checkpoints_of_earlier_versions(tmp_path, 
     assert sorted(os.listdir(root)) == ["ckpt-000000000007", "ckpt-000000000008"]
 
 
-def test_open_store_uses_the_store_registered_for_a_scheme(tmp_path):
+def test_open_store_uses_the_store_registered_for_a_scheme(tmp_path, monkeypatch):
+    # The registry is process-wide: this test's store must not outlive it (a later test's
+    # sparkdltest:// checkpoints would land in this one's memory:// store).
+    monkeypatch.setattr(checkpoint, "_STORES", dict(checkpoint._STORES))
+
     @register_store("sparkdltest")
     class _Recording(FileCheckpointStore):
         def __init__(self, url, keep=3):

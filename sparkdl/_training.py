@@ -143,7 +143,7 @@ class FitLoop:
             "state_dict": buffer.getvalue(),
             "history": state.history,
             "output_shape": state.output_shape or [],
-            "timing": {"start": start, "first_batch": ctx.first_batch_time, "end": time.time()},
+            "timing": {**ctx.startup_marks, "start": start, "first_batch": ctx.first_batch_time, "end": time.time()},
             "steps": {"resumed_at": resumed_at, "run": state.global_step - resumed_at, "total": state.global_step},
             "checkpoints": dict(ctx.checkpoint_stats),
             "device": str(ctx.device),
@@ -160,6 +160,36 @@ class FitLoop:
             step=state.global_step,
             replicated=weights if ctx.replicas_identical else None,
         )
+
+
+def startup_phases(prepare_s: float, launched: float, timing: Dict[str, Optional[float]]) -> Optional[Dict[str, Optional[float]]]:
+    """Where a fit's start-up went, in seconds, from the driver's clock (``launched``) and rank 0's
+    marks (``timing``; both hosts' wall clocks, so skew between them shows in ``schedule``):
+
+    * ``prepare``: the driver's checks before launching (data inspection, slots, loss, optimizer);
+    * ``schedule``: Spark schedules the barrier stage and hands rank 0's task to a Python worker
+      (a new one is forked for an executor's first Python task); after a relaunch, the failed
+      attempts too;
+    * ``worker_imports``: a new worker unpickling the task, which imports torch, pyarrow and
+      sparkdl; None when the worker was reused (started before the launch, its imports done);
+    * ``rendezvous``: the process group and the strategy set up;
+    * ``first_step``: the model built and wrapped, the optimizer built (a process's first one
+      imports torch._dynamo) and the first batch read.
+
+    None when no batch was trained (a finished checkpoint) or rank 0 recorded no marks.
+    """
+    entered, ready, first = timing.get("task_entered"), timing.get("ready"), timing.get("first_batch")
+    if entered is None or ready is None or first is None:
+        return None
+    worker = timing.get("worker_started")
+    fresh = worker is not None and worker > launched
+    return {
+        "prepare": prepare_s,
+        "schedule": (worker if fresh else entered) - launched,
+        "worker_imports": entered - worker if fresh else None,
+        "rendezvous": ready - entered,
+        "first_step": first - ready,
+    }
 
 
 def _resharded_counters(ctx: TrainContext, state: _LoopState) -> _LoopState:

@@ -56,6 +56,7 @@ class TrainContext:
         liveness: Optional["Liveness"] = None,
         assignment: Optional[DeviceAssignment] = None,
         precision: str = "32",
+        startup_marks: Optional[Dict[str, Optional[float]]] = None,
     ) -> None:
         self._env = env
         self._runtime = runtime
@@ -84,6 +85,9 @@ class TrainContext:
         self.logger = logging.getLogger(f"sparkdl.rank{env.rank}")
         #: Wall-clock time of the first batch handed out: start-up cost is measured up to here.
         self.first_batch_time: Optional[float] = None
+        #: Wall-clock times of the task's start-up: ``worker_started`` (its Python process),
+        #: ``task_entered``, ``ready`` (process group and strategy up); see run_info["startup"].
+        self.startup_marks: Dict[str, Optional[float]] = dict(startup_marks or {})
 
     @property
     def rank(self) -> int:

@@ -17,7 +17,7 @@ from sparkdl._launcher import launch
 from sparkdl._preflight import check_loss, check_optimizer
 from sparkdl._progress import ProgressCallback, ProgressDisplay
 from sparkdl._settings import DataSettings, RunSettings
-from sparkdl._training import FitLoop, LossFn, ModelFactory, OptimizerFactory, default_optimizer
+from sparkdl._training import FitLoop, LossFn, ModelFactory, OptimizerFactory, default_optimizer, startup_phases
 from sparkdl._warmup import warm_up
 from sparkdl.data import elastic
 from sparkdl.data.batching import MetricFn, TransformFn
@@ -214,6 +214,8 @@ class TorchEstimator(Estimator, _TorchParams):
             "dataset": {"url": info.url, "rows": info.num_rows, "row_groups": info.num_row_groups, "reader": data_settings.reader},
             "startup_seconds": (timing["first_batch"] - launched) if timing.get("first_batch") and not outcome.from_finished_checkpoint else None,
             "prepare_seconds": launched - started,
+            # prepare_seconds + startup_seconds, phase by phase (sparkdl._training.startup_phases)
+            "startup": None if outcome.from_finished_checkpoint else startup_phases(launched - started, launched, timing),
             "train_seconds": timing["end"] - timing["start"],
             "steps": result.get("steps"),
             "checkpoints": result.get("checkpoints"),

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
 from sparkdl._channel import ChannelClient, ChannelError
@@ -54,6 +55,9 @@ class _TaskPayload:
 
 
 def _task_main(payload: _TaskPayload) -> List[tuple]:
+    # Where a launch's start-up went, for run_info["startup"]: unpickling this task (before this
+    # line) is what imports torch and sparkdl in a new Python worker.
+    marks = {"worker_started": _process_started(), "task_entered": time.time()}
     from pyspark import BarrierTaskContext
 
     barrier = BarrierTaskContext.get()
@@ -99,6 +103,7 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
                 secret=payload.secret, encrypt=payload.encrypt, store_address=payload.store_address,
             )
             runtime = payload.strategy.create_runtime(env)
+            marks["ready"] = time.time()
             context = TrainContext(
                 env,
                 runtime,
@@ -111,6 +116,7 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
                 liveness=liveness,
                 assignment=assignment,
                 precision=payload.config.precision,
+                startup_marks=marks,
             )
             context.set_phase("training")
             from sparkdl._frameworks import framework_env, one_process_per_task
@@ -191,6 +197,19 @@ def _run_launched(
         target, rank=rank, host=host, script_path=script_path, env=env, secret=payload.secret, spec=spec, data=data,
         send=client.send, advance=liveness.advance,
     )
+
+
+def _process_started() -> Optional[float]:
+    """Wall-clock time this process started (a Python worker Spark forked for a task), from
+    Linux's /proc to the clock tick; None elsewhere."""
+    try:
+        with open("/proc/self/stat") as stat:
+            # Field 22, after the command name (which may hold spaces): ticks since boot.
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+        return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 class _Heartbeat:

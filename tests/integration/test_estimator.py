@@ -63,6 +63,18 @@ def test_history_has_one_record_per_epoch_with_global_counts(fitted):
     assert history[-1]["loss"] < history[0]["loss"] / 3
 
 
+def test_run_info_splits_the_start_up_into_its_phases(fitted):
+    _, model, _ = fitted
+    info = model.run_info
+    phases = info["startup"]
+    assert set(phases) == {"prepare", "schedule", "worker_imports", "rendezvous", "first_step"}
+    assert phases["prepare"] == info["prepare_seconds"]
+    measured = {name: value for name, value in phases.items() if value is not None}
+    assert all(value >= 0 for value in measured.values()), phases
+    # The phases are the whole start-up, fit called to rank 0's first batch.
+    assert sum(measured.values()) == pytest.approx(info["prepare_seconds"] + info["startup_seconds"], abs=1e-6)
+
+
 def test_progress_arrives_live_while_the_job_runs(fitted):
     _, model, seen = fitted
     assert [r["epoch"] for r, _ in seen] == [r["epoch"] for r in model.history]

@@ -53,9 +53,11 @@ class RankFailure:
     phase: str = ""
     #: The exception was a :class:`PeerLostError`: this rank lost a peer, which is the likelier cause.
     peer_loss: bool = False
+    #: Where the rank ran: the machine's name and its executor's address ("" when unknown).
+    host: str = ""
 
     @classmethod
-    def from_exception(cls, rank: int, exc: BaseException, phase: str = "") -> "RankFailure":
+    def from_exception(cls, rank: int, exc: BaseException, phase: str = "", host: str = "") -> "RankFailure":
         return cls(
             rank=rank,
             exc_type=type(exc).__name__,
@@ -63,6 +65,7 @@ class RankFailure:
             traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
             phase=phase,
             peer_loss=isinstance(exc, PeerLostError),
+            host=host,
         )
 
     def to_json(self) -> dict:
@@ -77,6 +80,7 @@ class RankFailure:
             traceback=str(data.get("traceback", "")),
             phase=str(data.get("phase", "")),
             peer_loss=bool(data.get("peer_loss", False)),
+            host=str(data.get("host", "")),
         )
 
 
@@ -111,6 +115,20 @@ class TrainingError(SparkdlError):
         return (type(self), (self.failures, self.hint))
 
 
+class RankConfigError(TrainingError, ConfigError):
+    """A setting the ranks found invalid on their hosts before training (for example an
+    interface variable naming an interface a host lacks): a :class:`TrainingError` (which rank,
+    which host) that is also a :class:`ConfigError` (fix the setting; retrying cannot help)."""
+
+
+def raised_from(error: TrainingError) -> TrainingError:
+    """``error`` as the driver raises it: a :class:`RankConfigError` when every rank that failed
+    failed on a setting."""
+    if error.failures and all(failure.exc_type == "ConfigError" for failure in error.failures):
+        return RankConfigError(error.failures, error.hint)
+    return error
+
+
 #: Failures whose message says all there is to say (what happened, where, which setting to
 #: change): their traceback, only sparkdl's internals, stays out of the message (it is still in
 #: ``TrainingError.remote_traceback``). Errors raised by user code keep their traceback.
@@ -135,8 +153,11 @@ def format_failures(failures: Sequence[RankFailure], hint: str = "") -> str:
     lines = [f"training failed on {where}{phase}: {first.exc_type}: {first.message}"]
     if hint:
         lines.append(hint)
+    if first.host:
+        lines.append(f"(rank {first.rank} ran on host {first.host})")
     for other in others:
-        lines.append(f"  also rank {other.rank}: {other.exc_type}: {other.message}")
+        on = f" on host {other.host}" if other.host else ""
+        lines.append(f"  also rank {other.rank}{on}: {other.exc_type}: {other.message}")
     if first.traceback and first.exc_type in SELF_EXPLAINED:
         lines.append("(the rank's traceback: TrainingError.remote_traceback)")
     elif first.traceback:

@@ -33,7 +33,7 @@ from sparkdl.checkpoint import CheckpointConfig, open_store
 from sparkdl.data.batching import DataSpec
 from sparkdl.data.dataset import DatasetInfo
 from sparkdl.data.readers.base import DataReader
-from sparkdl.errors import ConfigError, InsufficientSlotsError, RankFailure, TrainingError
+from sparkdl.errors import ConfigError, InsufficientSlotsError, RankFailure, TrainingError, raised_from
 from sparkdl.strategies.base import Strategy
 
 logger = logging.getLogger("sparkdl")
@@ -120,8 +120,8 @@ def launch(
                     repeated = ""
                     if previous is not None and same_failure(error.failures[0], previous.failures[0]):
                         repeated = f"; the same failure as attempt {attempt - 1}, so not retried again"
-                    raise TrainingError(error.failures, hint=f"(attempt {attempt}; max_failures={config.max_failures}{repeated})") from None
-                raise error from None
+                    raise raised_from(TrainingError(error.failures, hint=f"(attempt {attempt}; max_failures={config.max_failures}{repeated})")) from None
+                raise raised_from(error) from None
             previous = error
             where = "the newest checkpoint" if store is not None else "scratch (no checkpoint_dir)"
             message = f"[sparkdl] attempt {attempt} failed: {str(error).splitlines()[0]}; relaunching from {where} ({attempt}/{config.max_failures} retries)"

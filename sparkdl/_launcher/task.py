@@ -91,6 +91,10 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
             liveness.advance("selecting the device")
             assignment = scopes.enter_context(task_device(barrier, config.use_gpu, gather))
             device = assignment.device
+            liveness.advance("choosing the network interface")
+            # gloo/NCCL otherwise bind what the host name resolves to (127.0.1.1 on Debian, or
+            # another network): the collectives go where Spark reaches this executor.
+            scopes.enter_context(environment(_collective_interface(host, payload.store_address[0], rank, device.type == "cuda")))
             if launched is not None:
                 # The child creates the process group itself (env://); this task makes none.
                 value = _run_launched(launched, payload, rank, host, script_path, assignment, client, liveness)
@@ -135,7 +139,7 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
             from sparkdl._frameworks import explain
 
             # explain: a framework's own "devices x num_nodes" error, told in sparkdl's terms.
-            failure = RankFailure.from_exception(rank, explain(exc, rank), phase=liveness.phase)
+            failure = RankFailure.from_exception(rank, explain(exc, rank), phase=liveness.phase, host=_task_host(barrier, rank))
             if isinstance(exc, ChildFailure):  # the child's error and traceback, not this task's
                 failure = dataclasses.replace(failure, exc_type=exc.exc_type, traceback=exc.child_traceback)
             with contextlib.suppress(Exception):
@@ -159,6 +163,28 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
                 # store (rank 0 listens) must not outlive the task.
                 teardown()
                 client.close()
+
+
+def _collective_interface(host: str, driver_host: str, rank: int, gpu: bool) -> dict:
+    """The interface variables gloo/NCCL read, for this rank (sparkdl._interfaces)."""
+    from sparkdl._interfaces import collective_environment
+
+    values, choice = collective_environment(host, driver_host, os.environ, rank, gpu)
+    if choice is not None:
+        logging.getLogger("sparkdl.network").debug("rank %d: collectives on %s (%s): %s", rank, choice.name, choice.address, choice.reason)
+    return values
+
+
+def _task_host(barrier: Any, rank: int) -> str:
+    """This task's executor address as Spark knows it, and the machine's own name."""
+    import socket
+
+    try:
+        address = barrier.getTaskInfos()[rank].address.rsplit(":", 1)[0]
+    except Exception:  # noqa: BLE001 - only a label for the error report
+        address = ""
+    name = socket.gethostname()
+    return f"{name} ({address})" if address and address != name else name
 
 
 def _torchrun_env(payload: _TaskPayload, rank: int, target: Optional[LaunchTarget]) -> dict:

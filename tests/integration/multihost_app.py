@@ -1,0 +1,247 @@
+"""A driver on the namespace cluster's driver host (scripts/netcluster): runs the scenarios named
+on the command line in one Spark application and prints one JSON line per scenario.
+
+    scripts/netcluster exec h0 -- python tests/integration/multihost_app.py --out DIR SCENARIO ...
+
+Each line: ``{"scenario", "ok", "seconds", "hosts"`` (the host names the ranks ran on), ``"error"``
+and ``"error_type"`` when it failed, and what the scenario measured: bytes each host's
+interfaces sent while it ran (``tx``: host -> interface -> bytes), accuracy, run_info fields.
+Run by tests/integration/test_multihost.py; every host shares this machine's filesystem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
+
+
+def record_host(out_dir: str) -> None:
+    """Called on every rank: leaves this host's name in the shared directory (not on the
+    driver, which builds the model too)."""
+    from pyspark import TaskContext
+
+    if TaskContext.get() is None:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{socket.gethostname()}-{os.getpid()}"), "w") as handle:
+        handle.write(socket.gethostname())
+
+
+class HostRecordingModel:
+    """A model factory that records where each rank built it (a picklable callable)."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def __call__(self):
+        from models import digits_mlp
+
+        record_host(self.out_dir)
+        return digits_mlp()
+
+
+def hosts_in(out_dir: str) -> list:
+    if not os.path.isdir(out_dir):
+        return []
+    paths = [os.path.join(out_dir, name) for name in os.listdir(out_dir)]
+    return sorted({open(path).read() for path in paths if os.path.isfile(path) and name_is_host(path)})
+
+
+def name_is_host(path: str) -> bool:
+    return os.path.basename(path).startswith("sparkdl-h")
+
+
+def interface_bytes() -> dict:
+    """Bytes sent so far by each interface of each host, read from the namespaces' sysfs."""
+    import subprocess
+
+    state = json.load(open(os.path.join(os.environ["SPARKDL_NETCLUSTER_DIR"], "state.json")))
+    sent = {}
+    for host, ns in zip(state["host_names"], state["namespaces"]):
+        listed = subprocess.run(["ip", "-n", ns, "-s", "-j", "link", "show"], capture_output=True, text=True, check=True)
+        sent[host] = {link["ifname"]: link["stats64"]["tx"]["bytes"] for link in json.loads(listed.stdout)}
+    return sent
+
+
+def sent_between(before: dict, after: dict) -> dict:
+    return {host: {name: after[host][name] - before[host].get(name, 0) for name in after[host]} for host in after}
+
+
+def strategy_for(name: str):
+    import sparkdl
+
+    return {
+        "allreduce": lambda: sparkdl.AllReduce(),
+        "averaging": lambda: sparkdl.ModelAveraging(sync_every=4),
+        "diloco": lambda: sparkdl.ModelAveraging(sync_every=4, outer_optimizer=sparkdl.OuterSGD(lr=0.7, momentum=0.9, nesterov=True)),
+        "elastic": lambda: sparkdl.ElasticAveraging(sync_every=4),
+        "ps": lambda: sparkdl.ParameterServer(),
+        "sharded": lambda: sparkdl.ShardedDataParallel(),
+    }[name]()
+
+
+def fit(spark, args, scenario: str, strategy: str, out_dir: str, **overrides) -> dict:
+    import sparkdl
+    from models import accuracy, read_digits
+
+    estimator = sparkdl.TorchEstimator(
+        model=HostRecordingModel(out_dir), feature_cols=["features"], label_col="label", strategy=strategy_for(strategy),
+        num_workers=2, batch_size=32, epochs=overrides.pop("epochs", 3), progress=False, **overrides,
+    )
+    model = estimator.fit(args.train)
+    features, labels = read_digits(args.test)
+    result = {"accuracy": accuracy(model.module, features, labels), "strategy": model.run_info.get("strategy"),
+              "steps": model.run_info.get("steps"), "attempts": model.run_info.get("attempts")}
+    if scenario.startswith("transform"):
+        frame = spark.read.parquet(args.test)
+        scored = model.transform(frame).select("label", "prediction").collect()
+        # The prediction is the model's output row (10 logits): its argmax is the class.
+        right = sum(int(r.label == max(range(len(r.prediction)), key=r.prediction.__getitem__)) for r in scored)
+        result["transform"] = {"rows": len(scored), "accuracy": right / len(scored)}
+    return result
+
+
+class DyingLoss:
+    """Cross-entropy whose rank 1 ends its process at its ``at``-th step (once: a marker file on
+    the shared filesystem), after its checkpoint writer has finished."""
+
+    def __init__(self, marker: str, at: int) -> None:
+        self.marker, self.at, self.calls = marker, at, 0
+
+    def __call__(self, output, label):
+        import threading
+
+        import torch
+
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else -1
+        if rank >= 0:
+            self.calls += 1
+            if rank == 1 and self.calls == self.at and not os.path.exists(self.marker):
+                open(self.marker, "w").close()
+                for thread in threading.enumerate():
+                    if thread.name.startswith("sparkdl-checkpoint"):
+                        thread.join()
+                os._exit(9)
+        return torch.nn.functional.cross_entropy(output, label)
+
+
+def gathered_hosts(ctx):
+    """A sparkdl.run function: every rank's host name and collective interface, gathered with a
+    gloo collective (so the gather itself crosses the hosts)."""
+    import torch.distributed as dist
+
+    mine = {"host": socket.gethostname(), "gloo": os.environ.get("GLOO_SOCKET_IFNAME")}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+LAUNCHED_SCRIPT = """
+import json, os, socket, sys
+import torch.distributed as dist
+
+dist.init_process_group("gloo")  # env://, as a torchrun script does
+everyone = [None] * dist.get_world_size()
+dist.all_gather_object(everyone, {"host": socket.gethostname(), "gloo": os.environ.get("GLOO_SOCKET_IFNAME")})
+if dist.get_rank() == 0:
+    with open(sys.argv[1], "w") as handle:
+        json.dump(everyone, handle)
+dist.destroy_process_group()
+"""
+
+
+def scenario_dir(args, scenario: str) -> str:
+    return os.path.join(args.out, scenario.replace(":", "-"))
+
+
+def run_scenario(spark, args, scenario: str) -> dict:
+    import sparkdl
+
+    out_dir = scenario_dir(args, scenario)
+    name, _, option = scenario.partition(":")
+    if name == "resolve":  # not a run: what every host's own name resolves to from now on
+        import subprocess
+
+        subprocess.run([sys.executable, os.path.join(REPO, "scripts", "netcluster"), "resolve", option], check=True, capture_output=True)
+        return {"resolve": option}
+    if name == "fit":
+        return fit(spark, args, scenario, option or "allreduce", out_dir)
+    if name == "transform":
+        return fit(spark, args, scenario, "allreduce", out_dir)
+    if name == "run":
+        ranks = sparkdl.run(gathered_hosts, num_workers=2, progress=False)
+        return {"ranks": ranks}
+    if name == "launch":
+        os.makedirs(out_dir, exist_ok=True)
+        script, output = os.path.join(out_dir, "train.py"), os.path.join(out_dir, "ranks.json")
+        with open(script, "w") as handle:
+            handle.write(LAUNCHED_SCRIPT)
+        result = sparkdl.launch(script, output, num_workers=2, progress=False)
+        return {"exit_code": result.exit_code, "ranks": json.load(open(output))}
+    if name == "resume":
+        # Rank 1's process dies at its 15th step, once; the relaunch resumes the step-10 checkpoint.
+        os.makedirs(out_dir, exist_ok=True)
+        loss = DyingLoss(os.path.join(out_dir, "died"), at=15)
+        return fit(spark, args, scenario, "allreduce", out_dir, epochs=2, checkpoint_dir=os.path.join(out_dir, "checkpoints"),
+                   checkpoint_every=10, max_failures=1, loss=loss)
+    raise SystemExit(f"unknown scenario {scenario}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--master", default=None)
+    parser.add_argument("--train", default=None)
+    parser.add_argument("--test", default=None)
+    parser.add_argument("--conf", action="append", default=[], help="KEY=VALUE, a Spark setting of this application")
+    parser.add_argument("scenarios", nargs="+")
+    args = parser.parse_args()
+    state = json.load(open(os.path.join(os.environ["SPARKDL_NETCLUSTER_DIR"], "state.json")))
+    from pyspark.sql import SparkSession
+
+    address = state["cluster_addresses"][0]
+    builder = (
+        SparkSession.builder.master(args.master or state["master_url"]).appName("sparkdl-multihost")
+        .config("spark.driver.host", address).config("spark.driver.bindAddress", address)
+        .config("spark.ui.enabled", "false").config("spark.executor.instances", str(state["hosts"] - 1))
+        .config("spark.executor.memory", "768m")
+        .config("spark.executorEnv.PYTHONPATH", REPO + os.pathsep + os.path.join(REPO, "tests"))
+        .config("spark.sparkdl.cacheDir", os.path.join(args.out, "cache"))
+    )
+    for setting in args.conf:
+        key, _, value = setting.partition("=")
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    if args.train is None:
+        from examples.digits import write_split
+
+        args.train, args.test = write_split(os.path.join(args.out, "digits"))
+    try:
+        for scenario in args.scenarios:
+            before, started = interface_bytes(), time.monotonic()
+            line = {"scenario": scenario}
+            try:
+                line.update(run_scenario(spark, args, scenario))
+                line["ok"] = True
+            except Exception as exc:  # noqa: BLE001 - reported to the test, which asserts on it
+                line.update(ok=False, error_type=type(exc).__name__, error=str(exc)[:4000], traceback=traceback.format_exc()[-3000:])
+            line["seconds"] = round(time.monotonic() - started, 2)
+            line["tx"] = sent_between(before, interface_bytes())
+            line["hosts"] = hosts_in(scenario_dir(args, scenario))
+            print("MULTIHOST " + json.dumps(line), flush=True)
+    finally:
+        spark.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

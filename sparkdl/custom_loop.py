@@ -108,9 +108,10 @@ def run(
             memory (the default); False writes before it returns.
         max_failures: relaunch the stage up to this many times after a failure.
         watchdog_timeout_s: fail when a rank makes no progress for this long (None: never).
-        min_workers: a relaunch that finds fewer free slots than ``num_workers`` continues on as
-            many as are free, down to this many, resuming ``checkpoint_dir`` on the new number
-            of workers (docs/recovery.md, "Elastic worker counts"); None: never fewer.
+        min_workers: a launch (the first one too) that finds fewer free slots than
+            ``num_workers`` within ``slot_wait_s`` continues on as many as are free, down to this
+            many; a relaunch resumes ``checkpoint_dir`` on the new number of workers
+            (docs/recovery.md, "Elastic worker counts"); None: never fewer.
         slot_wait_s: how long to wait for enough free task slots (executors still registering,
             or, over Spark Connect, the barrier stage's tasks to start) before failing.
 

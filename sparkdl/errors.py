@@ -134,7 +134,7 @@ def raised_from(error: TrainingError) -> TrainingError:
 #: ``TrainingError.remote_traceback``). Errors raised by user code keep their traceback.
 SELF_EXPLAINED = frozenset(
     {"ConfigError", "DataError", "NonFiniteLossError", "InsufficientSlotsError", "PeerLostError",
-     "ParameterServerError", "WatchdogTimeout", "WorkerLost"}
+     "ParameterServerError", "WatchdogTimeout", "WorkerLost", "HostLost"}
 )
 
 

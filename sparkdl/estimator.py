@@ -71,9 +71,10 @@ class TorchEstimator(Estimator, _TorchParams):
         max_failures: relaunch the stage up to this many times after a failure (a lost
             executor, a killed process, a hang...).
         watchdog_timeout_s: fail when a rank makes no progress for this long (None: never).
-        min_workers: a relaunch that finds fewer free slots than ``num_workers`` trains on as
-            many as are free, down to this many, resuming the checkpoint on that many workers
-            (``batch_size`` stays per worker, so the global batch shrinks); None: never fewer.
+        min_workers: a launch (the first one too) that finds fewer free slots than
+            ``num_workers`` within ``slot_wait_s`` trains on as many as are free, down to this
+            many; a relaunch resumes the checkpoint on that many workers (``batch_size`` stays
+            per worker, so the global batch shrinks); None: never fewer.
         slot_wait_s: how long to wait for enough free task slots (executors still registering,
             or, over Spark Connect, the barrier stage's tasks to start) before failing with
             ``InsufficientSlotsError``; raise it on clusters whose executors start slowly.

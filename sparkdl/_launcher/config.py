@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from typing import Any, Dict, List, Optional, Tuple
 
 from sparkdl._precision import Precision
@@ -31,9 +32,10 @@ class LaunchConfig:
             the newest checkpoint when there is a checkpoint directory.
         watchdog_timeout_s: fail the run when a rank makes no progress (no batch, no phase
             change) for this long; None disables the watchdog.
-        min_workers: a relaunch after a failure that finds fewer free task slots than
-            ``num_workers`` runs on as many as are free, down to this many (resuming the
-            checkpoint on the new number of workers); None means ``num_workers``: no shrinking.
+        min_workers: a launch (the first one too) that finds fewer free task slots than
+            ``num_workers`` within ``slot_wait_s`` runs on as many as are free, down to this many
+            (a relaunch resumes the checkpoint on the new number of workers); None means
+            ``num_workers``: no shrinking.
     """
 
     num_workers: int
@@ -72,6 +74,31 @@ class LaunchConfig:
     def heartbeat_interval_s(self) -> float:
         """Often enough that the watchdog sees a stall within a fifth of its timeout."""
         return min(2.0, self.watchdog_timeout_s / 5) if self.watchdog_timeout_s else 2.0
+
+
+#: How long a rank may go unheard (no heartbeat, no message) before its host counts as lost.
+HOST_TIMEOUT_CONF = "spark.sparkdl.hostTimeout"
+DEFAULT_HOST_TIMEOUT_S = 45.0
+
+
+def host_timeout_s(value: Optional[str], heartbeat_interval_s: float) -> Optional[float]:
+    """``spark.sparkdl.hostTimeout`` in seconds: ``45s``, ``45``, ``2min``; ``0`` or ``off``
+    disables the check (a lost host then waits for the watchdog or Spark's own timeouts)."""
+    if value is None or str(value).strip() == "":
+        return DEFAULT_HOST_TIMEOUT_S
+    text = str(value).strip().lower()
+    if text in ("0", "off", "false", "none"):
+        return None
+    units = {"ms": 0.001, "s": 1.0, "min": 60.0, "m": 60.0, "h": 3600.0}
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(ms|s|min|m|h)?", text)
+    seconds = float(match.group(1)) * units[match.group(2) or "s"] if match else None
+    # Three heartbeats must fit in it: one late heartbeat is no lost host.
+    if seconds is None or seconds < 3 * heartbeat_interval_s:
+        raise ConfigError(
+            f"{HOST_TIMEOUT_CONF}={value!r} must be a duration of at least {3 * heartbeat_interval_s:g}s (three heartbeats), "
+            f"such as 45s or 2min, or 0 to turn the check off"
+        )
+    return seconds
 
 
 class Decision(enum.Enum):

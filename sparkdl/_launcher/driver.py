@@ -22,7 +22,7 @@ import cloudpickle
 
 from sparkdl._channel import ChannelServer, new_secret
 from sparkdl._device import check_gpu_request
-from sparkdl._launcher.config import Decision, FailurePolicy, LaunchConfig, LaunchOutcome, same_failure
+from sparkdl._launcher.config import HOST_TIMEOUT_CONF, Decision, FailurePolicy, LaunchConfig, LaunchOutcome, host_timeout_s, same_failure
 from sparkdl._launcher.monitor import JobMonitor
 from sparkdl._launcher.task import _task_main, _TaskPayload
 from sparkdl._progress import ProgressDisplay
@@ -68,6 +68,7 @@ def launch(
     session = Session(spark)
     check_gpu_request(session.conf, config.use_gpu)  # fail now, not after executors start
     security = security_policy(session.conf)  # refuses unencrypted collectives under Spark encryption
+    lost_host_after_s = host_timeout_s(session.conf(HOST_TIMEOUT_CONF), config.heartbeat_interval_s)
     display = display or ProgressDisplay(enabled=config.progress)
     store = open_store(checkpoint) if checkpoint else None
     if store is not None:
@@ -90,18 +91,24 @@ def launch(
     for attempt in itertools.count(1):
         attempt_config, steps = config, steps_per_epoch
         if not session.connect:
-            if attempt == 1 or config.min_workers is None:
+            if config.min_workers is None:
                 check_slots(spark.sparkContext, config.num_workers, config.slot_wait_s)
             else:
-                free = relaunch_workers(spark.sparkContext, config.num_workers, config.min_workers, config.slot_wait_s)
+                # The first launch too: a cluster that lost a host before the fit started is
+                # the same cluster as one that lost it during the fit.
+                free = relaunch_workers(spark.sparkContext, config.num_workers, config.min_workers, config.slot_wait_s, attempt)
                 if free < config.num_workers:
                     attempt_config = dataclasses.replace(config, num_workers=free)
                     steps = steps_for(free) if steps_for is not None and steps_per_epoch is not None else steps_per_epoch
+                    if attempt == 1:
+                        how = "starting there (batch_size is per worker: the global batch is smaller than planned)"
+                    elif store is not None:
+                        how = "resuming the newest checkpoint on that many (batch_size is per worker: the global batch shrinks)"
+                    else:
+                        how = "from scratch (no checkpoint_dir)"
                     _say(config, (
                         f"[sparkdl] attempt {attempt}: only {free} free task slot(s) for num_workers={config.num_workers} "
-                        f"(min_workers={config.min_workers}): continuing on {free} worker(s), "
-                        + ("resuming the newest checkpoint on that many (batch_size is per worker: the global batch shrinks)"
-                           if store is not None else "from scratch (no checkpoint_dir)")
+                        f"within slot_wait_s={config.slot_wait_s:g}s (min_workers={config.min_workers}): continuing on {free} worker(s), {how}"
                     ))
         workers.append(attempt_config.num_workers)
         started = time.time()
@@ -109,7 +116,7 @@ def launch(
             value = _launch_once(
                 session, train_fn, attempt_config, strategy, display,
                 dataset=dataset, data_spec=data_spec, reader=reader, steps_per_epoch=steps,
-                store=store, attempt=attempt, encrypt=security.encrypt,
+                store=store, attempt=attempt, encrypt=security.encrypt, lost_host_after_s=lost_host_after_s,
             )
         except _AttemptFailed as failed:
             error = failed.error
@@ -155,6 +162,7 @@ def _launch_once(
     config: LaunchConfig,
     strategy: Strategy,
     display: ProgressDisplay,
+    lost_host_after_s: Optional[float] = None,
     **payload_fields: Any,
 ) -> Any:
     """One barrier stage; raises :class:`_AttemptFailed` carrying the run's ``TrainingError``."""
@@ -189,12 +197,20 @@ def _launch_once(
         threading.Thread(
             target=monitor.watch, args=(config.watchdog_timeout_s, stop_watchdog), name="sparkdl-watchdog", daemon=True
         ).start()
-    if session.connect:
-        # A Connect client cannot ask the scheduler for free slots: a barrier stage whose tasks do
-        # not all start within slot_wait_s is one the cluster cannot run.
+    if lost_host_after_s is not None:
+        # A host whose link died keeps its TCP connections open: only the silence shows it.
         threading.Thread(
-            target=monitor.watch_start, args=(config.slot_wait_s, stop_watchdog), name="sparkdl-slot-watch", daemon=True
+            target=monitor.watch_hosts, args=(lost_host_after_s, stop_watchdog, lambda address: _stop_using_host(session, address)),
+            name="sparkdl-host-watch", daemon=True,
         ).start()
+    # A Connect client cannot ask the scheduler for free slots: a barrier stage whose tasks do
+    # not all start within slot_wait_s is one the cluster cannot run. A classic session counted
+    # the slots before launching, but a slot it counted can still be gone (a host lost since,
+    # which Spark has not noticed yet): a stage that waits for it must not wait for ever.
+    start_bound_s = config.slot_wait_s if session.connect else config.slot_wait_s + _CLASSIC_START_GRACE_S
+    threading.Thread(
+        target=monitor.watch_start, args=(start_bound_s, stop_watchdog), name="sparkdl-slot-watch", daemon=True
+    ).start()
 
     def stop_interrupted() -> None:
         # A notebook user interrupted the kernel: stop the tasks too, not just the driver's wait.
@@ -239,6 +255,30 @@ def _launch_once(
     # Our own tasks' results, through Spark's result path (as mapPartitions' pickles were).
     values = {rank: cloudpickle.loads(value) for rank, value in results}
     return values.get(0)
+
+
+#: On a classic session the slots were counted before the launch; the bound on the tasks'
+#: start adds what a cold start takes (a new Python worker importing torch: seconds).
+_CLASSIC_START_GRACE_S = 60.0
+
+
+def _stop_using_host(session: Session, address: str) -> None:
+    """Asks Spark to drop the executors at ``address``: until Spark notices a silent host itself
+    (``spark.network.timeout``, 120 s), it would still count their slots, and a relaunch would
+    wait for a task it can never start there. Over Spark Connect there is no SparkContext to ask."""
+    if session.connect:
+        return
+    jsc = session.spark.sparkContext._jsc.sc()
+    alive = jsc.taskScheduler().getExecutorsAliveOnHost(address)  # Option[Set[String]]
+    executors = []
+    if alive.isDefined():
+        found = alive.get().iterator()
+        while found.hasNext():
+            executors.append(found.next())
+    for executor in executors:
+        # Marks it pending removal at once: maxNumConcurrentTasks stops counting its slots.
+        killed = jsc.killExecutor(executor)
+        logger.warning("executor %s on %s: asked Spark to drop it (%s)", executor, address, "done" if killed else "refused")
 
 
 def _raised_by_an_interrupt(exc: BaseException) -> bool:
@@ -319,8 +359,8 @@ def free_slots(sc: Any) -> int:
     return max(0, slots - busy)
 
 
-def relaunch_workers(sc: Any, num_workers: int, min_workers: int, wait_s: float) -> int:
-    """The workers a relaunch runs on: ``num_workers`` when that many slots are free, else as
+def relaunch_workers(sc: Any, num_workers: int, min_workers: int, wait_s: float, attempt: int = 2) -> int:
+    """The workers an attempt runs on: ``num_workers`` when that many slots are free, else as
     many as are free once the executors expected have registered (or after ``wait_s``), at least
     ``min_workers``.
 
@@ -340,7 +380,7 @@ def relaunch_workers(sc: Any, num_workers: int, min_workers: int, wait_s: float)
     if free >= min_workers:
         return free
     raise InsufficientSlotsError(
-        f"the relaunch after a failure found {free} free task slot(s), fewer than min_workers={min_workers} "
+        f"{'the first launch' if attempt == 1 else 'the relaunch after a failure'} found {free} free task slot(s), fewer than min_workers={min_workers} "
         f"(num_workers={num_workers}) within slot_wait_s={wait_s:g} s; lower min_workers to train on fewer workers, "
         f"free or add executors, or wait longer for replacement executors with slot_wait_s"
     )

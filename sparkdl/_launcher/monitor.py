@@ -46,10 +46,18 @@ class JobMonitor:
         self._progress: Dict[int, Tuple[int, float]] = {}  # rank -> (progress counter, when it last moved)
         self._cond = threading.Condition()
         self._cancelled = False
+        #: rank -> when the driver last heard from it (any message), and where it runs.
+        self._heard: Dict[int, float] = {}
+        self.hosts: Dict[int, str] = {}
+        self.addresses: Dict[int, str] = {}  # the executor's address as Spark knows it
 
     def on_message(self, rank: int, message: Dict[str, Any]) -> None:
         kind = message.get("kind")
+        with self._cond:
+            self._heard[rank] = time.monotonic()
         if kind == "started":
+            self.hosts[rank] = str(message.get("host") or "")
+            self.addresses[rank] = str(message.get("address") or "")
             self.on_connect(rank)
         elif kind == "epoch":
             self.display.epoch(message.get("record", {}))
@@ -145,6 +153,54 @@ class JobMonitor:
             )
             return
 
+    def watch_hosts(self, timeout_s: float, stop: threading.Event, on_lost: Callable[[str], None]) -> None:
+        """Fails the run when a connected rank has not been heard from for ``timeout_s``: its
+        heartbeats (every couple of seconds, whatever the rank is doing) stopped arriving, so its
+        host, its executor or the network to it is gone. ``on_lost(host)`` runs first, so Spark
+        stops counting that host's slots before the relaunch asks for them (``host`` = the
+        executor's address as Spark knows it)."""
+        while not stop.wait(min(1.0, timeout_s / 10)):
+            now = time.monotonic()
+            with self._cond:
+                if self._cancelled:
+                    return
+                silent = [
+                    (heard, rank) for rank, heard in self._heard.items()
+                    if rank in self.connected and rank not in self.finished and now - heard > timeout_s
+                ]
+                if not silent:
+                    continue
+                heard, rank = min(silent)
+                host, address = self.hosts.get(rank, ""), self.addresses.get(rank, "")
+                phase = self.phases.get(rank, "")
+                # Its connection will not close before the network heals: nobody waits for it
+                # to hang up (wait_disconnected), the surviving ranks are released now.
+                self.connected.discard(rank)
+                self._cond.notify_all()
+            where = f"host {host}" if host else "its host"
+            logger.error("rank %d on %s: no word for %.0fs; treating the host as lost", rank, where, now - heard)
+            if address:
+                try:
+                    on_lost(address)
+                except Exception:  # noqa: BLE001 - the failure below must be reported regardless
+                    logger.exception("could not stop Spark from scheduling on %s", host)
+            self._fail(
+                RankFailure(
+                    rank=rank,
+                    exc_type="HostLost",
+                    message=(
+                        f"no word from rank {rank} on {where} for {now - heard:.0f}s (spark.sparkdl.hostTimeout={timeout_s:g}s): "
+                        f"the host, its executor or the network to it is gone. Its executors are no longer counted as slots; "
+                        f"with max_failures and min_workers the run relaunches on the hosts that are left. If the network is "
+                        f"only slow or briefly partitioned, raise spark.sparkdl.hostTimeout"
+                    ),
+                    traceback="",
+                    phase=phase,
+                    host=host,
+                )
+            )
+            return
+
     def on_disconnect(self, rank: int, clean: bool) -> None:
         with self._cond:
             self.connected.discard(rank)
@@ -222,5 +278,5 @@ def _root_cause_first(failure: RankFailure) -> Tuple[bool, bool, Tuple[int, int]
     same periodic check, so the first bad step is the rank that went wrong."""
     match = _NONFINITE_AT.search(failure.message) if failure.exc_type == "NonFiniteLossError" else None
     position = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
-    return (failure.exc_type != "WorkerLost", _is_peer_loss(failure), position)
+    return (failure.exc_type not in ("WorkerLost", "HostLost"), _is_peer_loss(failure), position)
 

@@ -76,7 +76,10 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
             from sparkdl._rendezvous import join_store, rendezvous, store_all_gather
             from sparkdl.context import TrainContext
 
-            client.send({"kind": "started", "attempt": payload.attempt})
+            client.send({
+                "kind": "started", "attempt": payload.attempt, "host": _task_host(barrier, rank),
+                "address": barrier.getTaskInfos()[rank].address.rsplit(":", 1)[0],
+            })
             heartbeat.start()
             config = payload.config
             launched = payload.train_fn if isinstance(payload.train_fn, LaunchTarget) else None

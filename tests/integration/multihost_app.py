@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import socket
 import sys
@@ -99,7 +100,7 @@ def fit(spark, args, scenario: str, strategy: str, out_dir: str, **overrides) ->
     model = estimator.fit(args.train)
     features, labels = read_digits(args.test)
     result = {"accuracy": accuracy(model.module, features, labels), "strategy": model.run_info.get("strategy"),
-              "steps": model.run_info.get("steps"), "attempts": model.run_info.get("attempts")}
+              "steps": model.run_info.get("steps"), "attempts": model.run_info.get("attempts"), "workers": model.run_info.get("workers")}
     if scenario.startswith("transform"):
         frame = spark.read.parquet(args.test)
         scored = model.transform(frame).select("label", "prediction").collect()
@@ -131,6 +132,70 @@ class DyingLoss:
                         thread.join()
                 os._exit(9)
         return torch.nn.functional.cross_entropy(output, label)
+
+
+class LinkCuttingLoss:
+    """Cross-entropy whose rank 1 unplugs its own host's cluster link at its ``at``-th step (once;
+    after its checkpoint writer has finished), then trains on: its next sync waits for a peer it
+    can no longer reach, as on a host whose switch port died. The cut's time goes to ``marker``."""
+
+    def __init__(self, marker: str, at: int) -> None:
+        self.marker, self.at, self.calls = marker, at, 0
+
+    def __call__(self, output, label):
+        import subprocess
+        import threading
+
+        import torch
+
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else -1
+        if rank >= 0:
+            self.calls += 1
+            if rank == 1 and self.calls == self.at and not os.path.exists(self.marker):
+                for thread in threading.enumerate():
+                    if thread.name.startswith("sparkdl-checkpoint"):
+                        thread.join()
+                with open(self.marker, "w") as handle:
+                    handle.write(f"{socket.gethostname()} {time.time()}")
+                subprocess.run([sys.executable, os.path.join(REPO, "scripts", "netcluster"), "link", socket.gethostname(), "down"],
+                               check=True, capture_output=True)
+        return torch.nn.functional.cross_entropy(output, label)
+
+
+class LogTimes(logging.Handler):
+    """When sparkdl's driver logged what: (time, message) of every record."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records = []
+
+    def emit(self, record) -> None:
+        self.records.append((record.created, record.getMessage()))
+
+
+def host_lost(spark, args, scenario: str, out_dir: str) -> dict:
+    import subprocess
+
+    os.makedirs(out_dir, exist_ok=True)
+    marker = os.path.join(out_dir, "cut")
+    spark.conf.set("spark.sparkdl.hostTimeout", "20s")
+    log = LogTimes()
+    logging.getLogger("sparkdl").addHandler(log)
+    try:
+        result = fit(spark, args, scenario, "allreduce", out_dir, epochs=3, checkpoint_dir=os.path.join(out_dir, "checkpoints"),
+                     checkpoint_every=10, max_failures=1, min_workers=1, loss=LinkCuttingLoss(marker, at=15))
+    finally:
+        logging.getLogger("sparkdl").removeHandler(log)
+        spark.conf.unset("spark.sparkdl.hostTimeout")
+        if os.path.exists(marker):
+            cut_host = open(marker).read().split()[0]
+            subprocess.run([sys.executable, os.path.join(REPO, "scripts", "netcluster"), "link", cut_host, "up"], check=True, capture_output=True)
+    cut_host, cut_at = open(marker).read().split()
+    def first(text):
+        return next((when - float(cut_at) for when, message in log.records if text in message), None)
+    result.update(cut_host=cut_host, detected_after_s=first("treating the host as lost"), relaunched_after_s=first("attempt 1 failed"),
+                  log=[message[:300] for _, message in log.records])
+    return result
 
 
 def gathered_hosts(ctx):
@@ -186,6 +251,8 @@ def run_scenario(spark, args, scenario: str) -> dict:
             handle.write(LAUNCHED_SCRIPT)
         result = sparkdl.launch(script, output, num_workers=2, progress=False)
         return {"exit_code": result.exit_code, "ranks": json.load(open(output))}
+    if name == "host_lost":
+        return host_lost(spark, args, scenario, out_dir)
     if name == "resume":
         # Rank 1's process dies at its 15th step, once; the relaunch resumes the step-10 checkpoint.
         os.makedirs(out_dir, exist_ok=True)

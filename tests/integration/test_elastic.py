@@ -265,3 +265,22 @@ def test_a_relaunch_below_min_workers_fails_naming_both_settings(spark, ids_data
         open(os.path.join(directory, "release"), "w").close()
         for thread in threads:
             thread.join(timeout=60)
+
+
+def test_a_first_launch_with_a_slot_taken_starts_on_fewer_workers_down_to_min_workers(spark, ids_data, tmp_path, capsys):
+    """min_workers applies to the first launch too: another job holds one of the two slots, so
+    after slot_wait_s the fit starts on the one that is free, and says so."""
+    directory = str(tmp_path)
+    open(os.path.join(directory, "started"), "w").close()  # the occupier queues at once
+    threads = _occupy_a_slot(spark, directory)
+    try:
+        _wait_for(os.path.join(directory, "occupier-queued"))
+        model = _estimator(directory, torch.nn.functional.cross_entropy, min_workers=1, slot_wait_s=2.0, max_failures=0).fit(ids_data)
+    finally:
+        open(os.path.join(directory, "release"), "w").close()
+        for thread in threads:
+            thread.join(timeout=60)
+    assert model.run_info["workers"] == [1] and len(model.run_info["attempts"]) == 1
+    out = capsys.readouterr().out
+    assert "attempt 1: only 1 free task slot(s) for num_workers=2 within slot_wait_s=2s (min_workers=1): continuing on 1 worker(s), starting there" in out
+    assert [r["samples"] for r in model.history] == [ROWS, ROWS, ROWS]

@@ -156,3 +156,55 @@ def test_the_cluster_script_needs_root_and_says_so_in_one_line(tmp_path):
     assert done.stderr.strip().splitlines() == [
         "netcluster: needs root (CAP_NET_ADMIN) to create network namespaces: run it as root, e.g. sudo scripts/netcluster up"
     ]
+
+
+def test_a_host_lost_mid_fit_is_detected_within_the_bound_and_the_run_goes_on_without_it(netcluster, tmp_path):
+    """Rank 1 unplugs its host's cluster link at its 15th step, for good (until the scenario
+    ends): its TCP connections neither close nor answer. Within spark.sparkdl.hostTimeout (20 s
+    here) the driver names the host, asks Spark to drop its executor, releases the surviving
+    rank, and (min_workers=1) relaunches on the host that is left from the step-10 checkpoint."""
+    env, _state = netcluster
+    (line,) = _drive(env, tmp_path, "host_lost")
+    assert line["ok"], f"{line.get('error')}\n{line.get('traceback', '')}"
+    first, second = line["attempts"]
+    assert "HostLost: no word from rank 1 on host sparkdl-h" in first["error"] and second["error"] is None, line["attempts"]
+    assert line["cut_host"] in first["error"]
+    # Silence counts from the rank's last heartbeat (every 2 s, so up to 2 s before the cut) and
+    # is checked once a second: detection lies within [20 - 2, 20 + 1] s of the cut, plus noise.
+    assert 17.5 <= line["detected_after_s"] <= 23.0, line["log"]
+    # The relaunch did not wait for the lost rank to hang up, nor for Spark to notice (120 s).
+    assert line["relaunched_after_s"] <= 35.0, line["log"]
+    assert line["workers"] == [2, 1] and line["steps"]["resumed_at"] == 10, line
+    assert any("asked Spark to drop it (done)" in message for message in line["log"]), line["log"]
+    assert line["accuracy"] >= 0.6, line
+
+
+def test_spark_submit_runs_the_training_job_on_the_cluster_from_the_drivers_host(netcluster, tmp_path):
+    """jobs/train.py through the real spark-submit (client deploy mode: Spark does not run Python
+    applications in cluster deploy mode on a standalone master), its ranks on two hosts."""
+    env, state = netcluster
+    from examples.digits import write_split
+
+    data, test = write_split(str(tmp_path / "digits"))
+    output = str(tmp_path / "run")
+    submit = [
+        os.path.join(os.path.dirname(sys.executable), "spark-submit"), "--master", state["master_url"],
+        "--conf", f"spark.driver.host={state['cluster_addresses'][0]}", "--conf", "spark.ui.enabled=false",
+        "--conf", "spark.executor.memory=768m", "--conf", "spark.executor.instances=2",
+        "--conf", f"spark.sparkdl.cacheDir={tmp_path}/cache",
+        "--driver-java-options", f"-Dlog4j.configurationFile=file:{REPO_ROOT}/jobs/log4j2.properties",
+        "--py-files", os.path.join(REPO_ROOT, "tests", "models.py"),
+        os.path.join(REPO_ROOT, "jobs", "train.py"),
+        "--data", data, "--model", "models:digits_mlp", "--features", "features", "--label", "label",
+        "--num-workers", "2", "--epochs", "3", "--batch-size", "32", "--optimizer", "sgd", "--lr", "0.05", "--output", output,
+    ]
+    done = subprocess.run([sys.executable, SCRIPT, "exec", "h0", "--", *submit], env=env, capture_output=True, text=True,
+                          timeout=400, cwd=str(tmp_path), stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    metrics = json.load(open(os.path.join(output, "metrics.json")))
+    assert metrics["status"] == "succeeded" and metrics["spark"]["master"] == state["master_url"]
+    assert [r["epoch"] for r in metrics["history"]] == [1, 2, 3]
+    assert all(r["rank0_samples_per_sec"] > 0 and r["rank1_samples_per_sec"] > 0 for r in metrics["history"])
+    # One executor of this application on each worker host (their work dirs are on the shared disk).
+    apps = [os.listdir(os.path.join(state["dir"], f"work-h{i}")) for i in (1, 2)]
+    assert metrics["spark"]["app_id"] in apps[0] and metrics["spark"]["app_id"] in apps[1], apps

@@ -1,5 +1,6 @@
 """Error records and the driver's message: pure, no Spark."""
 
+import dataclasses
 import pickle
 
 from sparkdl.errors import RankFailure, TrainingError, format_failures
@@ -50,3 +51,24 @@ def test_record_round_trips_through_json_shape():
     again = RankFailure.from_json(record.to_json())
     assert again == record
     assert "raise KeyError" in again.traceback
+
+
+def test_a_failure_names_the_host_its_rank_ran_on_and_survives_json():
+    failure = RankFailure.from_exception(1, ValueError("boom"), phase="rendezvous", host="sparkdl-h2 (198.18.0.3)")
+    assert RankFailure.from_json(failure.to_json()) == failure
+    other = RankFailure(rank=0, exc_type="PeerLostError", message="lost rank 1", traceback="", host="sparkdl-h1 (198.18.0.2)")
+    lines = str(TrainingError([failure, other])).splitlines()
+    assert lines[0] == "training failed on rank 1 while rendezvous: ValueError: boom"
+    assert lines[1] == "(rank 1 ran on host sparkdl-h2 (198.18.0.3))"
+    assert "  also rank 0 on host sparkdl-h1 (198.18.0.2): PeerLostError: lost rank 1" in lines
+
+
+def test_settings_every_failing_rank_rejected_are_raised_as_a_config_error_too():
+    from sparkdl.errors import ConfigError, RankConfigError, raised_from
+
+    setting = RankFailure(rank=0, exc_type="ConfigError", message="GLOO_SOCKET_IFNAME=ens5 ...", traceback="", host="h1")
+    error = raised_from(TrainingError([setting, dataclasses.replace(setting, rank=1)]))
+    assert isinstance(error, RankConfigError) and isinstance(error, ConfigError) and isinstance(error, TrainingError)
+    assert error.rank == 0 and type(pickle.loads(pickle.dumps(error))) is RankConfigError
+    mixed = TrainingError([setting, RankFailure(rank=1, exc_type="ValueError", message="x", traceback="")])
+    assert raised_from(mixed) is mixed

@@ -293,3 +293,50 @@ def test_watch_start_stops_when_the_stage_ends_first():
     watcher.join(WAIT_S)
     assert not watcher.is_alive()
     assert monitor.slots_missing is None and not cancel.called.is_set()
+
+
+# ------------------------------------------------------------------------ lost hosts
+
+
+def test_a_rank_that_goes_silent_is_a_lost_host_and_its_executors_are_dropped_first():
+    monitor, cancel = _monitor(2, settle_s=0.05)
+    monitor.on_message(0, {"kind": "started", "attempt": 1, "host": "h1 (198.18.0.2)", "address": "198.18.0.2"})
+    monitor.on_message(1, {"kind": "started", "attempt": 1, "host": "h2 (198.18.0.3)", "address": "198.18.0.3"})
+    stop = threading.Event()
+    dropped = []
+
+    def heartbeats_of_rank_0() -> None:  # rank 0 keeps talking, whatever its progress
+        while not stop.wait(0.02):
+            monitor.on_message(0, {"kind": "heartbeat", "progress": 0, "phase": "training step 3"})
+
+    feeder = threading.Thread(target=heartbeats_of_rank_0)
+    watcher = threading.Thread(target=monitor.watch_hosts, args=(0.5, stop, lambda address: dropped.append((address, len(monitor.failures)))))
+    feeder.start()
+    watcher.start()
+    try:
+        assert cancel.called.wait(WAIT_S)
+        watcher.join(WAIT_S)
+        assert not watcher.is_alive()
+    finally:
+        stop.set()
+        feeder.join(WAIT_S)
+    (failure,) = monitor.failures
+    assert (failure.rank, failure.exc_type, failure.host) == (1, "HostLost", "h2 (198.18.0.3)")
+    assert "no word from rank 1 on host h2 (198.18.0.3)" in failure.message and "spark.sparkdl.hostTimeout=0.5s" in failure.message
+    # Spark was told to drop that host's executors before the failure was raised.
+    assert dropped == [("198.18.0.3", 0)]
+    assert "(rank 1 ran on host h2 (198.18.0.3))" in str(TrainingError(monitor.failures))
+
+
+def test_finished_or_disconnected_ranks_are_never_lost_hosts():
+    monitor, cancel = _monitor(2, settle_s=0.05)
+    _start(monitor, 0, 1)
+    monitor.on_message(0, {"kind": "done"})
+    monitor.on_disconnect(1, clean=True)
+    stop = threading.Event()
+    watcher = threading.Thread(target=monitor.watch_hosts, args=(0.1, stop, lambda address: None))
+    watcher.start()
+    assert not cancel.called.wait(0.6)  # six timeouts' worth of silence: nothing
+    stop.set()
+    watcher.join(WAIT_S)
+    assert monitor.failures == []

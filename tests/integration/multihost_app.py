@@ -95,7 +95,8 @@ def fit(spark, args, scenario: str, strategy: str, out_dir: str, **overrides) ->
 
     estimator = sparkdl.TorchEstimator(
         model=HostRecordingModel(out_dir), feature_cols=["features"], label_col="label", strategy=strategy_for(strategy),
-        num_workers=2, batch_size=32, epochs=overrides.pop("epochs", 3), progress=False, **overrides,
+        num_workers=overrides.pop("num_workers", args.workers), batch_size=32, epochs=overrides.pop("epochs", 3), progress=False,
+        **overrides,
     )
     model = estimator.fit(args.train)
     features, labels = read_digits(args.test)
@@ -239,6 +240,13 @@ def run_scenario(spark, args, scenario: str) -> dict:
         return {"resolve": option}
     if name == "fit":
         return fit(spark, args, scenario, option or "allreduce", out_dir)
+    if name == "fit_checkpointed":  # checkpoints in this application's own directory
+        result = fit(spark, args, scenario, option or "allreduce", out_dir, checkpoint_dir=os.path.join(out_dir, "checkpoints"))
+        result["checkpoints"] = sorted(os.listdir(os.path.join(out_dir, "checkpoints")))
+        result["driver_address"] = spark.conf.get("spark.driver.host")
+        return result
+    if name == "fit_on":  # fit_on:N: a fit asking for N workers
+        return fit(spark, args, scenario, "allreduce", out_dir, num_workers=int(option), slot_wait_s=5.0)
     if name == "transform":
         return fit(spark, args, scenario, "allreduce", out_dir)
     if name == "run":
@@ -269,12 +277,16 @@ def main() -> int:
     parser.add_argument("--train", default=None)
     parser.add_argument("--test", default=None)
     parser.add_argument("--conf", action="append", default=[], help="KEY=VALUE, a Spark setting of this application")
+    parser.add_argument("--host", default="h0", help="the host this driver runs on (its address is the driver's)")
+    parser.add_argument("--ready", default=None, help="a file to create once the session is up")
+    parser.add_argument("--wait-for", default=None, help="a file to wait for (bounded) before the first scenario")
+    parser.add_argument("--workers", type=int, default=2, help="num_workers of every run")
     parser.add_argument("scenarios", nargs="+")
     args = parser.parse_args()
     state = json.load(open(os.path.join(os.environ["SPARKDL_NETCLUSTER_DIR"], "state.json")))
     from pyspark.sql import SparkSession
 
-    address = state["cluster_addresses"][0]
+    address = state["cluster_addresses"][int(args.host[1:])]
     builder = (
         SparkSession.builder.master(args.master or state["master_url"]).appName("sparkdl-multihost")
         .config("spark.driver.host", address).config("spark.driver.bindAddress", address)
@@ -292,6 +304,14 @@ def main() -> int:
         from examples.digits import write_split
 
         args.train, args.test = write_split(os.path.join(args.out, "digits"))
+    if args.ready:
+        open(args.ready, "w").close()
+    if args.wait_for:
+        deadline = time.monotonic() + 180
+        while not os.path.exists(args.wait_for):  # another driver's session: bounded poll
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{args.wait_for} did not appear within 180 s")
+            time.sleep(0.1)
     try:
         for scenario in args.scenarios:
             before, started = interface_bytes(), time.monotonic()
@@ -302,6 +322,7 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001 - reported to the test, which asserts on it
                 line.update(ok=False, error_type=type(exc).__name__, error=str(exc)[:4000], traceback=traceback.format_exc()[-3000:])
             line["seconds"] = round(time.monotonic() - started, 2)
+            line["wall"] = [round(time.time() - (time.monotonic() - started), 3), round(time.time(), 3)]
             line["tx"] = sent_between(before, interface_bytes())
             line["hosts"] = hosts_in(scenario_dir(args, scenario))
             print("MULTIHOST " + json.dumps(line), flush=True)

@@ -179,6 +179,42 @@ def test_a_host_lost_mid_fit_is_detected_within_the_bound_and_the_run_goes_on_wi
     assert line["accuracy"] >= 0.6, line
 
 
+def test_two_applications_from_two_hosts_train_at_once_and_nothing_crosses(netcluster, tmp_path):
+    """Two drivers, on h0 and on h2, one core of the cluster each, training at the same time with
+    their own checkpoints; the second then asks for more workers than its application has."""
+    env, _state = netcluster
+    one_core = ["--conf", "spark.cores.max=1", "--conf", "spark.executor.instances=1", "--workers", "1"]
+    drivers = {}
+    for name, host, other, scenarios in (("a", "h0", "b", ["fit_checkpointed:allreduce"]),
+                                         ("b", "h2", "a", ["fit_checkpointed:averaging", "fit_on:2"])):
+        out = tmp_path / name
+        command = [sys.executable, SCRIPT, "exec", host, "--", sys.executable, APP, "--out", str(out), "--host", host,
+                   "--ready", str(tmp_path / f"{name}.ready"), "--wait-for", str(tmp_path / f"{other}.ready"), *one_core, *scenarios]
+        drivers[name] = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    lines = {}
+    for name, process in drivers.items():
+        try:
+            stdout, stderr = process.communicate(timeout=400)
+        finally:
+            if process.poll() is None:
+                process.kill()
+        assert process.returncode == 0, stderr[-4000:]
+        lines[name] = [json.loads(line[len("MULTIHOST "):]) for line in stdout.splitlines() if line.startswith("MULTIHOST ")]
+    (a,), (b, b_too_many) = lines["a"], lines["b"]
+    for line in (a, b):
+        assert line["ok"] and line["accuracy"] >= 0.6, line
+        assert len(line["hosts"]) == 1 and line["hosts"][0] in WORKERS, line  # one worker, on one of the two hosts
+    assert a["hosts"] != b["hosts"], (a["hosts"], b["hosts"])  # one core each: the master put them on different hosts
+    # The two fits overlapped in time, each with its own driver address and checkpoints.
+    assert a["wall"][0] < b["wall"][1] and b["wall"][0] < a["wall"][1], (a["wall"], b["wall"])
+    assert (a["driver_address"], b["driver_address"]) == ("198.18.0.1", "198.18.0.3")
+    assert a["checkpoints"] and b["checkpoints"] and a["strategy"]["name"] == "allreduce" and b["strategy"]["name"] == "model_averaging"
+    # Two workers with one slot in the application: a fast, clear slot error, not a wait.
+    assert not b_too_many["ok"] and b_too_many["error_type"] == "InsufficientSlotsError", b_too_many
+    assert "num_workers=2 needs 2 concurrent task slots, but the cluster has 1" in b_too_many["error"], b_too_many
+    assert b_too_many["seconds"] < 30, b_too_many
+
+
 def test_spark_submit_runs_the_training_job_on_the_cluster_from_the_drivers_host(netcluster, tmp_path):
     """jobs/train.py through the real spark-submit (client deploy mode: Spark does not run Python
     applications in cluster deploy mode on a standalone master), its ranks on two hosts."""

@@ -172,6 +172,7 @@ def _launch_once(
     secret = new_secret()
     encrypt = payload_fields.get("encrypt", False)
     server = ChannelServer(host, secret, monitor.on_message, monitor.on_disconnect, encrypt=encrypt)
+    monitor.channel_host = host
     try:
         # The launch's rendezvous store, where the channel listens: every task knows its address
         # from the payload, so the rendezvous needs no Spark barrier round (a second each).
@@ -208,8 +209,9 @@ def _launch_once(
     # the slots before launching, but a slot it counted can still be gone (a host lost since,
     # which Spark has not noticed yet): a stage that waits for it must not wait for ever.
     start_bound_s = config.slot_wait_s if session.connect else config.slot_wait_s + _CLASSIC_START_GRACE_S
+    start_label = "" if session.connect else f"{start_bound_s:g}s (slot_wait_s={config.slot_wait_s:g}s + {_CLASSIC_START_GRACE_S:g}s to start)"
     threading.Thread(
-        target=monitor.watch_start, args=(start_bound_s, stop_watchdog), name="sparkdl-slot-watch", daemon=True
+        target=monitor.watch_start, args=(start_bound_s, stop_watchdog, start_label), name="sparkdl-slot-watch", daemon=True
     ).start()
 
     def stop_interrupted() -> None:

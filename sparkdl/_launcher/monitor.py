@@ -83,10 +83,12 @@ class JobMonitor:
                 self.finished.add(rank)
                 self._cond.notify_all()
 
-    #: Set when the barrier stage's tasks did not all start within the slot wait (Connect).
+    #: Set when the barrier stage's tasks did not all start within the slot wait.
     slots_missing: Optional[InsufficientSlotsError] = None
+    #: Where the tasks report to (the progress channel's host), for the slot watch's message.
+    channel_host: str = ""
 
-    def watch_start(self, wait_s: float, stop: threading.Event) -> None:
+    def watch_start(self, wait_s: float, stop: threading.Event, label: str = "") -> None:
         """Cancels the stage when not every rank has started within ``wait_s``: the cluster has
         fewer free task slots than ranks (a barrier stage starts all its tasks or none)."""
         deadline = time.monotonic() + wait_s
@@ -100,11 +102,17 @@ class JobMonitor:
             if started >= self.num_workers or stop.is_set() or self._cancelled:
                 return
             self._cancelled = True
+            # No task at all reached the driver: they may have started and failed to connect.
+            unreachable = (
+                f". If the executors cannot reach the driver's progress channel at {self.channel_host} (spark.sparkdl.clientHost, "
+                f"else spark.driver.host), no task can report that it started either: set spark.sparkdl.clientHost to an "
+                f"address they can reach" if started == 0 and self.channel_host else ""
+            )
             self.slots_missing = InsufficientSlotsError(
                 f"num_workers={self.num_workers} needs {self.num_workers} concurrent task slots, but {started} of the barrier "
-                f"stage's tasks started within slot_wait_s={wait_s:g}s: the cluster has fewer free slots than that (slots = executor "
+                f"stage's tasks started within {label or f'slot_wait_s={wait_s:g}s'}: the cluster has fewer free slots than that (slots = executor "
                 f"cores / spark.task.cpus). Lower num_workers, add executors or cores, or raise slot_wait_s when the "
-                f"cluster's executors start slowly or other jobs hold its slots for a while"
+                f"cluster's executors start slowly or other jobs hold its slots for a while{unreachable}"
             )
         logger.error("%s; cancelling the Spark job", self.slots_missing)
         self._cancel()

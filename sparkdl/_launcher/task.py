@@ -62,7 +62,17 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
 
     barrier = BarrierTaskContext.get()
     rank = barrier.partitionId()
-    client = ChannelClient(tuple(payload.channel_address), payload.secret, rank, timeout=30.0, encrypt=payload.encrypt)
+    try:
+        client = ChannelClient(tuple(payload.channel_address), payload.secret, rank, timeout=30.0, encrypt=payload.encrypt)
+    except ChannelError as exc:
+        # This rank cannot report anything: the message reaches the driver through Spark's job failure.
+        host, port = payload.channel_address[0], payload.channel_address[1]
+        raise ChannelError(
+            f"rank {rank} on host {_task_host(barrier, rank)} cannot reach the driver's progress channel at {host}:{port} ({exc}). "
+            f"Every executor must reach that address: it is spark.sparkdl.clientHost when set, else spark.driver.host (for a "
+            f"Spark Connect client, the client's address on the route to the Connect server). Set spark.sparkdl.clientHost "
+            f"to an address of the driver's or client's host that the executors can reach"
+        ) from exc
     from sparkdl.context import Liveness
 
     liveness = Liveness()

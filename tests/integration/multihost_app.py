@@ -111,37 +111,15 @@ def fit(spark, args, scenario: str, strategy: str, out_dir: str, **overrides) ->
     return result
 
 
-class DyingLoss:
-    """Cross-entropy whose rank 1 ends its process at its ``at``-th step (once: a marker file on
-    the shared filesystem), after its checkpoint writer has finished."""
+class RankOneFailsAtStep:
+    """Cross-entropy whose rank 1, at its ``at``-th step (once: a marker file on the shared
+    filesystem, holding the host and time), after its checkpoint writer has finished, either
+    ends its process (``how="exit"``) or unplugs its own host's cluster link and trains on
+    (``how="unplug"``: its next sync waits for a peer it can no longer reach, as on a host whose
+    switch port died)."""
 
-    def __init__(self, marker: str, at: int) -> None:
-        self.marker, self.at, self.calls = marker, at, 0
-
-    def __call__(self, output, label):
-        import threading
-
-        import torch
-
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else -1
-        if rank >= 0:
-            self.calls += 1
-            if rank == 1 and self.calls == self.at and not os.path.exists(self.marker):
-                open(self.marker, "w").close()
-                for thread in threading.enumerate():
-                    if thread.name.startswith("sparkdl-checkpoint"):
-                        thread.join()
-                os._exit(9)
-        return torch.nn.functional.cross_entropy(output, label)
-
-
-class LinkCuttingLoss:
-    """Cross-entropy whose rank 1 unplugs its own host's cluster link at its ``at``-th step (once;
-    after its checkpoint writer has finished), then trains on: its next sync waits for a peer it
-    can no longer reach, as on a host whose switch port died. The cut's time goes to ``marker``."""
-
-    def __init__(self, marker: str, at: int) -> None:
-        self.marker, self.at, self.calls = marker, at, 0
+    def __init__(self, marker: str, at: int, how: str) -> None:
+        self.marker, self.at, self.how, self.calls = marker, at, how, 0
 
     def __call__(self, output, label):
         import subprocess
@@ -158,6 +136,8 @@ class LinkCuttingLoss:
                         thread.join()
                 with open(self.marker, "w") as handle:
                     handle.write(f"{socket.gethostname()} {time.time()}")
+                if self.how == "exit":
+                    os._exit(9)
                 subprocess.run([sys.executable, os.path.join(REPO, "scripts", "netcluster"), "link", socket.gethostname(), "down"],
                                check=True, capture_output=True)
         return torch.nn.functional.cross_entropy(output, label)
@@ -184,7 +164,7 @@ def host_lost(spark, args, scenario: str, out_dir: str) -> dict:
     logging.getLogger("sparkdl").addHandler(log)
     try:
         result = fit(spark, args, scenario, "allreduce", out_dir, epochs=3, checkpoint_dir=os.path.join(out_dir, "checkpoints"),
-                     checkpoint_every=10, max_failures=1, min_workers=1, loss=LinkCuttingLoss(marker, at=15))
+                     checkpoint_every=10, max_failures=1, min_workers=1, loss=RankOneFailsAtStep(marker, at=15, how="unplug"))
     finally:
         logging.getLogger("sparkdl").removeHandler(log)
         spark.conf.unset("spark.sparkdl.hostTimeout")
@@ -197,6 +177,75 @@ def host_lost(spark, args, scenario: str, out_dir: str) -> dict:
     result.update(cut_host=cut_host, detected_after_s=first("treating the host as lost"), relaunched_after_s=first("attempt 1 failed"),
                   log=[message[:300] for _, message in log.records])
     return result
+
+
+CANARY_METRIC = "sparkdl_canary_metric_5f1d"
+
+
+class CanaryModel:
+    """digits_mlp whose parameters, on each rank's first backward pass, leave the first 64 bytes
+    of their gradient in ``out_dir`` (what a parameter-server push then carries): known tensor
+    bytes to look for on the wire."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def __call__(self):
+        import torch
+        from models import digits_mlp
+
+        record_host(self.out_dir)
+        module = digits_mlp()
+        for name, param in module.named_parameters():
+            param.register_hook(self._recorder(name))
+        return module
+
+    def _recorder(self, name: str):
+        def record(grad):
+            import torch
+
+            if torch.distributed.is_initialized() and grad.numel() >= 16:
+                path = os.path.join(self.out_dir, f"grad-{torch.distributed.get_rank()}-{name}.bin")
+                if not os.path.exists(path):
+                    with open(path, "wb") as handle:
+                        handle.write(grad.detach().reshape(-1)[:16].contiguous().float().numpy().tobytes())
+            return grad
+
+        return record
+
+
+class CanaryLoss:
+    """Cross-entropy that reports a metric of a name found nowhere else, once per rank."""
+
+    def __init__(self) -> None:
+        self.reported = False
+
+    def __call__(self, output, label):
+        import torch
+
+        if torch.distributed.is_initialized() and not self.reported:
+            import sparkdl
+
+            sparkdl.report(**{CANARY_METRIC: 1.0})
+            self.reported = True
+        return torch.nn.functional.cross_entropy(output, label)
+
+
+def canary(spark, args, out_dir: str) -> dict:
+    """A parameter-server fit carrying the canaries through sparkdl's own connections (channel,
+    store, parameter server); the test captures the wire meanwhile."""
+    import sparkdl
+    from models import accuracy, read_digits
+
+    os.makedirs(out_dir, exist_ok=True)
+    model = sparkdl.TorchEstimator(
+        model=CanaryModel(out_dir), loss=CanaryLoss(), feature_cols=["features"], label_col="label", strategy=sparkdl.ParameterServer(),
+        num_workers=2, batch_size=32, epochs=1, progress=False,
+    ).fit(args.train)
+    features, labels = read_digits(args.test)
+    grads = {name: open(os.path.join(out_dir, name), "rb").read().hex() for name in sorted(os.listdir(out_dir)) if name.startswith("grad-")}
+    return {"accuracy": accuracy(model.module, features, labels), "grads": grads, "metric": CANARY_METRIC,
+            "encrypt": spark.conf.get("spark.network.crypto.enabled", "false")}
 
 
 def gathered_hosts(ctx):
@@ -259,12 +308,17 @@ def run_scenario(spark, args, scenario: str) -> dict:
             handle.write(LAUNCHED_SCRIPT)
         result = sparkdl.launch(script, output, num_workers=2, progress=False)
         return {"exit_code": result.exit_code, "ranks": json.load(open(output))}
+    if name == "allow_plaintext_collectives":  # not a run: accept gloo's plaintext from now on
+        spark.conf.set("spark.sparkdl.allowUnencryptedCollectives", "true")
+        return {}
+    if name == "canary":
+        return canary(spark, args, out_dir)
     if name == "host_lost":
         return host_lost(spark, args, scenario, out_dir)
     if name == "resume":
         # Rank 1's process dies at its 15th step, once; the relaunch resumes the step-10 checkpoint.
         os.makedirs(out_dir, exist_ok=True)
-        loss = DyingLoss(os.path.join(out_dir, "died"), at=15)
+        loss = RankOneFailsAtStep(os.path.join(out_dir, "died"), at=15, how="exit")
         return fit(spark, args, scenario, "allreduce", out_dir, epochs=2, checkpoint_dir=os.path.join(out_dir, "checkpoints"),
                    checkpoint_every=10, max_failures=1, loss=loss)
     raise SystemExit(f"unknown scenario {scenario}")

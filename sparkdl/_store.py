@@ -1,17 +1,15 @@
 """The rendezvous store: the key-value store ``torch.distributed`` rendezvouses through, ours.
 
-torch's ``TCPStore`` listens on every interface whatever address it is given, answers anyone
-and accepts their writes, and lives as long as something holds a process group using it (DDP
-does, past ``fit``, in a reused Python worker). Instead the driver runs a :class:`StoreServer`
-for each launch on its channel address only (rank 0 on its own task address, for launchers
-without a driver), every rank talks to it through a :class:`StoreClient` (a Python
-``torch.distributed.Store``, which ``init_process_group(store=...)``, gloo and NCCL use like any
-other); the launch closes the server, :func:`sparkdl._rendezvous.teardown` the clients.
+torch's ``TCPStore`` listens on every interface, answers anyone and accepts their writes, and
+lives as long as something holds a process group using it (DDP does, in a reused Python worker).
+Instead the driver runs a :class:`StoreServer` per launch on its channel address only (rank 0 on
+its own task address, for launchers without a driver); every rank talks to it through a
+:class:`StoreClient` (a ``torch.distributed.Store`` gloo and NCCL use like any other); the launch
+closes the server, :func:`sparkdl._rendezvous.teardown` the clients.
 
-The protocol (an HMAC-SHA256 handshake over both sides' nonces, keyed from the per-job secret;
-small length-prefixed frames; the requests) is in :mod:`sparkdl._store_wire`. Blocking requests
-wait server-side on a condition for the time they carry; a full store
-(:data:`MAX_STORE_BYTES`, :data:`MAX_STORE_KEYS`) refuses writes.
+The protocol (HMAC-SHA256 handshake keyed from the per-job secret, length-prefixed frames) is
+in :mod:`sparkdl._store_wire`; a full store (:data:`MAX_STORE_BYTES`, :data:`MAX_STORE_KEYS`)
+refuses writes. The driver also publishes notices to every rank here (:meth:`StoreServer.publish`).
 """
 
 from __future__ import annotations
@@ -38,9 +36,7 @@ logger = logging.getLogger("sparkdl.rendezvous")
 
 MAX_STORE_BYTES, MAX_STORE_KEYS = 64 << 20, 1 << 16  # all authenticated peers can make us hold
 MAX_HANDSHAKE_S = 30.0
-#: A client opens one connection per concurrent caller, up to this: a thread blocked in ``wait``
-#: does not hold up another's ``check``.
-MAX_CLIENT_CONNECTIONS = 8
+MAX_CLIENT_CONNECTIONS = 8  #: per client, one per concurrent caller: a blocked ``wait`` holds up no ``check``
 
 
 class StoreError(dist.DistStoreError):
@@ -218,6 +214,10 @@ class StoreServer(ThreadedServer):
             finally:
                 self.blocked_requests -= 1
         return None
+
+    def publish(self, key: Key, value: Value) -> None:  # the server's own process (the driver) tells every rank
+        with self._cond:
+            self._put(_key(key), _bytes(value))
 
     def _put(self, key: bytes, value: bytes) -> None:
         if len(value) > MAX_VALUE_BYTES:

@@ -11,10 +11,11 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from sparkdl._drain import DRAIN_CHECK_EVERY
 from sparkdl._validation import validate_epoch
 from sparkdl.context import TrainContext
 from sparkdl.data.batching import batch_rows, call_model
-from sparkdl.errors import NonFiniteLossError
+from sparkdl.errors import HostDrained, NonFiniteLossError
 
 ModelFactory = Callable[[], torch.nn.Module]
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -98,10 +99,22 @@ class FitLoop:
                 state.global_step += 1
                 if state.output_shape is None:
                     state.output_shape = list(output.shape[1:])
-                if self.checkpoint_every and state.global_step % self.checkpoint_every == 0 and state.step < ctx.steps_per_epoch:
+                saved = bool(self.checkpoint_every) and state.global_step % self.checkpoint_every == 0 and state.step < ctx.steps_per_epoch
+                if saved:
                     watch.check()  # a checkpoint never holds weights a NaN loss already spoiled
                     state.loss_sum = loss_sum.item()
                     self._save(ctx, model, optimizer, state, ctx.comm_bytes - comm_start, time.time() - epoch_start)
+                if state.global_step % DRAIN_CHECK_EVERY == 0 and state.step < ctx.steps_per_epoch and ctx.should_drain():
+                    # A host is going away: this step's checkpoint (unless just taken), stored before anyone stops.
+                    if not saved:
+                        watch.check()
+                        state.loss_sum = loss_sum.item()
+                        self._save(ctx, model, optimizer, state, ctx.comm_bytes - comm_start, time.time() - epoch_start)
+                    ctx.wait_for_checkpoint()
+                    raise HostDrained(
+                        f"drained at step {state.global_step} ({ctx.drain_reason}): the checkpoint of that step is stored; "
+                        f"the run resumes from it"
+                    )
             watch.check()
             seconds = state.seconds + time.time() - epoch_start
             # One small allreduce per epoch for metrics; not counted in comm_bytes (that is the

@@ -218,6 +218,20 @@ class TrainContext:
         Custom loops with long steps outside ``epoch_batches`` should call it now and then."""
         self._liveness.advance(phase)
 
+    def should_drain(self) -> bool:
+        """Whether every rank is to checkpoint now and stop, because a host of the run is being
+        decommissioned (sparkdl._drain). A collective: every rank calls it at the same step.
+        Always False without a checkpoint directory (nothing to resume from)."""
+        from sparkdl._drain import agreed
+
+        return self._store is not None and agreed(self._liveness.drain, self.device)
+
+    @property
+    def drain_reason(self) -> str:
+        from sparkdl._drain import drain_reason
+
+        return drain_reason(self._liveness.drain)
+
     def save_checkpoint(self, state: Dict[str, Any], step: int, replicated: Optional[Dict[str, Any]] = None) -> None:
         """Saves a checkpoint of this run. Collective: call on every rank at the same step.
 
@@ -376,8 +390,12 @@ class Liveness:
     watchdog, which only counts ``progress`` that moves (a blocked rank's heartbeats go on)."""
 
     def __init__(self) -> None:
+        from sparkdl._drain import DrainNotice
+
         self.progress = 0
         self.phase = "starting"
+        #: Set when the driver asks the run to drain (sparkdl._drain).
+        self.drain = DrainNotice()
 
     def advance(self, phase: Optional[str] = None) -> None:
         self.progress += 1

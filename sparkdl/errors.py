@@ -42,6 +42,11 @@ class PeerLostError(SparkdlError):
     """
 
 
+class HostDrained(SparkdlError):
+    """Raised by every rank when the run drains (a host is being decommissioned): each rank
+    stored the checkpoint of the same step and stopped; the launcher resumes from it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RankFailure:
     """What one rank reported about its failure (or what the driver observed about it)."""
@@ -134,7 +139,7 @@ def raised_from(error: TrainingError) -> TrainingError:
 #: ``TrainingError.remote_traceback``). Errors raised by user code keep their traceback.
 SELF_EXPLAINED = frozenset(
     {"ConfigError", "DataError", "NonFiniteLossError", "InsufficientSlotsError", "PeerLostError",
-     "ParameterServerError", "WatchdogTimeout", "WorkerLost", "HostLost"}
+     "ParameterServerError", "WatchdogTimeout", "WorkerLost", "HostLost", "HostDrained"}
 )
 
 

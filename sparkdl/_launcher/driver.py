@@ -85,6 +85,7 @@ def launch(
             "asks for num_workers=%d (docs/recovery.md)", config.min_workers, config.num_workers,
         )
     policy = FailurePolicy(config.max_failures)
+    drains = 0  # attempts that ended in a drain: relaunched without counting as failures
     attempts: List[Dict[str, Any]] = []
     previous: Optional[TrainingError] = None
     workers: List[int] = []
@@ -120,8 +121,16 @@ def launch(
             )
         except _AttemptFailed as failed:
             error = failed.error
-            attempts.append({"attempt": attempt, "seconds": time.time() - started, "error": str(error).splitlines()[0]})
-            decision = policy.decide(error, attempt, previous)
+            drained = bool(error.failures) and all(f.exc_type == "HostDrained" for f in error.failures)
+            attempts.append({
+                "attempt": attempt, "seconds": time.time() - started, "error": str(error).splitlines()[0],
+                **({"drained": True} if drained else {}),
+            })
+            if drained and drains < _MAX_DRAINS:
+                drains += 1
+                _say(config, f"[sparkdl] attempt {attempt} drained: {error.failures[0].message}; relaunching from that checkpoint")
+                continue
+            decision = policy.decide(error, attempt - drains, previous)
             if decision is Decision.RAISE:
                 if attempt > 1:
                     repeated = ""
@@ -139,6 +148,11 @@ def launch(
     if store is not None:
         store.save_finished(value)
     return LaunchOutcome(value, attempts, workers=workers)
+
+
+#: Drains relaunched in one run before a drain counts as a failure (a cluster that keeps
+#: decommissioning the run's hosts).
+_MAX_DRAINS = 10
 
 
 def _say(config: LaunchConfig, message: str) -> None:
@@ -197,6 +211,12 @@ def _launch_once(
     if config.watchdog_timeout_s:
         threading.Thread(
             target=monitor.watch, args=(config.watchdog_timeout_s, stop_watchdog), name="sparkdl-watchdog", daemon=True
+        ).start()
+    if not session.connect:
+        # Spark's decommissioning is seen by the driver only: it passes the notice on (sparkdl._drain).
+        threading.Thread(
+            target=_watch_decommissioning, args=(session, monitor, rendezvous_store, stop_watchdog),
+            name="sparkdl-decommission-watch", daemon=True,
         ).start()
     if lost_host_after_s is not None:
         # A host whose link died keeps its TCP connections open: only the silence shows it.
@@ -257,6 +277,34 @@ def _launch_once(
     # Our own tasks' results, through Spark's result path (as mapPartitions' pickles were).
     values = {rank: cloudpickle.loads(value) for rank, value in results}
     return values.get(0)
+
+
+def _watch_decommissioning(session: Session, monitor: JobMonitor, store: StoreServer, stop: threading.Event) -> None:
+    """Once a second: is Spark decommissioning an executor a rank runs on? Then the run drains
+    (sparkdl._drain): the notice goes into the launch's rendezvous store, where every rank's
+    heartbeat reads it. A decommissioning executor no longer counts as alive on its host, so the
+    executors seen on each rank's host are remembered from the checks before."""
+    from sparkdl._drain import DRAIN_KEY
+
+    scheduler = session.spark.sparkContext._jsc.sc().taskScheduler()
+    seen: Dict[str, set] = {}  # a rank's executor address -> the executors seen alive there
+    while not stop.wait(1.0):
+        for rank, address in sorted(monitor.addresses.items()):
+            try:
+                alive = scheduler.getExecutorsAliveOnHost(address)
+                if alive.isDefined():
+                    found = alive.get().iterator()
+                    while found.hasNext():
+                        seen.setdefault(address, set()).add(found.next())
+                going = sorted(executor for executor in seen.get(address, ()) if scheduler.isExecutorDecommissioned(executor))
+            except Exception:  # noqa: BLE001 - the session may be stopping; the stage's own outcome decides
+                logger.debug("could not ask Spark about decommissioning on %s", address, exc_info=True)
+                continue
+            if going:
+                reason = f"Spark is decommissioning executor {going[0]} on {monitor.hosts.get(rank) or address}, where rank {rank} runs"
+                logger.warning("%s: the ranks checkpoint at their next agreement and the run resumes from it", reason)
+                store.publish(DRAIN_KEY, reason.encode("utf-8"))
+                return
 
 
 #: On a classic session the slots were counted before the launch; the bound on the tasks'

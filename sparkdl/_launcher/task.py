@@ -100,6 +100,7 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
             # Through the driver's store, not Spark's barrier: every allGather of Spark's costs a
             # second (it polls once a second), every store round trip a millisecond.
             store = join_store(payload.store_address, payload.secret, rank, config.timeout_s, payload.encrypt)
+            heartbeat.watch_drain(store)
             gather = store_all_gather(store, rank, config.num_workers, config.timeout_s)
             liveness.advance("selecting the device")
             assignment = scopes.enter_context(task_device(barrier, config.use_gpu, gather))
@@ -260,6 +261,11 @@ class _Heartbeat:
         self._interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sparkdl-heartbeat", daemon=True)
+        self._store: Any = None
+
+    def watch_drain(self, store: Any) -> None:
+        """From now on each beat also reads the driver's drain notice from the rendezvous store."""
+        self._store = store
 
     def start(self) -> None:
         self._thread.start()
@@ -278,8 +284,21 @@ class _Heartbeat:
                 sys.stderr.write("[sparkdl] the driver's channel closed while this rank was running: exiting\n")
                 sys.stderr.flush()
                 os._exit(70)
+            self._read_drain_notice()
             if self._stop.wait(self._interval_s):
                 return
+
+    def _read_drain_notice(self) -> None:
+        from sparkdl._drain import DRAIN_KEY
+
+        store, notice = self._store, self._liveness.drain
+        if store is None or notice.requested():
+            return
+        try:
+            if store.check([DRAIN_KEY]):
+                notice.request(store.get(DRAIN_KEY).decode("utf-8", "replace"))
+        except Exception:  # noqa: BLE001 - a store gone with the driver is the channel's to report
+            pass
 
     def stop(self) -> None:
         self._stop.set()

@@ -114,12 +114,14 @@ def fit(spark, args, scenario: str, strategy: str, out_dir: str, **overrides) ->
 class RankOneFailsAtStep:
     """Cross-entropy whose rank 1, at its ``at``-th step (once: a marker file on the shared
     filesystem, holding the host and time), after its checkpoint writer has finished, either
-    ends its process (``how="exit"``) or unplugs its own host's cluster link and trains on
+    ends its process (``how="exit"``), unplugs its own host's cluster link and trains on
     (``how="unplug"``: its next sync waits for a peer it can no longer reach, as on a host whose
-    switch port died)."""
+    switch port died) or has its host's Spark worker decommissioned (``how="decommission"``:
+    SIGPWR to the worker, what a node's shutdown or a pre-stop hook does) and trains on. Every
+    step takes at least ``step_s`` (compute of a bigger model), so the run outlasts the notice."""
 
-    def __init__(self, marker: str, at: int, how: str) -> None:
-        self.marker, self.at, self.how, self.calls = marker, at, how, 0
+    def __init__(self, marker: str, at: int, how: str, step_s: float = 0.0) -> None:
+        self.marker, self.at, self.how, self.step_s, self.calls = marker, at, how, step_s, 0
 
     def __call__(self, output, label):
         import subprocess
@@ -138,8 +140,16 @@ class RankOneFailsAtStep:
                     handle.write(f"{socket.gethostname()} {time.time()}")
                 if self.how == "exit":
                     os._exit(9)
+                if self.how == "decommission":
+                    import signal
+
+                    state = json.load(open(os.path.join(os.environ["SPARKDL_NETCLUSTER_DIR"], "state.json")))
+                    os.kill(state["pids"][f"worker-{socket.gethostname().rsplit('-', 1)[1]}"], signal.SIGPWR)
+                    return torch.nn.functional.cross_entropy(output, label)
                 subprocess.run([sys.executable, os.path.join(REPO, "scripts", "netcluster"), "link", socket.gethostname(), "down"],
                                check=True, capture_output=True)
+        if rank >= 0 and self.step_s:
+            time.sleep(self.step_s)  # the step's compute, not a synchronization
         return torch.nn.functional.cross_entropy(output, label)
 
 
@@ -313,6 +323,13 @@ def run_scenario(spark, args, scenario: str) -> dict:
         return {}
     if name == "canary":
         return canary(spark, args, out_dir)
+    if name == "drain":
+        # Rank 1's host is decommissioned at its 12th step; nothing fails, the run drains.
+        os.makedirs(out_dir, exist_ok=True)
+        result = fit(spark, args, scenario, "allreduce", out_dir, epochs=6, checkpoint_dir=os.path.join(out_dir, "checkpoints"),
+                     max_failures=0, min_workers=1, loss=RankOneFailsAtStep(os.path.join(out_dir, "notice"), at=12, how="decommission", step_s=0.05))
+        result["decommissioned"] = open(os.path.join(out_dir, "notice")).read().split()[0]
+        return result
     if name == "host_lost":
         return host_lost(spark, args, scenario, out_dir)
     if name == "resume":

@@ -117,11 +117,13 @@ class RankOneFailsAtStep:
     ends its process (``how="exit"``), unplugs its own host's cluster link and trains on
     (``how="unplug"``: its next sync waits for a peer it can no longer reach, as on a host whose
     switch port died) or has its host's Spark worker decommissioned (``how="decommission"``:
-    SIGPWR to the worker, what a node's shutdown or a pre-stop hook does) and trains on. Every
+    SIGPWR to the worker, what a node's shutdown or a pre-stop hook does) and trains on,
+    sends its executor's JVM SIGTERM (``how="sigterm"``, what Kubernetes and spot reclaim do) and
+    trains on, or unplugs its host's link for ``blip_s`` seconds only (``how="blip"``). Every
     step takes at least ``step_s`` (compute of a bigger model), so the run outlasts the notice."""
 
-    def __init__(self, marker: str, at: int, how: str, step_s: float = 0.0) -> None:
-        self.marker, self.at, self.how, self.step_s, self.calls = marker, at, how, step_s, 0
+    def __init__(self, marker: str, at: int, how: str, step_s: float = 0.0, blip_s: float = 0.0) -> None:
+        self.marker, self.at, self.how, self.step_s, self.blip_s, self.calls = marker, at, how, step_s, blip_s, 0
 
     def __call__(self, output, label):
         import subprocess
@@ -140,6 +142,16 @@ class RankOneFailsAtStep:
                     handle.write(f"{socket.gethostname()} {time.time()}")
                 if self.how == "exit":
                     os._exit(9)
+                if self.how == "sigterm":
+                    import signal
+
+                    os.kill(executor_jvm(), signal.SIGTERM)
+                    return torch.nn.functional.cross_entropy(output, label)
+                if self.how == "blip":
+                    link = [sys.executable, os.path.join(REPO, "scripts", "netcluster"), "link", socket.gethostname()]
+                    subprocess.run([*link, "down"], check=True, capture_output=True)
+                    threading.Timer(self.blip_s, subprocess.run, args=([*link, "up"],), kwargs={"check": True, "capture_output": True}).start()
+                    return torch.nn.functional.cross_entropy(output, label)
                 if self.how == "decommission":
                     import signal
 
@@ -151,6 +163,18 @@ class RankOneFailsAtStep:
         if rank >= 0 and self.step_s:
             time.sleep(self.step_s)  # the step's compute, not a synchronization
         return torch.nn.functional.cross_entropy(output, label)
+
+
+def executor_jvm() -> int:
+    """The pid of the executor JVM this Python worker runs under (its nearest such ancestor)."""
+    pid = os.getppid()
+    while pid > 1:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            if b"CoarseGrainedExecutorBackend" in handle.read():
+                return pid
+        with open(f"/proc/{pid}/stat") as handle:
+            pid = int(handle.read().rsplit(")", 1)[1].split()[1])
+    raise RuntimeError("no executor JVM above this process")
 
 
 class LogTimes(logging.Handler):
@@ -323,13 +347,23 @@ def run_scenario(spark, args, scenario: str) -> dict:
         return {}
     if name == "canary":
         return canary(spark, args, out_dir)
-    if name == "drain":
+    if name == "drain":  # drain:decommission or drain:sigterm
         # Rank 1's host is decommissioned at its 12th step; nothing fails, the run drains.
         os.makedirs(out_dir, exist_ok=True)
         result = fit(spark, args, scenario, "allreduce", out_dir, epochs=6, checkpoint_dir=os.path.join(out_dir, "checkpoints"),
-                     max_failures=0, min_workers=1, loss=RankOneFailsAtStep(os.path.join(out_dir, "notice"), at=12, how="decommission", step_s=0.05))
+                     max_failures=0, min_workers=1,
+                     loss=RankOneFailsAtStep(os.path.join(out_dir, "notice"), at=12, how=option or "decommission", step_s=0.05))
         result["decommissioned"] = open(os.path.join(out_dir, "notice")).read().split()[0]
         return result
+    if name == "partition_heals":
+        # Rank 1's host is cut off for 8 s, under spark.sparkdl.hostTimeout=20s: the run goes on.
+        os.makedirs(out_dir, exist_ok=True)
+        spark.conf.set("spark.sparkdl.hostTimeout", "20s")
+        try:
+            return fit(spark, args, scenario, "allreduce", out_dir, epochs=2,
+                       loss=RankOneFailsAtStep(os.path.join(out_dir, "cut"), at=15, how="blip", blip_s=8.0))
+        finally:
+            spark.conf.unset("spark.sparkdl.hostTimeout")
     if name == "host_lost":
         return host_lost(spark, args, scenario, out_dir)
     if name == "resume":

@@ -158,6 +158,16 @@ def test_the_cluster_script_needs_root_and_says_so_in_one_line(tmp_path):
     ]
 
 
+def test_a_partition_that_heals_within_the_host_timeout_does_not_fail_the_run(netcluster, tmp_path):
+    """Rank 1's host is cut off for 8 s, under spark.sparkdl.hostTimeout=20s: TCP retransmits, the
+    collectives wait (timeout_s), and the one attempt finishes."""
+    env, _state = netcluster
+    (line,) = _drive(env, tmp_path, "partition_heals")
+    _trained_across_hosts(line)
+    assert [attempt["error"] for attempt in line["attempts"]] == [None], line["attempts"]
+    assert line["seconds"] >= 8.0, line  # the partition did happen, inside the fit
+
+
 def test_a_host_lost_mid_fit_is_detected_within_the_bound_and_the_run_goes_on_without_it(netcluster, tmp_path):
     """Rank 1 unplugs its host's cluster link at its 15th step, for good (until the scenario
     ends): its TCP connections neither close nor answer. Within spark.sparkdl.hostTimeout (20 s

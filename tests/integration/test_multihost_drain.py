@@ -1,8 +1,9 @@
 """A host drained: Spark's graceful decommissioning of a worker (SIGPWR to it, as a node's
-shutdown or a Kubernetes pre-stop hook does) while a fit runs. The ranks take a checkpoint at once
+shutdown or a Kubernetes pre-stop hook does), or SIGTERM to an executor's JVM under
+spark.executor.decommission.signal=TERM, while a fit runs. The ranks take a checkpoint at once
 (sparkdl._drain), the attempt ends without counting as a failure (max_failures=0), and the run
-resumes from that very step on the host that is left (min_workers=1). Own cluster: its worker h2
-stays decommissioned. Needs root, as tests/integration/test_multihost.py."""
+resumes from that very step on the host that is left (min_workers=1). A cluster per test: a
+decommissioned worker stays so. Needs root, as tests/integration/test_multihost.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tests.integration.test_multihost import _cluster_env, _drive, _netcluster
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def decommissioning_cluster(tmp_path_factory):
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
         pytest.skip("multi-host tests need root (CAP_NET_ADMIN) and iproute2 to build network namespaces")
@@ -31,8 +32,13 @@ def decommissioning_cluster(tmp_path_factory):
         assert stopped.returncode == 0, stopped.stderr[-2000:]
 
 
-def test_a_decommissioned_host_drains_the_run_with_a_checkpoint_and_it_resumes_there(decommissioning_cluster, tmp_path):
-    (line,) = _drive(decommissioning_cluster, tmp_path, "drain", conf=["spark.decommission.enabled=true"])
+@pytest.mark.parametrize("how, conf", [
+    ("decommission", ["spark.decommission.enabled=true"]),
+    # SIGTERM decommissions instead of killing the executor (Kubernetes, spot reclaim).
+    ("sigterm", ["spark.decommission.enabled=true", "spark.executor.decommission.signal=TERM"]),
+])
+def test_a_decommissioned_host_drains_the_run_with_a_checkpoint_and_it_resumes_there(decommissioning_cluster, tmp_path, how, conf):
+    (line,) = _drive(decommissioning_cluster, tmp_path, f"drain:{how}", conf=conf)
     assert line["ok"], f"{line.get('error')}\n{line.get('traceback', '')}"
     first, second = line["attempts"]
     # Not a failure: max_failures=0 and still relaunched.

@@ -9,6 +9,7 @@ CI has; elsewhere these tests skip, saying so.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -39,15 +40,16 @@ def _netcluster(env: dict, *args: str, timeout: float = 240) -> subprocess.Compl
     return subprocess.run([sys.executable, SCRIPT, *args], env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
-@pytest.fixture(scope="module")
-def netcluster(tmp_path_factory):
-    """The three-host cluster, up for this module; taken down after it, pass or fail, and
-    checked to leave no namespace behind."""
+@contextlib.contextmanager
+def cluster_up(prefix: str, state_dir: str, *up_args: str):
+    """A namespace cluster (``scripts/netcluster up *up_args``) named ``prefix`` + this pid; yields
+    (env, state). Taken down afterwards, pass or fail, and checked to leave no namespace behind.
+    Skips, saying why, where namespaces cannot be made."""
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
         pytest.skip("multi-host tests need root (CAP_NET_ADMIN) and iproute2 to build network namespaces")
-    name = f"sdt{os.getpid() % 10000}"
-    env = _cluster_env(name, str(tmp_path_factory.mktemp("netcluster")))
-    started = _netcluster(env, "up", "--hosts", "3")
+    name = f"{prefix}{os.getpid() % 10000}"
+    env = _cluster_env(name, state_dir)
+    started = _netcluster(env, "up", *up_args)
     try:
         assert started.returncode == 0, started.stderr[-3000:]
         yield env, json.loads(started.stdout.strip().splitlines()[0])
@@ -56,6 +58,13 @@ def netcluster(tmp_path_factory):
         left = [line for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines()
                 if line.startswith(f"{name}-")]
         assert stopped.returncode == 0 and not left, f"down: {stopped.stderr[-2000:]}; namespaces left: {left}"
+
+
+@pytest.fixture(scope="module")
+def netcluster(tmp_path_factory):
+    """The three-host cluster, up for this module."""
+    with cluster_up("sdt", str(tmp_path_factory.mktemp("netcluster")), "--hosts", "3") as cluster:
+        yield cluster
 
 
 def _drive(env: dict, out_dir, *scenarios: str, conf=(), timeout: float = 600) -> list:

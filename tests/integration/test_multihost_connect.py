@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.integration.test_multihost import SCRIPT, _cluster_env, _netcluster
+from tests.integration.test_multihost import SCRIPT, cluster_up
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
@@ -26,16 +25,8 @@ PORT = 15002
 @pytest.fixture(scope="module")
 def connect_cluster(tmp_path_factory):
     """Four hosts (workers on h1 and h2 only) and a Connect server on h0; all taken down after."""
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
-        pytest.skip("multi-host tests need root (CAP_NET_ADMIN) and iproute2 to build network namespaces")
-    name = f"sdc{os.getpid() % 10000}"
     work = tmp_path_factory.mktemp("netcluster-connect")
-    env = _cluster_env(name, str(work / "cluster"))
-    started = _netcluster(env, "up", "--hosts", "4", "--workers", "2")
-    server = None
-    try:
-        assert started.returncode == 0, started.stderr[-3000:]
-        state = json.loads(started.stdout.strip().splitlines()[0])
+    with cluster_up("sdc", str(work / "cluster"), "--hosts", "4", "--workers", "2") as (env, state):
         submit = [
             os.path.join(os.path.dirname(sys.executable), "spark-submit"), "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
             "--master", state["master_url"],
@@ -49,17 +40,16 @@ def connect_cluster(tmp_path_factory):
         with open(work / "server.log", "w") as log:
             server = subprocess.Popen([sys.executable, SCRIPT, "exec", "h0", "--", *submit], env=env, stdout=log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True)
-        yield env, work
-    finally:
-        if server is not None and server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)  # the server's own session: spark-submit and its JVM
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait(timeout=30)
-        stopped = _netcluster(env, "down")
-        assert stopped.returncode == 0, stopped.stderr[-2000:]
+        try:
+            yield env, work
+        finally:
+            if server.poll() is None:
+                os.killpg(server.pid, signal.SIGTERM)  # the server's own session: spark-submit and its JVM
+                try:
+                    server.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(server.pid, signal.SIGKILL)
+                    server.wait(timeout=30)
 
 
 def test_a_connect_client_on_another_host_trains_and_an_unreachable_client_address_fails_in_bounded_time(connect_cluster):

@@ -7,29 +7,19 @@ decommissioned worker stays so. Needs root, as tests/integration/test_multihost.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 
 import pytest
 
-from tests.integration.test_multihost import _cluster_env, _drive, _netcluster
+from tests.integration.test_multihost import _drive, cluster_up
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
 
 @pytest.fixture
 def decommissioning_cluster(tmp_path_factory):
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
-        pytest.skip("multi-host tests need root (CAP_NET_ADMIN) and iproute2 to build network namespaces")
-    env = _cluster_env(f"sdd{os.getpid() % 10000}", str(tmp_path_factory.mktemp("netcluster-drain")))
-    started = _netcluster(env, "up", "--hosts", "3", "--spark-conf", "spark.decommission.enabled=true")
-    try:
-        assert started.returncode == 0, started.stderr[-3000:]
+    state_dir = str(tmp_path_factory.mktemp("netcluster-drain"))
+    with cluster_up("sdd", state_dir, "--hosts", "3", "--spark-conf", "spark.decommission.enabled=true") as (env, _state):
         yield env
-    finally:
-        stopped = _netcluster(env, "down")
-        assert stopped.returncode == 0, stopped.stderr[-2000:]
 
 
 @pytest.mark.parametrize("how, conf", [

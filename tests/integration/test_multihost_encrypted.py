@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.integration.test_multihost import APP, SCRIPT, _cluster_env, _netcluster
+from tests.integration.test_multihost import APP, SCRIPT, cluster_up
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
@@ -27,18 +26,9 @@ AUTH = ["spark.authenticate=true", f"spark.authenticate.secret={SECRET}"]
 
 @pytest.fixture(scope="module")
 def authenticated_cluster(tmp_path_factory):
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
-        pytest.skip("multi-host tests need root (CAP_NET_ADMIN) and iproute2 to build network namespaces")
-    name = f"sde{os.getpid() % 10000}"
-    env = _cluster_env(name, str(tmp_path_factory.mktemp("netcluster-auth")))
     conf = [argument for setting in [*AUTH, "spark.network.crypto.enabled=true"] for argument in ("--spark-conf", setting)]
-    started = _netcluster(env, "up", "--hosts", "3", *conf)
-    try:
-        assert started.returncode == 0, started.stderr[-3000:]
+    with cluster_up("sde", str(tmp_path_factory.mktemp("netcluster-auth")), "--hosts", "3", *conf) as (env, _state):
         yield env
-    finally:
-        stopped = _netcluster(env, "down")
-        assert stopped.returncode == 0, stopped.stderr[-2000:]
 
 
 def _captured_run(env: dict, out_dir, conf: list, *scenarios: str):

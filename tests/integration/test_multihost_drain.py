@@ -34,7 +34,11 @@ def test_a_decommissioned_host_drains_the_run_with_a_checkpoint_and_it_resumes_t
     # Not a failure: max_failures=0 and still relaunched.
     assert first.get("drained") is True and "HostDrained: drained at step" in first["error"], first
     assert "Spark is decommissioning executor" in first["error"] and line["decommissioned"] in first["error"], first
-    assert second["error"] is None and line["workers"] == [2, 1], line
+    # A decommissioned worker (SIGPWR) takes no executor again: the relaunch runs on the host that
+    # is left. Under SIGTERM only the executor drains; its worker is alive, so the master may start
+    # a replacement executor there before the relaunch gathers its slots (both are right).
+    relaunch_sizes = {"decommission": (1,), "sigterm": (1, 2)}[how]
+    assert second["error"] is None and line["workers"][0] == 2 and line["workers"][1] in relaunch_sizes, line
     drained_at = int(first["error"].split("drained at step ")[1].split()[0])
     # The checkpoint of the drain step itself: the relaunch redid no step. The notice came after
     # step 12 and the ranks agree every 8 steps.

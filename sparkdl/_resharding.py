@@ -29,6 +29,8 @@ def stream_fields(ctx: "TrainContext", part: RankState) -> RankState:
     ``remaining_steps`` batches of which ``remaining_taken`` were taken."""
     remainder = ctx._remainder
     stream = {"epoch_start": ctx._epoch_start, "steps_per_epoch": ctx.steps_per_epoch}
+    if ctx._dataset is not None:
+        stream["data"] = ctx._dataset.fingerprint  # which rows the positions index
     if remainder is not None:
         stream.update(remaining=torch.from_numpy(remainder.share.copy()), remaining_steps=remainder.steps, remaining_taken=remainder.taken)
     return dataclasses.replace(part, stream=stream)
@@ -50,6 +52,9 @@ def _stream_state(part: RankState, default_steps: Optional[int]) -> StreamState:
 def restore_stream(ctx: "TrainContext", part: RankState) -> None:
     """A same-size resume: the stream's epoch start, and a resharded epoch still in progress."""
     state = _stream_state(part, ctx.steps_per_epoch)
+    if _data_changed(ctx, [part]):
+        _resume_at_next_epoch(ctx, state)
+        return
     ctx._batches_taken = state.batches_taken
     taken = state.batches_taken
     ctx._epoch_start = state.epoch_start if state.epoch_start is not None else taken - taken % state.steps_per_epoch
@@ -58,11 +63,48 @@ def restore_stream(ctx: "TrainContext", part: RankState) -> None:
         ctx._remainder = Remainder(state.remaining, state.remaining_steps, state.remaining_taken, taken)
 
 
+def _data_changed(ctx: "TrainContext", parts) -> bool:
+    """Whether the checkpoint's stream positions index other rows than this run reads (their
+    :attr:`~sparkdl.data.dataset.DatasetInfo.fingerprint`\ s differ; checkpoints of earlier
+    versions recorded none and are taken as of the same data)."""
+    if ctx._dataset is None:
+        return False
+    recorded = {(part.stream or {}).get("data") for part in parts} - {None}
+    return bool(recorded) and recorded != {ctx._dataset.fingerprint}
+
+
+def _resume_at_next_epoch(ctx: "TrainContext", state: StreamState) -> None:
+    """A resume on other data: positions the stream at the start of the epoch after the
+    interrupted one, as a run on these data would have it, and has the rest of the interrupted
+    epoch end at once (``ctx._end_epoch_early``) instead of replaying positions onto other rows."""
+    steps = state.steps_per_epoch
+    if state.remaining is not None and state.remaining_taken < state.remaining_steps:
+        next_epoch, left = state.batches_taken // steps, state.remaining_steps - state.remaining_taken  # a resharded epoch
+    else:
+        start = state.epoch_start if state.epoch_start is not None else state.batches_taken - state.batches_taken % steps
+        done = state.batches_taken - start
+        next_epoch, left = start // steps + (1 if done > 0 else 0), (steps - done if 0 < done < steps else 0)
+    ctx._batches_taken = ctx._epoch_start = next_epoch * ctx.steps_per_epoch
+    ctx._remainder = None
+    ctx._end_epoch_early = left > 0
+    if left and ctx.rank == 0:  # at warning level: it reaches the driver's output
+        ctx.logger.warning(
+            "the checkpoint indexes other data than %s holds now (its files and row groups differ: a DataFrame "
+            "materialized again, e.g. by a new driver, whose rows Spark does not promise in the same order, or "
+            "changed files); replaying its stream positions would train other rows than those it had left, so the "
+            "interrupted epoch %d ends here (%d of its steps per rank skipped) and training resumes at the start of "
+            "epoch %d. For exact mid-epoch resumes by a new driver, train on a Parquet URL (df.write.parquet once)",
+            ctx._dataset.name, next_epoch, left, next_epoch + 1,
+        )
+
+
 def resume_resharded(ctx: "TrainContext", checkpoint: Checkpoint) -> Dict[str, Any]:
     """Loads a checkpoint of another number of ranks: plans this rank's part of the interrupted
     epoch, maps the old ranks' state through the strategy, and returns this rank's user state."""
     old_world = checkpoint.world_size
-    if ctx._dataset is not None:
+    if ctx._dataset is not None and _data_changed(ctx, checkpoint.ranks):
+        _resume_at_next_epoch(ctx, _stream_state(checkpoint.ranks[0], None))
+    elif ctx._dataset is not None:
         check_reader(ctx._reader.name)
         old_steps = None
         if any(not (part.stream or {}).get("steps_per_epoch") for part in checkpoint.ranks):

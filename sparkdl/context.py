@@ -74,6 +74,7 @@ class TrainContext:
         #: Batches taken from the stream so far: the reader position a checkpoint records.
         self._batches_taken = 0
         self._epoch_start, self._remainder = 0, None  # the epoch's first batch; sparkdl._resharding
+        self._end_epoch_early = False  # resumed mid-epoch on other data: sparkdl._resharding
         #: Ranks (and their user states) of the checkpoint an elastic resume loaded; else None.
         self.resumed_from, self.resumed_user_states = None, None
         #: This attempt's checkpoints on this rank: ``count`` and ``seconds``, the stall of the
@@ -155,6 +156,9 @@ class TrainContext:
             raise RuntimeError("this run has no dataset: pass data=... to sparkdl.run")
         if getattr(self, "_shard_dataset", None) is not None:
             raise RuntimeError("this rank reads its shard through ctx.shard_dataset(): use it or ctx.epoch_batches(), not both")
+        if self._end_epoch_early:
+            self._end_epoch_early = False  # the rest of an epoch interrupted on other data: none of it
+            return
         if self._remainder is not None:
             yield from _resharding.remainder_epoch(self)  # an elastic resume's epoch: ignores skip
             return

@@ -19,7 +19,7 @@ from typing import List, Sequence, Tuple
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from sparkdl.errors import DataError
+from sparkdl.errors import ConfigError, DataError
 
 
 def normalize_url(url_or_path: str, what: str = "dataset URL") -> str:
@@ -124,3 +124,17 @@ def delete_tree(url: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         fs.delete_dir(path)
+
+
+def check_writable(url: str, what: str) -> None:
+    """Fails at once when ``url`` (a directory, made if missing) cannot be written: a probe file
+    is written there and deleted. Checked on the driver before training, so a path that is a
+    file, read-only or on a missing mount is named before an epoch is spent, not at the first
+    checkpoint (on every relaunch)."""
+    try:
+        fs, root = filesystem_and_path(url)
+        probe = join(root, f".sparkdl-write-check-{uuid.uuid4().hex[:8]}")
+        write_atomically(fs, probe, b"")
+        fs.delete_file(probe)
+    except (OSError, pa.ArrowException, ValueError) as exc:
+        raise ConfigError(f"{what}={url!r} cannot be written: {exc}. Pick a directory every executor and the driver can write") from exc

@@ -7,10 +7,15 @@ DataFrame again (another epoch count, another strategy) writes nothing. Entries 
 :func:`clear_cache` and when the driver process exits (which also removes its directory in the
 default location).
 
-The copy is the user's training data: on the driver's disk (the default location) it lives in a
-directory only the user can enter (0700, files 0600), and the copies of drivers that died
-without cleaning up (a SIGKILL) are deleted by the next driver's first materialization or by
-:func:`clear_cache`.
+The copy is the user's training data. On a local disk (the default location, the temp dir, or a
+local ``spark.sparkdl.cacheDir``) it is written inside a directory this driver creates with a
+fresh random name (``sparkdl-cache-<pid>-<random>``, made by ``mkdtemp``: it cannot exist
+before, so another local user cannot pre-create or own it) and checks after creating it (ours,
+not a link, no group or other permission bits): the files Spark writes with the umask's modes
+are unreachable for other users from the start, and are made 0600 once written. The copies are
+deleted when the driver exits (also on SIGTERM, how Airflow, Kubernetes and YARN stop a driver);
+those of drivers that died without cleaning up (a SIGKILL) by the next driver's first
+materialization or by :func:`clear_cache`.
 """
 
 from __future__ import annotations
@@ -20,11 +25,14 @@ import logging
 import math
 import os
 import shutil
+import signal
+import stat
 import tempfile
 import threading
 import uuid
 from typing import TYPE_CHECKING, List, Sequence, Tuple
 
+from sparkdl.errors import ConfigError
 from sparkdl.filesystem import delete_tree, normalize_url
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,8 +49,13 @@ ROW_GROUP_BYTES = 32 * 1024 * 1024
 #: (:func:`_even_row_groups`).
 EVEN_ROW_GROUPS = 0.8
 
+#: Names of the private directories (``<prefix><pid>-<random>``) that hold a driver's local copies.
+PRIVATE_DIR_PREFIX = "sparkdl-cache-"
+
 _lock = threading.Lock()
 _stale_checked = False
+#: parent directory -> this driver's private directory in it
+_private_dirs: dict = {}
 #: (the prepared DataFrame, the columns stored as float32 bytes, dataset URL)
 _entries: List[Tuple["DataFrame", Tuple[str, ...], str]] = []
 
@@ -81,7 +94,7 @@ def materialize(
             logger.info("reusing materialized DataFrame at %s", url)
             return url
 
-    root = normalize_url(cache_dir or _default_cache_dir(df), "cache_dir")
+    root = _private_root(normalize_url(cache_dir or _default_cache_dir(df), "cache_dir"))
     url = f"{root.rstrip('/')}/df-{uuid.uuid4().hex[:12]}"
     from sparkdl._session import is_connect
 
@@ -98,6 +111,7 @@ def materialize(
     _make_private(url)
     with _lock:
         _entries.append((prepared, layout, url))
+    _clean_up_on_sigterm()
     logger.info("materialized DataFrame to %s (%d files)", url, num_files)
     return url
 
@@ -188,8 +202,9 @@ def _make_private(url: str) -> None:
 
 
 def remove_stale_caches(parent: str | None = None) -> List[str]:
-    """Deletes the default-location copies (``sparkdl-cache-<pid>``) of this user's drivers that
-    are no longer running; returns what was deleted."""
+    """Deletes the default-location copies (``sparkdl-cache-<pid>-<random>``, and the
+    ``sparkdl-cache-<pid>`` of earlier versions) of this user's drivers that are no longer
+    running; returns what was deleted."""
     parent = parent or tempfile.gettempdir()
     removed = []
     try:
@@ -197,12 +212,12 @@ def remove_stale_caches(parent: str | None = None) -> List[str]:
     except OSError:
         return removed
     for name in names:
-        prefix, _, pid = name.rpartition("-")
+        pid = name[len(PRIVATE_DIR_PREFIX):].split("-")[0]
         path = os.path.join(parent, name)
-        if prefix != "sparkdl-cache" or not pid.isdigit() or int(pid) == os.getpid():
+        if not name.startswith(PRIVATE_DIR_PREFIX) or not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
-            if os.stat(path).st_uid != os.getuid() or _running(int(pid)):
+            if os.lstat(path).st_uid != os.getuid() or _running(int(pid)):
                 continue
         except OSError:
             continue
@@ -247,30 +262,106 @@ def _default_cache_dir(df: "DataFrame") -> str:
 
 
 def local_cache_dir() -> str:
-    """This driver's directory for copies on its own disk, private to the user; the first call
-    also deletes what drivers that are no longer running left behind."""
+    """This driver's private directory for copies on its own disk (in the temp dir); the first
+    call also deletes what drivers that are no longer running left behind."""
     global _stale_checked
     if not _stale_checked:
         _stale_checked = True
         remove_stale_caches()
-    path = _own_local_dir()
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    os.chmod(path, 0o700)  # makedirs' mode is filtered by the umask
+    return private_directory(tempfile.gettempdir())
+
+
+def _private_root(root: str) -> str:
+    """Where this driver writes its copies under ``root``: a private directory of its own when
+    ``root`` is on a local disk (other users of the host could read files in it as Spark writes
+    them); remote storage (hdfs://, s3a://...) is the store's to protect."""
+    if not root.startswith("file://"):
+        return root
+    parent = os.path.normpath(root[len("file://"):])
+    with _lock:
+        known, own = parent in _private_dirs, parent in _private_dirs.values()
+    if own:
+        return root  # already this driver's own (local_cache_dir)
+    if not known:
+        remove_stale_caches(parent)  # what dead drivers left in a configured directory
+    return "file://" + private_directory(parent)
+
+
+def private_directory(parent: str) -> str:
+    """This driver's directory in ``parent``, created on first use with a random name that
+    cannot exist before (``mkdtemp``: ``mkdir`` with mode 0700, which fails on anything already
+    there, a link included), and checked once created: see :func:`check_private`.
+
+    Raises:
+        ConfigError: the directory cannot be created in ``parent``, or is not private.
+    """
+    parent = os.path.normpath(parent)
+    with _lock:
+        path = _private_dirs.get(parent)
+        if path is None or not os.path.isdir(path):
+            try:
+                os.makedirs(parent, exist_ok=True)
+                path = tempfile.mkdtemp(prefix=f"{PRIVATE_DIR_PREFIX}{os.getpid()}-", dir=parent)
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot create a directory for the DataFrame's copy in {parent!r}: {exc}. "
+                    f"Set {CACHE_DIR_CONF} to a directory this user can write"
+                ) from exc
+            _private_dirs[parent] = path
+    check_private(path)
     return path
 
 
-def _own_local_dir() -> str:
-    return os.path.join(tempfile.gettempdir(), f"sparkdl-cache-{os.getpid()}")
+def check_private(path: str) -> None:
+    """Refuses a directory for the training data's copy that another local user could read or
+    replace: a link, not a directory, owned by another user, or with group/other permissions."""
+    info = os.lstat(path)
+    problem = None
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        problem = "is not a directory (a link or a file took its place)"
+    elif info.st_uid != os.geteuid():
+        problem = f"is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})"
+    elif info.st_mode & 0o077:
+        problem = f"has mode {stat.S_IMODE(info.st_mode):o}: other users have access"
+    if problem:
+        raise ConfigError(
+            f"the directory for the DataFrame's copy {path!r} {problem}; sparkdl does not write training data "
+            f"there. Remove it, or set {CACHE_DIR_CONF} to a directory only this user can write"
+        )
 
 
 def _at_exit() -> None:
-    """The driver exits: its copies go, and so does its own default-location directory (left
-    empty, it would otherwise wait in the temp dir for the next driver's stale-cache sweep)."""
+    """The driver exits: its copies go, and so do its own private directories (left empty,
+    they would otherwise wait for the next driver's stale-cache sweep)."""
     clear_cache()
+    with _lock:
+        paths = list(_private_dirs.values())
+        _private_dirs.clear()
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _clean_up_on_sigterm() -> None:
+    """SIGTERM is how Airflow, Kubernetes and YARN stop a driver, and it skips ``atexit``: once
+    this driver holds a copy, SIGTERM deletes it first and then ends the process with the
+    signal's status, as the default action would. A handler the application installed itself
+    is left alone (its own exit runs ``atexit``); so is a process where this is not the main
+    thread (only it may install handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
     try:
-        os.rmdir(_own_local_dir())
-    except OSError:  # never made (no DataFrame, or spark.sparkdl.cacheDir), or not ours to empty
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):  # an interpreter without signals (embedded)
         pass
+
+
+def _on_sigterm(signum, _frame) -> None:
+    try:
+        _at_exit()
+    finally:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 atexit.register(_at_exit)

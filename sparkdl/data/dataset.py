@@ -8,6 +8,7 @@ picklable and travels to the tasks, which stream the rows themselves.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import warnings
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -130,6 +131,23 @@ class DatasetInfo:
                     return position - start, group, file.url
                 start += rows
         return None
+
+    @property
+    def fingerprint(self) -> str:
+        """Which rows the stream's positions index: the files in reading order (named relative to
+        the dataset's URL, so a moved copy still matches) and their row groups' row counts. A
+        checkpoint records it; a resume on data with another fingerprint does not replay the
+        old positions (sparkdl._resharding). A DataFrame materialized again has new file names
+        (Spark's write job id is in them), so its copy never matches an earlier one: Spark does
+        not promise the same rows in the same order twice."""
+        digest = hashlib.sha256()
+        base = self.url.rstrip("/") + "/"
+        for file in self.files:
+            name = file.url[len(base):] if file.url.startswith(base) else file.url
+            digest.update(f"{name}\0{','.join(map(str, file.row_groups))}\n".encode())
+        if not self.files:
+            digest.update(f"{self.url}\0{self.num_rows}\0{self.num_row_groups}".encode())
+        return digest.hexdigest()[:20]
 
     @property
     def row_group_rows(self) -> List[int]:

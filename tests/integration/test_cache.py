@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -51,7 +52,9 @@ def test_a_dataframes_copy_is_equal_files_per_worker_and_clear_cache_deletes_it(
     url = dataset.url
     assert url in cache.cached_urls()
     path = url[len("file://"):]
-    assert os.path.dirname(path) == spark.conf.get(cache.CACHE_DIR_CONF)
+    # In this driver's private directory in the configured one (sparkdl.data.cache).
+    private = os.path.dirname(path)
+    assert os.path.dirname(private) == spark.conf.get(cache.CACHE_DIR_CONF) and os.path.basename(private).startswith(f"sparkdl-cache-{os.getpid()}-")
     files = _parquet_files(path)
     assert [f"file://{f}" for f in files] == [f.url for f in dataset.files]  # the tasks read exactly these
     # "A multiple of num_workers files of equal size": the same number of row groups per file, and
@@ -140,11 +143,95 @@ def test_a_driver_that_exits_leaves_no_copy_behind(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
-    own = temp / f"sparkdl-cache-{seen['pid']}"
-    assert os.path.dirname(seen["path"]) == str(own)  # the default location, in this test's temp dir
+    own = os.path.dirname(seen["path"])
+    assert os.path.dirname(own) == str(temp) and os.path.basename(own).startswith(f"sparkdl-cache-{seen['pid']}-")  # the default location
     assert any(name.endswith(".parquet") for name in seen["files"])  # the copy existed while it ran
     assert not os.path.exists(seen["path"]), f"the exited driver left {_disk(seen['path'])}"
-    assert not own.exists(), f"the exited driver left its cache directory {own}: {_disk(own)}"
+    assert os.listdir(temp) == [], f"the exited driver left its cache directory: {_disk(temp)}"
+
+
+# A driver stopped mid-fit by SIGTERM (how Airflow, Kubernetes and YARN stop one): rank 0 says
+# when it trains, then trains until stopped (bounded).
+_STOPPED_DRIVER = """
+import os, sys, time
+sys.path[:0] = [{root!r}]
+from pyspark.sql import SparkSession
+import sparkdl
+
+spark = (
+    SparkSession.builder.master("local[2]").appName("sparkdl-cache-sigterm")
+    .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+    .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false").getOrCreate()
+)
+df = spark.createDataFrame([([float(i)], i % 2) for i in range(64)], "features array<double>, label long")
+marker = {marker!r}
+
+def loop(ctx):
+    for _ in ctx.epoch_batches():
+        if ctx.rank == 0 and not os.path.exists(marker):
+            open(marker, "w").close()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # "training" until the driver is stopped
+        time.sleep(0.1)
+
+sparkdl.run(loop, num_workers=2, data=df, feature_cols=["features"], label_col="label", batch_size=8, spark=spark, progress=False)
+"""
+
+
+def test_a_driver_stopped_by_sigterm_mid_fit_deletes_the_copy_and_leaves_no_process(tmp_path):
+    temp, marker = tmp_path / "tmp", tmp_path / "training"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp), "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1", "PYTHONPATH": REPO_ROOT}
+    env.pop("PYSPARK_DRIVER_PYTHON", None)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _STOPPED_DRIVER.format(root=REPO_ROOT, marker=str(marker))], env=env, cwd=str(tmp_path),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists():  # the fit trains (bounded poll on another process's file)
+            assert driver.poll() is None and time.monotonic() < deadline, driver.communicate(timeout=30)[0][-3000:]
+            time.sleep(0.1)
+        copies = [name for name in os.listdir(temp) if name.startswith("sparkdl-cache-")]
+        assert len(copies) == 1 and os.listdir(temp / copies[0]), _disk(temp)  # the copy, while it trains
+        descendants = _descendants(driver.pid)
+        assert descendants, "the driver's JVM"
+        driver.terminate()
+        output = driver.communicate(timeout=60)[0]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert driver.returncode == -15, output[-3000:]
+    # (torch's own compile cache, torchinductor_<user>, may be there too: not ours)
+    assert not [name for name in os.listdir(temp) if name.startswith("sparkdl-")], f"SIGTERM left the training data behind: {_disk(temp)}"
+    deadline = time.monotonic() + 30
+    while [pid for pid in descendants if _alive(pid)] and time.monotonic() < deadline:  # the JVM and its workers go
+        time.sleep(0.1)
+    assert not [pid for pid in descendants if _alive(pid)], "a process of the stopped driver outlived it"
+
+
+def _descendants(pid):
+    found, queue = [], [pid]
+    while queue:
+        parent = queue.pop()
+        for task in os.listdir(f"/proc/{parent}/task"):
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as handle:
+                    children = [int(child) for child in handle.read().split()]
+            except OSError:
+                continue
+            found += children
+            queue += children
+    return found
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
 
 
 # ---- Parquet is read in place ----------------------------------------------------------------

@@ -81,3 +81,14 @@ def test_a_failure_that_repeats_at_the_same_step_is_not_retried_again(spark, cap
     # The relaunch notice appeared once, not once on the console and once more through logging.
     notices = capsys.readouterr().out.count("attempt 1 failed") + caplog.text.count("attempt 1 failed")
     assert notices == 1
+
+
+def test_a_checkpoint_dir_that_cannot_be_written_is_named_before_training_and_not_retried(spark, digits_df, tmp_path, caplog):
+    not_a_directory = tmp_path / "taken-by-a-file"
+    not_a_directory.write_text("x")
+    with caplog.at_level(logging.INFO, logger="sparkdl"), pytest.raises(sparkdl.ConfigError) as info:
+        _estimator(epochs=2, checkpoint_dir=str(not_a_directory / "ckpt")).fit(digits_df)
+    message = str(info.value)
+    assert message.startswith(f"checkpoint_dir='file://{not_a_directory}/ckpt' cannot be written") and "Not a directory" in message, message
+    # Checked on the driver before the barrier stage: no rank started, nothing was relaunched.
+    assert "attempt 1 failed" not in caplog.text and "rank 0" not in caplog.text and "epoch 1" not in caplog.text, caplog.text[-2000:]

@@ -266,3 +266,14 @@ def test_ranks_that_save_different_steps_in_one_call_get_an_error(tmp_path):
         for client in clients:
             client.close()
         server.close()
+
+
+def test_check_writable_names_the_path_and_the_reason(tmp_path):
+    from sparkdl.errors import ConfigError
+    from sparkdl.filesystem import check_writable
+
+    check_writable(str(tmp_path / "new" / "ckpt"), "checkpoint_dir")  # made if missing, left empty
+    assert os.listdir(tmp_path / "new" / "ckpt") == []
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"checkpoint_dir='.*file/ckpt' cannot be written: .*Not a directory"):
+        check_writable(str(tmp_path / "file" / "ckpt"), "checkpoint_dir")

@@ -1,0 +1,74 @@
+"""A resume on a DataFrame by a new driver: the DataFrame is materialized again, and Spark does
+not promise the same rows in the same order twice, so the checkpoint's stream positions would
+index other rows. The checkpoint records which data its positions index (the copy's files and
+row groups); on other data the interrupted epoch ends and training resumes at the next epoch,
+saying so, instead of training some rows twice and others never. Counted on row ids."""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import pytest
+
+import sparkdl
+from tests.integration.test_elastic import ALL_ROWS, BATCH, ROWS, _epoch_ids, _IdLoop, ids_data  # noqa: F401 - a fixture
+
+pytestmark = pytest.mark.spark
+
+
+def _run(spark, df, loop, num_workers, checkpoint_dir):
+    return sparkdl.run(
+        loop, num_workers=num_workers, data=df, feature_cols=["id", "x0"], label_col="label", batch_size=BATCH, seed=0,
+        spark=spark, progress=False, checkpoint_dir=checkpoint_dir, checkpoint_async=False,
+    )
+
+
+@pytest.mark.parametrize("old_world, new_world", [(2, 2), (2, 1)])
+def test_a_new_driver_resuming_on_a_dataframe_materialized_again_trains_no_row_twice(spark, ids_data, tmp_path, caplog, old_world, new_world):
+    from pyspark.sql import functions as F
+
+    log_dir, checkpoint_dir = tmp_path / "log", str(tmp_path / "ckpt")
+    log_dir.mkdir()
+    steps = ROWS // (BATCH * old_world)
+    at = steps + steps // 2 - 1  # mid-epoch 2
+    loop = _IdLoop(str(log_dir), checkpoint_at=at, kill_rank=old_world - 1, epochs=3)
+    rows = spark.read.parquet(ids_data)
+    with pytest.raises(sparkdl.TrainingError, match="WorkerLost"):
+        _run(spark, rows.orderBy(F.rand(1)), loop, old_world, checkpoint_dir)
+    # A new driver: none of this process's copies, and the same rows come in another order.
+    sparkdl.clear_cache()
+    with caplog.at_level(logging.WARNING, logger="sparkdl"):
+        result = _run(spark, rows.orderBy(F.rand(2)), loop, new_world, checkpoint_dir)
+    assert result["world_size"] == new_world
+    before, after = _epoch_ids(str(log_dir), 1, 2, until_step=at), _epoch_ids(str(log_dir), 2, 2)
+    assert sum(before.values()) == (at - steps) * BATCH * old_world and max(before.values()) == 1
+    # Replaying the old positions onto the new copy would train rows here, some of them again.
+    assert not after, f"the interrupted epoch went on over other rows: {sum((before & after).values())} rows twice"
+    left = steps - (at - steps)
+    assert f"epoch 2 ends here ({left} of its steps per rank skipped) and training resumes at the start of epoch 3" in caplog.text
+    assert "the DataFrame" in caplog.text and "train on a Parquet URL" in caplog.text
+    # The next epoch, on the new copy: a whole one, every row at most once.
+    third = _epoch_ids(str(log_dir), 2, 3)
+    assert sum(third.values()) == (ROWS // (BATCH * new_world)) * BATCH * new_world and set(third) <= set(ALL_ROWS)
+    assert max(third.values()) == 1
+    sparkdl.clear_cache()
+
+
+def test_a_relaunch_by_the_same_driver_on_its_copy_resumes_mid_epoch_exactly(spark, ids_data, tmp_path, caplog):
+    from pyspark.sql import functions as F
+
+    log_dir, checkpoint_dir = tmp_path / "log", str(tmp_path / "ckpt")
+    log_dir.mkdir()
+    steps = ROWS // (BATCH * 2)
+    at = steps + steps // 2 - 1
+    loop = _IdLoop(str(log_dir), checkpoint_at=at, kill_rank=1)
+    df = spark.read.parquet(ids_data).orderBy(F.rand(3))
+    with pytest.raises(sparkdl.TrainingError, match="WorkerLost"):
+        _run(spark, df, loop, 2, checkpoint_dir)
+    with caplog.at_level(logging.WARNING, logger="sparkdl"):
+        _run(spark, df, loop, 2, checkpoint_dir)  # the cached copy: the same files, the same rows
+    before, after = _epoch_ids(str(log_dir), 1, 2, until_step=at), _epoch_ids(str(log_dir), 2, 2)
+    assert before + after == collections.Counter(ALL_ROWS), "the interrupted epoch lost or repeated rows"
+    assert "indexes other data" not in caplog.text
+    sparkdl.clear_cache()

@@ -65,7 +65,7 @@ def restore_stream(ctx: "TrainContext", part: RankState) -> None:
 
 def _data_changed(ctx: "TrainContext", parts) -> bool:
     """Whether the checkpoint's stream positions index other rows than this run reads (their
-    :attr:`~sparkdl.data.dataset.DatasetInfo.fingerprint`\ s differ; checkpoints of earlier
+    fingerprints, :attr:`~sparkdl.data.dataset.DatasetInfo.fingerprint`, differ; checkpoints of earlier
     versions recorded none and are taken as of the same data)."""
     if ctx._dataset is None:
         return False

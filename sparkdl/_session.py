@@ -16,16 +16,34 @@ Everything that differs between the two lives here, so the launcher, the DataFra
   cannot, so the launcher fails the stage when no task starts within ``slot_wait_s`` (Spark
   would otherwise retry the barrier stage's slot check for about ten minutes).
 * **Configuration** is read with ``spark.conf.get``, which both serve.
+* **One PySpark warning is silenced.** PySpark 4.1+ warns "PySpark does not yet fully support
+  pandas >= 3.0.0" (a ``FutureWarning`` from ``require_minimum_pandas_version``) the first time a
+  job with Python functions is planned — sparkdl's warm-up, cache and launch (``mapInArrow``) —
+  so every demo, CLI and notebook run began with it, before any line of the user's. sparkdl runs
+  and is tested on pandas 3 (the latest stack); the filter, installed when this module is
+  imported (before sparkdl's first Spark job), hides that one message from pyspark's modules and
+  nothing else.
 """
 
 from __future__ import annotations
 
 import socket
 import urllib.parse
+import warnings
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 #: Where a Spark Connect client's channel listens (an address the executors can reach).
 CLIENT_HOST_CONF = "spark.sparkdl.clientHost"
+#: The start of PySpark's warning about pandas 3 (pyspark/sql/pandas/utils.py).
+PANDAS3_WARNING = r"PySpark does not yet fully support pandas >= 3"
+
+
+def quiet_pandas3_warning() -> None:
+    """Hides PySpark's pandas-3 ``FutureWarning`` (that message, from pyspark modules, only)."""
+    warnings.filterwarnings("ignore", message=PANDAS3_WARNING, category=FutureWarning, module=r"pyspark(\.|$)")
+
+
+quiet_pandas3_warning()
 
 
 def is_connect(spark: Any) -> bool:
@@ -39,6 +57,7 @@ class Session:
     def __init__(self, spark: Any) -> None:
         self.spark = spark
         self.connect = is_connect(spark)
+        quiet_pandas3_warning()  # again: a warnings.catch_warnings() block may have undone the import's
 
     def conf(self, key: str, default: Optional[str] = None) -> Optional[str]:
         try:

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any, Mapping, Optional, Sequence
 
 from sparkdl._launcher.config import LaunchConfig
+from sparkdl._validation import named_metrics
 from sparkdl.checkpoint import CheckpointConfig
 from sparkdl.data.batching import DataSpec, MetricFn, TransformFn
 from sparkdl.data.dataset import Filters
@@ -51,6 +52,7 @@ class DataSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "plan", InputPlan.build(self.feature_cols, self.inputs, self.label_col))
         reader_from_name(self.reader)  # an unknown name fails now, not at fit
+        object.__setattr__(self, "metrics", named_metrics(self.metrics))  # ["accuracy"], as the CLI's --metric
         metrics, validation = self.metrics, self.validation
         if metrics is not None and (not isinstance(metrics, Mapping) or not all(callable(f) for f in metrics.values())):
             raise ConfigError(f"metrics={metrics!r} must map names to functions fn(output, label) -> scalar")

@@ -15,7 +15,7 @@ happens until that one allreduce.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -98,6 +98,60 @@ def validate_epoch(ctx: "TrainContext", model: torch.nn.Module, loss: Any) -> Di
     if spec is None or spec.validation is None:
         return {}
     return evaluate(ctx, model, loss, dict(spec.validation.metrics))
+
+
+def squeezed(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``fn`` on a [B, 1] output and a [B] label, the output squeezed (not broadcast to [B, B],
+    which would compute silently the wrong figure) and the label cast to the output's dtype."""
+
+    def regression_loss(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        if output.dim() == label.dim() + 1 and output.shape[-1] == 1:
+            output = output.squeeze(-1)
+        return fn(output, label.to(output.dtype))
+
+    return regression_loss
+
+
+def accuracy(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """Share of rows whose predicted class is the label: the argmax of the outputs, or for one
+    output (a binary logit) whether it is positive."""
+    if output.dim() == label.dim() + 1 and output.shape[-1] == 1:
+        predicted = (output.squeeze(-1) > 0).to(label.dtype)
+    else:
+        predicted = output.argmax(dim=-1)
+    return (predicted == label).float().mean()
+
+
+#: The metrics known by name: ``metrics=["accuracy"]`` and ``--metric accuracy`` (one vocabulary).
+METRICS: Dict[str, MetricFn] = {
+    "accuracy": accuracy,
+    "mae": squeezed(torch.nn.functional.l1_loss),
+    "mse": squeezed(torch.nn.functional.mse_loss),
+}
+
+
+def named_metrics(metrics: Any) -> Any:
+    """``metrics=`` with names resolved: a name or a list of names (``["accuracy"]``) from
+    :data:`METRICS`, or a mapping whose values are functions or such names, becomes
+    ``{name: fn}``; anything else is returned as it is (for the settings to check).
+
+    Raises:
+        ConfigError: a name :data:`METRICS` does not know.
+    """
+    given = metrics
+    if isinstance(metrics, str):
+        metrics = [metrics]
+    if isinstance(metrics, (list, tuple)) and all(isinstance(name, str) for name in metrics):
+        metrics = {name: name for name in metrics}
+    if not isinstance(metrics, Mapping):
+        return metrics
+    unknown = [f for f in metrics.values() if isinstance(f, str) and f not in METRICS]
+    if unknown:
+        raise ConfigError(
+            f"metrics={given!r}: unknown metric {unknown[0]!r}; named metrics are {', '.join(sorted(METRICS))} "
+            f"(or pass {{name: fn(output, label) -> batch mean}})"
+        )
+    return {name: METRICS[f] if isinstance(f, str) else f for name, f in metrics.items()}
 
 
 def _scalar(value: Any, what: str) -> float:

@@ -136,6 +136,8 @@ def compare(
 
     Raises:
         ConfigError: a bad setting (named), found before anything trains.
+        DataError: data every strategy would fail on (a path that does not exist, a missing
+            column, an empty shard), found once before anything trains.
     """
     settings = CompareSettings(
         strategies=strategies, epochs=epochs, num_workers=num_workers, target_loss=target_loss, slow_rank=slow_rank, slow_s=slow_s,
@@ -155,6 +157,7 @@ def compare(
     )
     # Every estimator is built (and its settings checked) before the first one trains.
     estimators = [(label, strategy, TorchEstimator(model=factory, strategy=strategy, **shared)) for label, strategy in settings.strategies]
+    check_data(data, estimators[0][2])
     _warm(data, num_workers)
     rows, dataset = [], None
     for index, (label, strategy, estimator) in enumerate(estimators, 1):
@@ -178,6 +181,19 @@ def compare(
     if output_dir is not None:
         comparison.save(output_dir, plot=plot)
     return comparison
+
+
+def check_data(data: Any, estimator: TorchEstimator) -> None:
+    """The checks every fit makes of ``data`` before it launches (the path, the columns, the
+    shards; a DataFrame materialized, which each fit then reuses), made once: every strategy
+    reads the same data, so what fails one fails all, and should fail the comparison at once.
+
+    Raises:
+        DataError, ConfigError: as ``estimator.fit(data)`` would, before launching.
+    """
+    from sparkdl.data.prepare import prepare_data
+
+    prepare_data(data, estimator._data_settings(), estimator.getOrDefault(estimator.numWorkers), getattr(data, "sparkSession", None))
 
 
 def _warm(data: Any, num_workers: int) -> None:
@@ -243,4 +259,4 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-__all__ = ["CompareSettings", "Comparison", "ComparisonRow", "Labelled", "compare"]
+__all__ = ["CompareSettings", "Comparison", "ComparisonRow", "Labelled", "check_data", "compare"]

@@ -16,8 +16,10 @@ from sparkdl import __version__
 from sparkdl._launcher import launch
 from sparkdl._preflight import check_loss, check_optimizer
 from sparkdl._progress import ProgressCallback, ProgressDisplay
+from sparkdl._security import check_before_data
 from sparkdl._settings import DataSettings, RunSettings
 from sparkdl._training import FitLoop, LossFn, ModelFactory, OptimizerFactory, default_optimizer, startup_phases
+from sparkdl._validation import named_metrics
 from sparkdl._warmup import warm_up
 from sparkdl.data import elastic
 from sparkdl.data.batching import MetricFn, TransformFn
@@ -88,7 +90,9 @@ class TorchEstimator(Estimator, _TorchParams):
         validation: a fraction in (0, 1) of the rows held out (by row position), or separate
             validation data (URL, DataFrame, connector source); adds ``val_loss`` and
             ``val_<metric>`` to every epoch of ``history``.
-        metrics: ``name -> fn(output, label)`` batch means computed on the validation data.
+        metrics: ``name -> fn(output, label)`` batch means computed on the validation data, or
+            names of built-in metrics (``["accuracy"]``; also ``"mae"``, ``"mse"``: the CLI's
+            ``--metric`` vocabulary, :data:`sparkdl._validation.METRICS`).
         decode_threads: threads per task that decode images and run ``transform_fn`` ahead of
             the training step (default: the task's cores, ``spark.task.cpus``).
         mlflow_experiment: log params, per-epoch metrics and the model to this MLflow
@@ -134,7 +138,7 @@ class TorchEstimator(Estimator, _TorchParams):
         filters: Any = None,
         transform_fn: Optional[TransformFn] = None,
         validation: Any = None,
-        metrics: Optional[Dict[str, MetricFn]] = None,
+        metrics: "Optional[Dict[str, MetricFn] | Sequence[str]]" = None,
         precision: str = "32",
         mlflow_experiment: Optional[str] = None,
         tensorboard_dir: Optional[str] = None,
@@ -151,6 +155,7 @@ class TorchEstimator(Estimator, _TorchParams):
             feature_cols = ("features",)
         if not isinstance(epochs, int) or epochs < 1:
             raise ConfigError(f"epochs={epochs!r} must be a positive integer")
+        metrics = named_metrics(metrics)  # ["accuracy"] -> {"accuracy": fn}: the CLI's --metric names
         #: The validated launch, strategy, checkpoint and data configs (before Param overrides).
         self.settings = RunSettings.from_arguments(locals(), with_data=True)
         self.model_fn = model
@@ -171,6 +176,7 @@ class TorchEstimator(Estimator, _TorchParams):
         config = dataclasses.replace(self.settings.launch, num_workers=num_workers)
         data_settings = self._data_settings()
         spark = getattr(dataset, "sparkSession", None)  # None for URLs and connector sources
+        check_before_data(spark)  # under Spark encryption: refused before executors or data are touched
         if spark is not None:  # a DataFrame: the executors' Python workers start while it is materialized
             warm_up(spark, num_workers)
         # The model, built once on the driver: its forward must take the inputs, checked before
@@ -180,6 +186,9 @@ class TorchEstimator(Estimator, _TorchParams):
         # What would fail every rank (and every relaunch) the same way fails here, named.
         check_optimizer(self.optimizer_fn, module)
         check_loss(module, self.loss_fn, info, spec, data_reader)
+        check_model = getattr(self.settings.strategy, "check_model", None)  # ShardedDataParallel.shard_modules, ...
+        if check_model is not None:
+            check_model(module)
         epochs = self.getOrDefault(self.epochs)
         checkpoint, strategy = self.settings.checkpoint, self.settings.strategy
         loop = FitLoop(

@@ -8,6 +8,7 @@ import importlib
 import json
 import os
 import platform
+import sys
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 if TYPE_CHECKING:
@@ -24,8 +25,11 @@ def spark_session(app_name: str, master: Optional[str]) -> Any:
     off: sparkdl prints its own progress lines, and the bar would cut into them."""
     from pyspark.sql import SparkSession
 
+    from sparkdl._session import quiet_pandas3_warning
+
+    quiet_pandas3_warning()  # PySpark's pandas-3 FutureWarning would open every run (sparkdl._session)
     builder = SparkSession.builder.appName(app_name)
-    if "PYSPARK_GATEWAY_PORT" not in os.environ:  # set when spark-submit started this driver
+    if not _under_spark_submit():
         builder = builder.config("spark.ui.showConsoleProgress", "false")
     if master:
         builder = builder.master(master)
@@ -41,14 +45,23 @@ def add_slot_wait_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def load_factory(spec: str) -> Callable[[], torch.nn.Module]:
+    """The ``--model module:factory`` callable. ``module`` is imported as Python would, or else
+    from the current directory (a console script's ``sys.path`` does not hold it: ``sparkdl train``
+    and ``sparkdl compare`` run where ``models.py`` is). A module from the current directory is
+    pickled by value: the executors have no copy of that directory."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise UsageError(f"--model {spec!r} must look like module:factory (e.g. models:make_model)")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_model_module(module_name)
     except ImportError as exc:
+        top = module_name.split(".")[0]
+        if not _is_missing(exc, module_name):
+            raise UsageError(f"--model {spec!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from exc
+        ship = f"; under spark-submit, ship it with --py-files {top}.py" if _under_spark_submit() else ""
         raise UsageError(
-            f"--model {spec!r}: cannot import {module_name!r} ({exc}); ship it with spark-submit --py-files {module_name}.py"
+            f"--model {spec!r}: cannot import {module_name!r}: it is neither importable nor in the current directory "
+            f"({os.getcwd()}); run the command where {top}.py is, or add its directory to PYTHONPATH{ship}"
         ) from exc
     try:
         factory = getattr(module, attr)
@@ -58,6 +71,57 @@ def load_factory(spec: str) -> Callable[[], torch.nn.Module]:
         raise UsageError(f"--model {spec!r} is not callable")
     return factory
 
+
+def _import_model_module(name: str) -> Any:
+    cwd = os.getcwd()
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        top = name.split(".")[0]
+        if not _is_missing(exc, name):
+            raise  # the module was found; something it imports is missing
+        if not (os.path.isfile(os.path.join(cwd, top + ".py")) or os.path.isdir(os.path.join(cwd, top))):
+            raise
+        sys.path.append(cwd)  # last: the current directory never shadows an installed module
+        module = importlib.import_module(name)
+    if _from_directory(name.split(".")[0], cwd):
+        _pickle_by_value(module)
+    return module
+
+
+def _is_missing(exc: ImportError, name: str) -> bool:
+    """Whether ``exc`` says the module ``name`` (or a package on its path) is not there, rather
+    than that something it imports is missing."""
+    missing = getattr(exc, "name", None) or ""
+    return isinstance(exc, ModuleNotFoundError) and (name == missing or name.startswith(missing + "."))
+
+
+def _from_directory(top: str, directory: str) -> bool:
+    """Whether the top-level module ``top`` was imported from ``directory`` itself (``top.py`` or
+    the package ``top/`` there), not from somewhere below it such as a virtualenv."""
+    path = getattr(sys.modules.get(top), "__file__", None)
+    if not path:
+        return False
+    path = os.path.realpath(path)
+    parent = os.path.dirname(os.path.dirname(path)) if os.path.basename(path) == "__init__.py" else os.path.dirname(path)
+    return parent == os.path.realpath(directory)
+
+
+def _pickle_by_value(module: Any) -> None:
+    """Ships ``module``'s code with the pickled factory (both cloudpickles: the launch's, through
+    Spark, and the one ``TorchModel.save`` writes ``model_fn.pkl`` with)."""
+    import cloudpickle
+    from pyspark import cloudpickle as spark_cloudpickle
+
+    for pickler in (cloudpickle, spark_cloudpickle):
+        try:
+            pickler.register_pickle_by_value(module)
+        except ValueError:  # already registered
+            pass
+
+
+def _under_spark_submit() -> bool:
+    return "PYSPARK_GATEWAY_PORT" in os.environ  # set when spark-submit started this driver
 
 
 def rank_rates(record: Dict[str, Any]) -> List[float]:

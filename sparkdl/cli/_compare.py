@@ -48,10 +48,12 @@ def build_compare_parser() -> argparse.ArgumentParser:
 
 def compare_main(argv: Optional[List[str]] = None) -> int:
     """Entry point: 0 when every strategy trained, 1 when one failed (its row says why), 2 on bad
-    arguments."""
-    from sparkdl.comparison import DEFAULT_SLOW_S, CompareSettings, compare
+    arguments (``--data`` included: a path that does not exist or lacks the columns is one
+    message, before Spark starts)."""
+    from sparkdl.comparison import DEFAULT_SLOW_S, CompareSettings, check_data, compare
     from sparkdl._comparison_result import check_plotting
-    from sparkdl.errors import ConfigError
+    from sparkdl.errors import ConfigError, DataError
+    from sparkdl.estimator import TorchEstimator
 
     args = build_compare_parser().parse_args(argv)
     try:
@@ -66,10 +68,16 @@ def compare_main(argv: Optional[List[str]] = None) -> int:
         )
         if args.plot:
             check_plotting()
+        # --data is a path or URL: checked (exists, holds the columns, fills every shard) once,
+        # before Spark starts, not by every strategy in turn.
+        check_data(args.data, TorchEstimator(**estimator, progress=False))
         os.makedirs(args.output, exist_ok=True)
         for name in ("compare.json", "compare.png"):  # what the directory lists afterwards is this run's
             if os.path.exists(os.path.join(args.output, name)):
                 os.remove(os.path.join(args.output, name))
+    except DataError as exc:
+        print(f"sparkdl compare: --data: {exc}", file=sys.stderr)
+        return 2
     except (UsageError, ConfigError, OSError) as exc:
         print(f"sparkdl compare: {_option_names(str(exc))}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from sparkdl._progress import validation_figures
+from sparkdl._validation import METRICS, accuracy, named_metrics, squeezed  # noqa: F401 - accuracy: re-exported where it was
 from sparkdl.cli._common import (
     UsageError, _config, _versions, _write_metrics, add_slot_wait_argument, load_factory, rank_rates, spark_session,
 )
@@ -31,16 +32,8 @@ OPTIMIZERS: Dict[str, Callable[..., torch.optim.Optimizer]] = {
 }
 
 
-def _squeezed(loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-    """Regression losses compare a [B, 1] output with a [B] label; squeeze rather than broadcast
-    to [B, B], which would train silently on the wrong objective."""
-
-    def regression_loss(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-        if output.dim() == label.dim() + 1 and output.shape[-1] == 1:
-            output = output.squeeze(-1)
-        return loss(output, label.to(output.dtype))
-
-    return regression_loss
+#: Regression losses compare a [B, 1] output with a [B] label: squeezed, not broadcast to [B, B].
+_squeezed = squeezed
 
 
 LOSSES: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
@@ -49,24 +42,6 @@ LOSSES: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "l1": _squeezed(F.l1_loss),
     "bce_with_logits": _squeezed(F.binary_cross_entropy_with_logits),
 }
-
-
-def accuracy(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-    """Share of rows whose predicted class is the label: the argmax of the outputs, or for one
-    output (a binary logit) whether it is positive."""
-    if output.dim() == label.dim() + 1 and output.shape[-1] == 1:
-        predicted = (output.squeeze(-1) > 0).to(label.dtype)
-    else:
-        predicted = output.argmax(dim=-1)
-    return (predicted == label).float().mean()
-
-
-METRICS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "accuracy": accuracy,
-    "mae": _squeezed(F.l1_loss),
-    "mse": _squeezed(F.mse_loss),
-}
-
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -250,7 +225,7 @@ def estimator_arguments(args: argparse.Namespace) -> Dict[str, Any]:
         reader=args.reader,
         decode_threads=args.decode_threads,
         validation=args.validation,
-        metrics={name: METRICS[name] for name in args.metrics} or None,
+        metrics=named_metrics(args.metrics) or None,  # the estimator's own vocabulary
         precision=args.precision,
     )
 

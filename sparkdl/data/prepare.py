@@ -42,9 +42,15 @@ def prepare_data(
 
     Raises:
         DataError: bad data, or a rank whose shard holds no rows.
+        ConfigError: Spark encrypts and unencrypted collectives are not accepted (before
+            anything is read or written: :func:`sparkdl._security.check_before_data`).
     """
+    from sparkdl._security import check_before_data
     from sparkdl.data.selection import shard_rows
 
+    # Under Spark encryption without the collectives accepted, the launch refuses: refuse before
+    # a DataFrame is written to the cache, not after.
+    check_before_data(spark or getattr(data, "sparkSession", None))
     plan, spec, filters, holdout = settings.plan, settings.spec, settings.filters, settings.holdout
     data_reader = settings.data_reader()
 

@@ -10,7 +10,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from sparkdl.errors import ConfigError
-from sparkdl.strategies.base import Strategy, StrategyRuntime
+from sparkdl.strategies.base import Strategy, StrategyRuntime, allreduce_bytes_sent
 
 if TYPE_CHECKING:  # pragma: no cover
     from sparkdl._rendezvous import DistEnv
@@ -56,17 +56,19 @@ class _AllReduceRuntime(StrategyRuntime):
         )
         # DDP's own C++ allreduce stays in charge: a Python comm hook per bucket (to count bytes)
         # cost 5% of a small model's step on one core. Its buckets hold every parameter that
-        # requires a gradient, so each synchronizing backward sends their bytes.
+        # requires a gradient, so each synchronizing backward allreduces their bytes (2(n-1)/n of
+        # them sent per rank, as DDP's ring allreduce does; nothing on a lone rank).
         gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-        ddp.register_forward_pre_hook(functools.partial(_count_gradient_sync, self, gradient_bytes))
+        sent = allreduce_bytes_sent(gradient_bytes, self.env.world_size)
+        ddp.register_forward_pre_hook(functools.partial(_count_gradient_sync, self, sent))
         return ddp
 
     def final_module(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def _count_gradient_sync(runtime: _AllReduceRuntime, gradient_bytes: int, ddp: DistributedDataParallel, _args: Any) -> None:
-    """Counts one gradient allreduce for a forward pass whose backward DDP will synchronize: the
-    condition DDP's own forward uses (gradients on, not inside ``no_sync()``)."""
+def _count_gradient_sync(runtime: _AllReduceRuntime, sent: int, ddp: DistributedDataParallel, _args: Any) -> None:
+    """Counts one gradient allreduce (``sent``: this rank's bytes of it) for a forward pass whose
+    backward DDP will synchronize: the condition DDP's own forward uses (gradients on, not inside ``no_sync()``)."""
     if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
-        runtime.comm_bytes += gradient_bytes
+        runtime.comm_bytes += sent

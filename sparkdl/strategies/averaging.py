@@ -37,7 +37,7 @@ from sparkdl.strategies._tensors import (
     nbytes,
     unflatten_into,
 )
-from sparkdl.strategies.base import Strategy, StrategyRuntime
+from sparkdl.strategies.base import Strategy, StrategyRuntime, allreduce_bytes_sent, broadcast_bytes_sent
 
 if TYPE_CHECKING:  # pragma: no cover
     from sparkdl._rendezvous import DistEnv
@@ -215,7 +215,7 @@ class _PeriodicSyncRuntime(StrategyRuntime):
         if any(m is module for m in self.modules):
             return module
         # Custom loops need not seed: start every replica from rank 0's weights, like DDP does.
-        self.comm_bytes += broadcast_from_rank0(module)
+        self.comm_bytes += broadcast_bytes_sent(broadcast_from_rank0(module), self.env.world_size, is_root=True)
         self.modules.append(module)
         self._module_prepared(module)
         return module
@@ -314,7 +314,7 @@ class _ModelAveragingRuntime(_PeriodicSyncRuntime):
                 # precision. Every rank receives the same reduced bits, so replicas are equal.
                 flat.div_(world_size)
                 dist.all_reduce(flat)
-                self.comm_bytes += nbytes(flat)
+                self.comm_bytes += allreduce_bytes_sent(nbytes(flat), world_size)
                 unflatten_into(flat, group)
             if self.outer:
                 # No traffic: every rank steps the same global copy with the same average.
@@ -387,7 +387,7 @@ class _ElasticAveragingRuntime(_PeriodicSyncRuntime):
                 local.sub_(diff, alpha=self.alpha)
                 unflatten_into(local, group)
                 dist.all_reduce(diff)  # sum over ranks of (x_i - c)
-                self.comm_bytes += nbytes(diff)
+                self.comm_bytes += allreduce_bytes_sent(nbytes(diff), self.env.world_size)
                 # Same center and same sum on every rank: the center copies stay identical.
                 center.add_(diff, alpha=self.alpha)
 

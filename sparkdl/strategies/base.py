@@ -20,6 +20,19 @@ if TYPE_CHECKING:  # pragma: no cover
 _REGISTRY: Dict[str, Type["Strategy"]] = {}
 
 
+def allreduce_bytes_sent(nbytes: int, world_size: int) -> int:
+    """What one rank sends in an allreduce of ``nbytes``: ``2 (n-1)/n`` of them, as a ring
+    allreduce does (reduce-scatter then all-gather, each ``(n-1)/n``; gloo's and NCCL's
+    bandwidth-optimal algorithm). ``nbytes`` at two ranks, 0 for a lone rank, which sends nothing."""
+    return 2 * (world_size - 1) * int(nbytes) // world_size if world_size > 1 else 0
+
+
+def broadcast_bytes_sent(nbytes: int, world_size: int, is_root: bool) -> int:
+    """What one rank sends in a broadcast of ``nbytes``: the root's bytes once; nothing on the
+    other ranks, nor on a lone rank."""
+    return int(nbytes) if is_root and world_size > 1 else 0
+
+
 class Strategy(abc.ABC):
     """User-facing configuration of a distributed training strategy."""
 
@@ -55,7 +68,9 @@ class StrategyRuntime(abc.ABC):
 
     def __init__(self, env: "DistEnv") -> None:
         self.env = env
-        #: Bytes this rank sent in collectives to keep the replicas consistent (not metrics).
+        #: Bytes this rank sent in collectives to keep the replicas consistent (not metrics):
+        #: count them with :func:`allreduce_bytes_sent` / :func:`broadcast_bytes_sent`, so a
+        #: lone rank reports 0.
         self.comm_bytes = 0
 
     @abc.abstractmethod

@@ -190,3 +190,18 @@ def test_notebook_style_closures_travel_by_value(spark, digits_df, digits_split)
     _, (test_x, test_y) = digits_split
     assert isinstance(model.module, NotebookNet)
     assert accuracy(model.module, test_x, test_y) >= 0.9
+
+
+@pytest.mark.parametrize(
+    "strategy", [sparkdl.AllReduce(), sparkdl.ModelAveraging(sync_every=2), sparkdl.ParameterServer()], ids=lambda s: type(s).__name__,
+)
+def test_a_lone_rank_sends_nothing_and_metrics_are_named_as_on_the_command_line(spark, digits_df, strategy):
+    # One worker (what a shrinking relaunch can leave): no peer, so no model-sync bytes. And
+    # metrics=["accuracy"] is the CLI's --metric accuracy (one vocabulary).
+    model = sparkdl.TorchEstimator(
+        model=digits_mlp, optimizer=_sgd, strategy=strategy, num_workers=1, batch_size=32, epochs=1, progress=False,
+        validation=0.2, metrics=["accuracy"],
+    ).fit(digits_df)
+    record = model.history[-1]
+    assert record["comm_bytes"] == 0 and record["samples"] > 0
+    assert 0.0 <= record["val_accuracy"] <= 1.0 and record["val_samples"] > 0

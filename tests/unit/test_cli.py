@@ -245,3 +245,87 @@ def test_a_run_ends_with_its_final_figures_and_where_the_model_is():
     line = _train.summary_line(document, "/runs/a")
     assert line == ("sparkdl-train: done in 12.3s, 2 epoch(s): final loss 0.2500, val_loss 0.3000, val_accuracy 0.9375; "
                     "model in /runs/a/model, metrics in /runs/a/metrics.json")
+
+
+def test_model_module_in_the_current_directory_is_imported_and_shipped_by_value(tmp_path, monkeypatch):
+    # `sparkdl train|compare --model here:make` run where here.py is: a console script's sys.path
+    # does not hold the current directory, and the executors have no copy of it.
+    from sparkdl.cli import _common
+
+    name = "sparkdl_cwd_model_under_test"
+    (tmp_path / f"{name}.py").write_text(
+        "import torch\n\nclass Net(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.layer = torch.nn.Linear(3, 2)\n\n    def forward(self, x):\n        return self.layer(x)\n\n"
+        "def make():\n    return Net()\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    try:
+        factory = _common.load_factory(f"{name}:make")
+        assert isinstance(factory(), torch.nn.Module)
+        import cloudpickle
+        from pyspark import cloudpickle as spark_cloudpickle
+
+        # Unpickled where the module is not importable (as on an executor): it came by value.
+        load = "import pickle, sys; m = pickle.loads(sys.stdin.buffer.read())(); print(type(m).__name__, m.layer.out_features)"
+        for pickler in (cloudpickle, spark_cloudpickle):
+            done = subprocess.run([sys.executable, "-c", load], input=pickler.dumps(factory), capture_output=True, timeout=120, cwd=REPO_ROOT)
+            assert done.returncode == 0 and done.stdout.decode().split() == ["Net", "2"], done.stderr.decode()[-2000:]
+    finally:
+        module = sys.modules.pop(name, None)
+        if module is not None:
+            import cloudpickle
+            from pyspark import cloudpickle as spark_cloudpickle
+
+            for pickler in (cloudpickle, spark_cloudpickle):
+                if name in pickler.list_registry_pickle_by_value():
+                    pickler.unregister_pickle_by_value(module)
+
+
+def test_a_model_module_found_nowhere_gets_advice_the_command_can_follow(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PYSPARK_GATEWAY_PORT", raising=False)
+    for command in ("train", "compare"):
+        code = cli.sparkdl_main([command, "--data", "/d", "--model", "nowhere_models:make", "--features", "f", "--label", "l",
+                                 "--output", str(tmp_path / command)])
+        err = capsys.readouterr().err
+        assert code == 2 and "cannot import 'nowhere_models'" in err, err
+        assert "run the command where nowhere_models.py is, or add its directory to PYTHONPATH" in err
+        assert "--py-files" not in err  # neither command takes it; only spark-submit does
+    monkeypatch.setenv("PYSPARK_GATEWAY_PORT", "1")  # a driver spark-submit started
+    with pytest.raises(cli.UsageError, match="under spark-submit, ship it with --py-files nowhere_models.py"):
+        cli.load_factory("nowhere_models:make")
+
+
+def test_pyspark_pandas3_warning_is_filtered_once_sparkdl_runs_spark_and_nothing_else_is():
+    import pandas
+
+    # pyspark.testing.utils checks the pandas version at import, as sparkdl's first mapInArrow
+    # does: the warning that opened every demo and notebook run.
+    script = (
+        "import sys, warnings\n"
+        "if sys.argv[1] == 'sparkdl':\n    import sparkdl.estimator\n"
+        "warnings.warn_explicit('another pyspark FutureWarning', FutureWarning, 'x.py', 1, module='pyspark.sql.other')\n"
+        "import pyspark.testing.utils\n"
+    )
+    quiet = subprocess.run([sys.executable, "-c", script, "sparkdl"], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    assert "PySpark does not yet fully support pandas" not in quiet.stderr
+    assert "another pyspark FutureWarning" in quiet.stderr  # only that one message is filtered
+    if int(pandas.__version__.split(".")[0]) >= 3:  # the stack where PySpark warns at all
+        plain = subprocess.run([sys.executable, "-c", script, "plain"], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+        assert "PySpark does not yet fully support pandas >= 3.0.0" in plain.stderr
+
+
+def test_the_estimator_takes_the_metric_names_the_command_line_takes():
+    from sparkdl._validation import METRICS
+
+    make = lambda: torch.nn.Linear(64, 10)  # noqa: E731
+    parser_choices = next(a.choices for a in cli.build_parser()._actions if a.dest == "metrics")
+    assert sorted(parser_choices) == sorted(METRICS)  # one vocabulary
+    for name in METRICS:
+        estimator = sparkdl.TorchEstimator(model=make, validation=0.2, metrics=[name], progress=False)
+        assert estimator.settings.data.metrics == {name: METRICS[name]}
+    assert sparkdl.TorchEstimator(model=make, validation=0.2, metrics="accuracy").settings.data.metrics == {"accuracy": METRICS["accuracy"]}
+    with pytest.raises(sparkdl.ConfigError, match=r"unknown metric 'acc'; named metrics are accuracy, mae, mse"):
+        sparkdl.TorchEstimator(model=make, validation=0.2, metrics=["acc"])

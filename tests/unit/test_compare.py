@@ -204,3 +204,37 @@ def test_slowed_model_keeps_the_state_dict_pickles_and_sleeps_only_on_its_rank_i
         assert timed(module.eval()) < 0.3  # validation passes are not slowed
     finally:
         dist.destroy_process_group()
+
+
+def test_comm_bytes_of_a_collective_are_what_one_rank_sends_and_nothing_alone():
+    from sparkdl.strategies.base import allreduce_bytes_sent, broadcast_bytes_sent
+
+    # A ring allreduce of S bytes: each rank sends 2(n-1)/n S; two ranks S; a lone rank nothing.
+    assert [allreduce_bytes_sent(1200, n) for n in (1, 2, 3, 4)] == [0, 1200, 1600, 1800]
+    assert [broadcast_bytes_sent(1200, n, is_root=True) for n in (1, 2, 4)] == [0, 1200, 1200]
+    assert broadcast_bytes_sent(1200, 4, is_root=False) == 0
+
+
+def test_a_data_path_that_does_not_exist_is_one_message_before_spark_starts(tmp_path, capsys, monkeypatch):
+    from sparkdl.cli import _compare
+
+    def no_spark(*args, **kwargs):
+        raise AssertionError("Spark was started for a --data path that does not exist")
+
+    monkeypatch.setattr(_compare, "spark_session", no_spark)
+    missing = tmp_path / "missing"
+    code = sparkdl_main(["compare", "--data", str(missing), "--model", "tests.models:digits_mlp", "--features", "features",
+                         "--label", "label", "--output", str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.splitlines() == [f"sparkdl compare: --data: no dataset at 'file://{missing}': the path does not exist"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_compare_checks_the_data_once_before_any_strategy_trains(tmp_path, monkeypatch):
+    fits = []
+    monkeypatch.setattr(sparkdl.TorchEstimator, "fit", lambda self, data: fits.append(data))
+    with pytest.raises(sparkdl.DataError, match="the path does not exist"):
+        sparkdl.compare(model=lambda: torch.nn.Linear(64, 10), data=str(tmp_path / "missing"),
+                        strategies=[sparkdl.AllReduce(), sparkdl.ModelAveraging(sync_every=4)])
+    assert fits == []

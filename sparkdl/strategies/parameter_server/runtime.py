@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from sparkdl.errors import ConfigError
 from sparkdl.strategies._tensors import broadcast_from_rank0, by_device_and_dtype, flatten, nbytes, unflatten_into
-from sparkdl.strategies.base import StrategyRuntime
+from sparkdl.strategies.base import StrategyRuntime, allreduce_bytes_sent, broadcast_bytes_sent
 from sparkdl.strategies.parameter_server.layout import TableSpec, make_layout
 from sparkdl.strategies.parameter_server.shard import ServerState, Shard
 from sparkdl.strategies.parameter_server.transport import ByteCounter, ShardClient, ShardServer, connect_all, listen
@@ -125,7 +125,7 @@ class ParameterServerRuntime(StrategyRuntime):
         if any(m is module for m in self.modules):
             return module
         # Custom loops need not seed: every replica starts from rank 0's weights, like DDP.
-        self._sent.add(broadcast_from_rank0(module))
+        self._sent.add(broadcast_bytes_sent(broadcast_from_rank0(module), self.env.world_size, is_root=True))
         self.modules.append(module)
         return module
 
@@ -180,8 +180,7 @@ class ParameterServerRuntime(StrategyRuntime):
                 # The servers start from rank 0's values, and so does every replica.
                 flat = flatten(worker.params)
                 dist.broadcast(flat, src=0)
-                if self.env.rank == 0:
-                    self._sent.add(nbytes(flat))
+                self._sent.add(broadcast_bytes_sent(nbytes(flat), self.env.world_size, self.env.rank == 0))
                 unflatten_into(flat, worker.params)
             low, high = spec.shard_bounds(self.env.rank)
             shard = Shard(spec, self.env.rank, self.env.world_size, self.max_staleness, self.timeout_s, flat[low:high], optimizer)
@@ -214,11 +213,10 @@ class ParameterServerRuntime(StrategyRuntime):
                 if flat.is_floating_point() or flat.is_complex():
                     flat.div_(self.env.world_size)
                     dist.all_reduce(flat)
-                    self._sent.add(nbytes(flat))
+                    self._sent.add(allreduce_bytes_sent(nbytes(flat), self.env.world_size))
                 else:
                     dist.broadcast(flat, src=0)
-                    if self.env.rank == 0:
-                        self._sent.add(nbytes(flat))
+                    self._sent.add(broadcast_bytes_sent(nbytes(flat), self.env.world_size, self.env.rank == 0))
                 unflatten_into(flat, group)
         # No server may shut down while another rank is still pulling from it.
         dist.barrier()

@@ -9,8 +9,9 @@ exception objects) because they cross a process boundary as JSON.
 from __future__ import annotations
 
 import dataclasses
+import re
 import traceback
-from typing import Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 
 class SparkdlError(Exception):
@@ -60,6 +61,9 @@ class RankFailure:
     peer_loss: bool = False
     #: Where the rank ran: the machine's name and its executor's address ("" when unknown).
     host: str = ""
+    #: ``"ConfigError"`` or ``"DataError"`` when the exception was one (a subclass included):
+    #: the driver raises it as that class (:func:`raised_from`) and does not retry it.
+    category: str = ""
 
     @classmethod
     def from_exception(cls, rank: int, exc: BaseException, phase: str = "", host: str = "") -> "RankFailure":
@@ -71,6 +75,7 @@ class RankFailure:
             phase=phase,
             peer_loss=isinstance(exc, PeerLostError),
             host=host,
+            category="ConfigError" if isinstance(exc, ConfigError) else "DataError" if isinstance(exc, DataError) else "",
         )
 
     def to_json(self) -> dict:
@@ -86,6 +91,7 @@ class RankFailure:
             phase=str(data.get("phase", "")),
             peer_loss=bool(data.get("peer_loss", False)),
             host=str(data.get("host", "")),
+            category=str(data.get("category", "")),
         )
 
 
@@ -121,16 +127,50 @@ class TrainingError(SparkdlError):
 
 
 class RankConfigError(TrainingError, ConfigError):
-    """A setting the ranks found invalid on their hosts before training (for example an
-    interface variable naming an interface a host lacks): a :class:`TrainingError` (which rank,
-    which host) that is also a :class:`ConfigError` (fix the setting; retrying cannot help)."""
+    """A setting the ranks found invalid (an interface variable naming an interface a host
+    lacks, ``ShardedDataParallel.shard_modules`` naming no submodule, a checkpoint the strategy
+    cannot resume on this many workers...): a :class:`TrainingError` (which rank, which host,
+    ``remote_traceback``) that is also a :class:`ConfigError` (fix the setting; retrying cannot
+    help, so it is not retried)."""
+
+
+class RankDataError(TrainingError, DataError):
+    """Data the ranks found unusable (a NaN or null feature beyond the rows the driver checked,
+    ...): a :class:`TrainingError` that is also a :class:`DataError`; not retried."""
+
+
+#: torch/gloo's own messages for a connection to a peer that went away. sparkdl's strategies
+#: raise :class:`PeerLostError` instead (``RankFailure.peer_loss``).
+_PEER_LOSS = re.compile(r"connection (closed|reset|refused|lost)|broken pipe|closed by peer|lost (rank|peer|worker)|peer rank", re.I)
+
+#: Subclasses of ConfigError / DataError whose records predate ``RankFailure.category``, or come
+#: from a launched child (which reports its exception's type by name only).
+_CATEGORY_BY_NAME = {
+    "ConfigError": "ConfigError", "RankConfigError": "ConfigError", "ProcessSpawnError": "ConfigError",
+    "DataError": "DataError", "RankDataError": "DataError", "EmptyDatasetError": "DataError",
+}
+
+
+def is_peer_loss(failure: RankFailure) -> bool:
+    """Whether a rank's error reads like the consequence of another rank's death or failure."""
+    return failure.peer_loss or bool(_PEER_LOSS.search(f"{failure.exc_type}: {failure.message}"))
+
+
+def category(failure: RankFailure) -> str:
+    """``"ConfigError"``, ``"DataError"`` or ``""``: the public class a rank's error belongs to."""
+    return failure.category or _CATEGORY_BY_NAME.get(failure.exc_type, "")
 
 
 def raised_from(error: TrainingError) -> TrainingError:
-    """``error`` as the driver raises it: a :class:`RankConfigError` when every rank that failed
-    failed on a setting."""
-    if error.failures and all(failure.exc_type == "ConfigError" for failure in error.failures):
+    """``error`` as the driver raises it: a :class:`RankConfigError` (:class:`RankDataError`)
+    when every rank that failed on its own failed on a setting (on the data); the ranks that
+    only lost a peer to that failure (their collective broke) do not count."""
+    causes = [f for f in error.failures if not is_peer_loss(f)] or list(error.failures)
+    kinds = {category(f) for f in causes}
+    if kinds == {"ConfigError"}:
         return RankConfigError(error.failures, error.hint)
+    if kinds == {"DataError"}:
+        return RankDataError(error.failures, error.hint)
     return error
 
 
@@ -143,26 +183,74 @@ SELF_EXPLAINED = frozenset(
 )
 
 
+_RANK = "\x00rank\x00"
+
+
+def _host_names(host: str) -> List[str]:
+    """The ways a message may name ``host`` ("name (address)"): whole, the address, the name."""
+    match = re.fullmatch(r"(.*?) \((.*)\)", host)
+    names = [host, *(match.groups() if match else ())]
+    return sorted({n for n in names if n}, key=len, reverse=True)
+
+
+def _headline_key(failure: RankFailure) -> Tuple[str, str]:
+    """What identical failures of different ranks share: the message with this rank's number and
+    host masked in its first line (messages such as "... exited with status 3 on rank 1 (host
+    h2); its last lines:" name them); the lines after it (output, details) must match exactly."""
+    head, sep, rest = failure.message.partition("\n")
+    for name in _host_names(failure.host):
+        head = re.sub(rf"(?<![\w.-]){re.escape(name)}(?![\w.-])", "\x00host\x00", head)
+    head = re.sub(rf"\brank {failure.rank}\b", _RANK, head)
+    return failure.exc_type, head + sep + rest
+
+
+def _group(failures: Sequence[RankFailure]) -> List[List[RankFailure]]:
+    """Failures grouped by :func:`_headline_key`, in order of first appearance."""
+    groups: Dict[Tuple[str, str], List[RankFailure]] = {}
+    for failure in failures:
+        groups.setdefault(_headline_key(failure), []).append(failure)
+    return list(groups.values())
+
+
+def _ranks(group: Sequence[RankFailure]) -> str:
+    ranks = sorted({f.rank for f in group})
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _message(group: Sequence[RankFailure]) -> str:
+    """The group's first message, naming every rank of the group where it named its own."""
+    first = group[0]
+    head, sep, rest = first.message.partition("\n")
+    if len({f.rank for f in group}) > 1:
+        head = re.sub(rf"\brank {first.rank}\b", _ranks(group), head)
+    return head + sep + rest
+
+
 def format_failures(failures: Sequence[RankFailure], hint: str = "") -> str:
-    """One readable message: the first failure in full, identical ones from other ranks grouped."""
+    """One readable message: the first failure in full, identical ones from other ranks grouped
+    into it ("ranks 0, 1"), each different one in a line."""
     if not failures:
         return "training failed, but no rank reported an error" + (f"\n{hint}" if hint else "")
-    first = failures[0]
-    same = sorted({f.rank for f in failures if (f.exc_type, f.message) == (first.exc_type, first.message)})
-    others = [f for f in failures if (f.exc_type, f.message) != (first.exc_type, first.message)]
-    if first.rank < 0:
-        where = "the Spark job, before any rank started"
-    else:
-        where = f"rank {first.rank}" if len(same) == 1 else f"ranks {', '.join(map(str, same))}"
+    groups = _group(failures)
+    same, others = groups[0], groups[1:]
+    first = same[0]
+    where = "the Spark job, before any rank started" if first.rank < 0 else _ranks(same)
     phase = f" while {first.phase}" if first.phase else ""
-    lines = [f"training failed on {where}{phase}: {first.exc_type}: {first.message}"]
+    lines = [f"training failed on {where}{phase}: {first.exc_type}: {_message(same)}"]
     if hint:
         lines.append(hint)
-    if first.host:
-        lines.append(f"(rank {first.rank} ran on host {first.host})")
-    for other in others:
-        on = f" on host {other.host}" if other.host else ""
-        lines.append(f"  also rank {other.rank}{on}: {other.exc_type}: {other.message}")
+    hosts = sorted({f.host for f in same if f.host})
+    if len(hosts) == 1:
+        lines.append(f"({_ranks(same)} ran on host {hosts[0]})")
+    elif hosts:
+        lines.append("(" + ", ".join(f"rank {f.rank} on host {f.host}" for f in same if f.host) + ")")
+    for group in others:
+        other = group[0]
+        group_hosts = sorted({f.host for f in group if f.host})
+        on = f" on host {group_hosts[0]}" if len(group_hosts) == 1 else ""
+        head, _, rest = _message(group).partition("\n")
+        more = " (the rest: TrainingError.failures)" if rest.strip() else ""
+        lines.append(f"  also {_ranks(group)}{on}: {other.exc_type}: {head}{more}")
     if first.traceback and first.exc_type in SELF_EXPLAINED:
         lines.append("(the rank's traceback: TrainingError.remote_traceback)")
     elif first.traceback:

@@ -5,8 +5,11 @@ Layout, one concern per module:
 * :mod:`~sparkdl._launcher.config` — :class:`LaunchConfig` (how the stage runs),
   :class:`FailurePolicy` and :class:`Decision` (whether a failed attempt is relaunched),
   :class:`LaunchOutcome` (what :func:`launch` returns). Plain data.
-* :mod:`~sparkdl._launcher.driver` — :func:`launch` and one attempt of it: check slots
-  (:func:`check_slots`), open the progress channel, run the barrier stage, turn what went wrong
+* :mod:`~sparkdl._launcher.cluster` — what the driver asks Spark's scheduler: free task slots
+  (:func:`check_slots`, the relaunch's bounded wait for slots other jobs hold) and its
+  task-failure logging, quiet while a stage runs.
+* :mod:`~sparkdl._launcher.driver` — :func:`launch` and one attempt of it: check slots, open
+  the progress channel, run the barrier stage, turn what went wrong
   into one :class:`~sparkdl.errors.TrainingError` (:func:`_failure_from_spark` when the job died
   before any rank reported).
 * :mod:`~sparkdl._launcher.monitor` — :class:`~sparkdl._launcher.monitor.JobMonitor`, the
@@ -32,9 +35,9 @@ _NAMES = {
     "LaunchConfig": "sparkdl._launcher.config",
     "LaunchOutcome": "sparkdl._launcher.config",
     "JobMonitor": "sparkdl._launcher.monitor",
-    "_expected_executors": "sparkdl._launcher.driver",
+    "_expected_executors": "sparkdl._launcher.cluster",
     "_failure_from_spark": "sparkdl._launcher.driver",
-    "check_slots": "sparkdl._launcher.driver",
+    "check_slots": "sparkdl._launcher.cluster",
     "launch": "sparkdl._launcher.driver",
 }
 __getattr__, __dir__ = lazy_attributes(__name__, _NAMES)
@@ -42,5 +45,6 @@ __all__ = sorted(_NAMES)
 
 if TYPE_CHECKING:  # pragma: no cover
     from sparkdl._launcher.config import Decision, FailurePolicy, LaunchConfig, LaunchOutcome
-    from sparkdl._launcher.driver import _expected_executors, _failure_from_spark, check_slots, launch
+    from sparkdl._launcher.cluster import _expected_executors, check_slots
+    from sparkdl._launcher.driver import _failure_from_spark, launch
     from sparkdl._launcher.monitor import JobMonitor

@@ -11,7 +11,7 @@ import re
 from typing import Any, Dict, List, Optional, Tuple
 
 from sparkdl._precision import Precision
-from sparkdl.errors import ConfigError, RankFailure, TrainingError
+from sparkdl.errors import ConfigError, RankFailure, TrainingError, category
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +110,8 @@ class Decision(enum.Enum):
 class FailurePolicy:
     """Whether a failed attempt is relaunched.
 
-    Failures that would only repeat — bad settings or data, a NaN loss, code the executors
-    cannot import — are raised at once, and so is an attempt that failed the same way as the one
+    Failures that would only repeat — bad settings or data (a ``ConfigError`` or ``DataError``
+    of any subclass), a NaN loss, code the executors cannot import — are raised at once, and so is an attempt that failed the same way as the one
     before it (the same rank, error and phase, which names the step): it would fail again.
     Anything else (a lost executor, a killed process, a hang, a network error, an exception in
     user code) is retried up to ``max_failures`` times.
@@ -124,7 +124,9 @@ class FailurePolicy:
         if failures_so_far > self.max_failures:
             return Decision.RAISE
         first = error.failures[0] if error.failures else None
-        if first is not None and (first.exc_type in self.deterministic or "No module named" in first.message):
+        if first is not None and (
+            first.exc_type in self.deterministic or category(first) in self.deterministic or "No module named" in first.message
+        ):
             return Decision.RAISE
         if first is not None and previous is not None and previous.failures and same_failure(first, previous.failures[0]):
             return Decision.RAISE

@@ -22,6 +22,7 @@ import cloudpickle
 
 from sparkdl._channel import ChannelServer, new_secret
 from sparkdl._device import check_gpu_request
+from sparkdl._launcher.cluster import check_slots, quiet_task_failure_logs, relaunch_workers, wait_for_free_slots
 from sparkdl._launcher.config import HOST_TIMEOUT_CONF, Decision, FailurePolicy, LaunchConfig, LaunchOutcome, host_timeout_s, same_failure
 from sparkdl._launcher.monitor import JobMonitor
 from sparkdl._launcher.task import _task_main, _TaskPayload
@@ -29,11 +30,12 @@ from sparkdl._progress import ProgressDisplay
 from sparkdl._security import security_policy
 from sparkdl._store import StoreServer
 from sparkdl._session import Session
-from sparkdl.checkpoint import CheckpointConfig, open_store
+from sparkdl.checkpoint import CheckpointConfig, FileCheckpointStore, open_store
+from sparkdl.filesystem import check_writable
 from sparkdl.data.batching import DataSpec
 from sparkdl.data.dataset import DatasetInfo
 from sparkdl.data.readers.base import DataReader
-from sparkdl.errors import ConfigError, InsufficientSlotsError, RankFailure, TrainingError, raised_from
+from sparkdl.errors import ConfigError, RankFailure, TrainingError, raised_from
 from sparkdl.strategies.base import Strategy
 
 logger = logging.getLogger("sparkdl")
@@ -71,6 +73,8 @@ def launch(
     lost_host_after_s = host_timeout_s(session.conf(HOST_TIMEOUT_CONF), config.heartbeat_interval_s)
     display = display or ProgressDisplay(enabled=config.progress)
     store = open_store(checkpoint) if checkpoint else None
+    if isinstance(store, FileCheckpointStore):  # a registered store of its own scheme checks itself
+        check_writable(store.url, "checkpoint_dir")  # before an epoch is spent, not at the first checkpoint
     if store is not None:
         if not checkpoint.resume:
             store.clear()
@@ -94,6 +98,8 @@ def launch(
         if not session.connect:
             if config.min_workers is None:
                 check_slots(spark.sparkContext, config.num_workers, config.slot_wait_s)
+                if attempt > 1:  # another job may hold a slot the failed attempt freed: wait for it, bounded
+                    wait_for_free_slots(spark.sparkContext, config.num_workers, config.slot_wait_s, lambda m: _say(config, m), attempt)
             else:
                 # The first launch too: a cluster that lost a host before the fit started is
                 # the same cluster as one that lost it during the fit.
@@ -155,6 +161,21 @@ def launch(
 _MAX_DRAINS = 10
 
 
+class _RankDisconnects(logging.Filter):
+    """The channel's line for a rank that hung up without saying bye goes to debug level: the
+    monitor judges those disconnects (the cause, WorkerLost, or a consequence of a cancel) and
+    the TrainingError names the one that matters. Other peers' lines (unauthenticated ones) stay."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.DEBUG and record.msg == "channel: rank %d (%s) disconnected without saying bye":
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+logging.getLogger("sparkdl.channel").addFilter(_RankDisconnects())
+
+
 def _say(config: LaunchConfig, message: str) -> None:
     # Once: on the progress display when there is one, else in the log (a logger with no
     # handler prints warnings to stderr too, which printed it twice).
@@ -201,6 +222,8 @@ def _launch_once(
         channel_address=server.address,
         secret=secret,
         store_address=rendezvous_store.address,
+        # local[N]: the executor's output is this console, where the display prints it already.
+        quiet_console=config.progress and re.match(r"local(\[|$)", session.master or "") is not None,
         **payload_fields,
     )
 
@@ -247,9 +270,12 @@ def _launch_once(
 
     session.add_tag(tag)
     try:
-        results = session.run_barrier(
-            config.num_workers, run_tasks, f"sparkdl: train on {config.num_workers} barrier tasks ({strategy.name})"
-        )
+        # A failed rank is reported once, by the TrainingError: Spark's own warnings for each
+        # failed and killed task (its traceback and Java stack again) are off meanwhile.
+        with quiet_task_failure_logs(None if session.connect else session.spark.sparkContext, tag):
+            results = session.run_barrier(
+                config.num_workers, run_tasks, f"sparkdl: train on {config.num_workers} barrier tasks ({strategy.name})"
+            )
     except KeyboardInterrupt:
         stop_interrupted()
         raise
@@ -361,87 +387,3 @@ def _failure_from_spark(exc: BaseException) -> RankFailure:
             "interpreter that has them"
         )
     return RankFailure(rank=-1, exc_type="SparkJobFailed", message=message + hint, traceback=remote, phase="launching")
-
-
-def check_slots(sc: Any, num_workers: int, wait_s: float) -> None:
-    """Fails fast when the cluster cannot run ``num_workers`` tasks at once.
-
-    Spark itself would retry the barrier stage for minutes before giving up
-    (``spark.scheduler.barrier.maxConcurrentTasksCheck.*``). Executors register asynchronously
-    after start-up, so while fewer have registered than were asked for this waits up to
-    ``wait_s``; once they are all there, too few slots is an error at once. When the number
-    to expect is unknown (a standalone or YARN cluster without ``spark.executor.instances``),
-    it waits the whole ``wait_s`` before deciding.
-    """
-    deadline = time.monotonic() + wait_s
-    jsc = sc._jsc.sc()
-    expected = _expected_executors(sc)
-    while True:
-        profile = jsc.resourceProfileManager().defaultResourceProfile()
-        slots = int(jsc.maxNumConcurrentTasks(profile))
-        if slots >= num_workers:
-            return
-        executors = int(jsc.getExecutorIds().size())
-        if (expected is not None and executors >= expected) or time.monotonic() >= deadline:
-            break
-        time.sleep(0.25)  # polling the scheduler: executor registration has no Python-side event
-    task_cpus = sc.getConf().get("spark.task.cpus", "1")
-    # Waiting longer helps only when executors may still be registering (the deadline decided).
-    still_starting = expected is None or executors < expected
-    raise InsufficientSlotsError(
-        f"num_workers={num_workers} needs {num_workers} concurrent task slots, but the cluster has {slots} "
-        f"({executors} executor(s); slots = executor cores / spark.task.cpus={task_cpus}). "
-        f"Lower num_workers to at most {slots}, or add executors or cores"
-        + (f"; if executors are still starting, wait longer for them with slot_wait_s (now {wait_s:g} s)." if still_starting else ".")
-    )
-
-
-def free_slots(sc: Any) -> int:
-    """Task slots not held by a running or pending task of an active stage (other jobs')."""
-    jsc = sc._jsc.sc()
-    slots = int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
-    tracker = sc.statusTracker()
-    busy = 0
-    for stage in tracker.getActiveStageIds():
-        info = tracker.getStageInfo(stage)
-        if info is not None:
-            busy += max(0, info.numTasks - info.numCompletedTasks)
-    return max(0, slots - busy)
-
-
-def relaunch_workers(sc: Any, num_workers: int, min_workers: int, wait_s: float, attempt: int = 2) -> int:
-    """The workers an attempt runs on: ``num_workers`` when that many slots are free, else as
-    many as are free once the executors expected have registered (or after ``wait_s``), at least
-    ``min_workers``.
-
-    Raises:
-        InsufficientSlotsError: fewer than ``min_workers`` slots are free.
-    """
-    deadline = time.monotonic() + wait_s
-    expected = _expected_executors(sc)
-    while True:
-        free = free_slots(sc)
-        if free >= num_workers:
-            return num_workers
-        executors = int(sc._jsc.sc().getExecutorIds().size())
-        if (expected is not None and executors >= expected) or time.monotonic() >= deadline:
-            break
-        time.sleep(0.25)  # polling the scheduler: executor registration has no Python-side event
-    if free >= min_workers:
-        return free
-    raise InsufficientSlotsError(
-        f"{'the first launch' if attempt == 1 else 'the relaunch after a failure'} found {free} free task slot(s), fewer than min_workers={min_workers} "
-        f"(num_workers={num_workers}) within slot_wait_s={wait_s:g} s; lower min_workers to train on fewer workers, "
-        f"free or add executors, or wait longer for replacement executors with slot_wait_s"
-    )
-
-
-def _expected_executors(sc: Any) -> Optional[int]:
-    """How many executors this application will get, when that is known up front."""
-    configured = sc.getConf().get("spark.executor.instances", None)
-    if configured:
-        return int(configured)
-    match = re.match(r"local-cluster\[\s*(\d+)", sc.master)
-    if match:
-        return int(match.group(1))
-    return 1 if sc.master.startswith("local") else None

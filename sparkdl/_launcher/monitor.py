@@ -13,18 +13,12 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sparkdl._progress import ProgressDisplay
-from sparkdl.errors import InsufficientSlotsError, RankFailure
+from sparkdl.errors import InsufficientSlotsError, RankFailure, is_peer_loss
 
 logger = logging.getLogger("sparkdl")
 
-#: torch/gloo's own messages for a connection to a peer that went away. sparkdl's strategies
-#: raise :class:`~sparkdl.errors.PeerLostError` instead (``RankFailure.peer_loss``).
-_PEER_LOSS = re.compile(r"connection (closed|reset|refused|lost)|broken pipe|closed by peer|lost (rank|peer|worker)|peer rank", re.I)
-
-
-def _is_peer_loss(failure: RankFailure) -> bool:
-    """Whether a rank's error reads like the consequence of another rank's death."""
-    return failure.peer_loss or bool(_PEER_LOSS.search(f"{failure.exc_type}: {failure.message}"))
+#: Whether a rank's error reads like the consequence of another rank's death (sparkdl.errors).
+_is_peer_loss = is_peer_loss
 
 
 class JobMonitor:
@@ -262,7 +256,8 @@ class JobMonitor:
             root = self.failures[0] if self.failures else None  # none when the job died before any rank reported
             self._cond.notify_all()
         if root is not None:
-            logger.error("rank %d failed (%s: %s); cancelling the Spark job", root.rank, root.exc_type, root.message)
+            # Not a warning: the TrainingError raised right after says it all (once).
+            logger.info("rank %d failed (%s); cancelling the Spark job", root.rank, root.exc_type)
         self._cancel()
 
     def wait_disconnected(self, timeout: float) -> None:

@@ -52,6 +52,8 @@ class _TaskPayload:
     encrypt: bool = False
     #: The driver's rendezvous store for this launch, (host, port).
     store_address: Optional[tuple] = None
+    #: The executor's console is the driver's (local mode), which shows the rank's output itself.
+    quiet_console: bool = False
 
 
 def _task_main(payload: _TaskPayload) -> List[tuple]:
@@ -79,7 +81,7 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
     heartbeat = _Heartbeat(client, liveness, payload.config.heartbeat_interval_s)
     # ``scopes`` closes after the finally block below: the device stays selected until the
     # process group is torn down, and is restored before the worker runs its next task.
-    with _rank_prefixed_output(rank), _forward_logs(client, rank), _task_threads(barrier.cpus()), contextlib.ExitStack() as scopes:
+    with _rank_prefixed_output(rank, payload.quiet_console), _forward_logs(client, rank), _task_threads(barrier.cpus()), contextlib.ExitStack() as scopes:
         context = None
         runtime = None
         try:
@@ -371,16 +373,19 @@ class _PrefixedWriter(io.TextIOBase):
 
 
 @contextlib.contextmanager
-def _rank_prefixed_output(rank: int):
+def _rank_prefixed_output(rank: int, quiet: bool = False):
     saved = sys.stdout, sys.stderr
-    sys.stdout = _PrefixedWriter(saved[0], f"[sparkdl rank {rank}] ", "stdout")
-    sys.stderr = _PrefixedWriter(saved[1], f"[sparkdl rank {rank}] ", "stderr")
+    sink = open(os.devnull, "w") if quiet else None  # noqa: SIM115 - closed below
+    sys.stdout = _PrefixedWriter(sink or saved[0], f"[sparkdl rank {rank}] ", "stdout")
+    sys.stderr = _PrefixedWriter(sink or saved[1], f"[sparkdl rank {rank}] ", "stderr")
     try:
         yield
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         sys.stdout, sys.stderr = saved
+        if sink is not None:
+            sink.close()
 
 
 class _ChannelLogHandler(logging.Handler):

@@ -86,6 +86,9 @@ def launch_main(argv: Optional[List[str]] = None) -> int:
         print(f"sparkdl launch: {exc}", file=sys.stderr)
         return 1
     finally:
+        from sparkdl._launcher.cluster import settle
+
+        settle()  # a failed stage's killed tasks end first: stopping under them fails them noisily
         spark.stop()
     print(f"sparkdl launch: {args.script} finished on {args.num_workers} rank(s); rank 0's last lines:")
     for line in result.last_lines:

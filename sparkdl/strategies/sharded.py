@@ -72,6 +72,25 @@ class ShardedDataParallel(Strategy):
     def create_runtime(self, env: "DistEnv") -> "StrategyRuntime":
         return _ShardedRuntime(self, env)
 
+    def check_model(self, module: torch.nn.Module) -> None:
+        """On the driver, before launch: what every rank's ``prepare_model`` would refuse the same
+        way (no parameters, sparse embeddings, a ``shard_modules`` entry naming no submodule)."""
+        check_shardable(module, self)
+        shard_units(module, self)
+
+
+def check_shardable(module: torch.nn.Module, config: ShardedDataParallel) -> None:
+    """Raises ConfigError for a model ``fully_shard`` cannot take as it is."""
+    params = list(module.parameters())
+    if not params:
+        raise ConfigError(f"ShardedDataParallel needs a model with parameters; {type(module).__name__} has none (use AllReduce)")
+    sparse = [name for name, sub in module.named_modules() if getattr(sub, "sparse", False) and isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag))]
+    if sparse:
+        raise ConfigError(
+            f"ShardedDataParallel cannot shard sparse gradients, but {', '.join(map(repr, sparse[:5]))} of "
+            f"{type(module).__name__} use sparse=True; build them with sparse=False or use AllReduce"
+        )
+
 
 def shard_units(module: torch.nn.Module, config: ShardedDataParallel) -> List[Tuple[str, torch.nn.Module]]:
     """The submodules (name, module) that get their own ``fully_shard``, children before parents
@@ -146,9 +165,11 @@ class _ShardedRuntime(StrategyRuntime):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        try:
+            check_shardable(module, self.config)
+        except ConfigError as exc:
+            raise self._fail(str(exc)) from None
         params = list(module.parameters())
-        if not params:
-            raise self._fail(f"ShardedDataParallel needs a model with parameters; {type(module).__name__} has none (use AllReduce)")
         from torch.distributed.tensor import DTensor
 
         if any(isinstance(p, DTensor) for p in params):
@@ -161,12 +182,6 @@ class _ShardedRuntime(StrategyRuntime):
             raise self._fail(
                 f"ShardedDataParallel shards one device's parameters, but {type(module).__name__} has parameters or "
                 f"buffers on {', '.join(devices)}; keep the whole model on one device (the task's {self.env.device})"
-            )
-        sparse = [name for name, sub in module.named_modules() if getattr(sub, "sparse", False) and isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag))]
-        if sparse:
-            raise self._fail(
-                f"ShardedDataParallel cannot shard sparse gradients, but {', '.join(map(repr, sparse[:5]))} of "
-                f"{type(module).__name__} use sparse=True; build them with sparse=False or use AllReduce"
             )
         try:
             units = shard_units(module, self.config)
@@ -195,9 +210,10 @@ class _ShardedRuntime(StrategyRuntime):
         return module
 
     def _bytes_per_step(self, root: torch.nn.Module, units: Sequence[Tuple[str, torch.nn.Module]]) -> int:
-        """Bytes of full parameters the collectives of one training step move: each unit is
-        all-gathered for its forward, again for its backward when resharded after forward (the
-        root never is: FSDP keeps it), and its gradients reduce-scattered."""
+        """Bytes this rank sends in one training step's collectives: each unit is all-gathered
+        for its forward, again for its backward when resharded after forward (the root never
+        is: FSDP keeps it), and its gradients reduce-scattered; in each a rank sends the
+        (n-1)/n of the unit's full bytes the others hold (nothing on a lone rank)."""
         done: Set[int] = set()
         total = 0
         for _, unit in [*units, ("", root)]:
@@ -208,7 +224,8 @@ class _ShardedRuntime(StrategyRuntime):
                     size += param.numel() * param.element_size()
             gathers = 2 if self.config.reshard_after_forward and unit is not root else 1
             total += size * (gathers + 1)
-        return total
+        world_size = self.env.world_size
+        return total * (world_size - 1) // world_size
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         optimizer.register_step_post_hook(self._count_step)

@@ -55,8 +55,9 @@ class _IdLoop:
     file per attempt and rank), checkpoints once at global step ``checkpoint_at`` and, on the
     first attempt, kills rank ``kill_rank``'s process right after that checkpoint is complete."""
 
-    def __init__(self, log_dir: str, checkpoint_at: int, kill_rank: int, apply_model: bool = True) -> None:
+    def __init__(self, log_dir: str, checkpoint_at: int, kill_rank: int, apply_model: bool = True, epochs: int = EPOCHS) -> None:
         self.log_dir, self.checkpoint_at, self.kill_rank, self.apply_model = log_dir, checkpoint_at, kill_rank, apply_model
+        self.epochs = epochs
 
     def __call__(self, ctx):
         marker = os.path.join(self.log_dir, "killed")
@@ -73,7 +74,7 @@ class _IdLoop:
             epoch, step, global_step = restored["loop"]
         start = {k: v.detach().clone() for k, v in model.state_dict().items()}
         log = open(os.path.join(self.log_dir, f"ids-{attempt}-{ctx.rank}.jsonl"), "a")
-        while epoch <= EPOCHS:
+        while epoch <= self.epochs:
             for features, labels in ctx.epoch_batches(skip=step):
                 ids = features[:, 0].long().tolist()
                 optimizer.zero_grad()
@@ -284,3 +285,26 @@ def test_a_first_launch_with_a_slot_taken_starts_on_fewer_workers_down_to_min_wo
     out = capsys.readouterr().out
     assert "attempt 1: only 1 free task slot(s) for num_workers=2 within slot_wait_s=2s (min_workers=1): continuing on 1 worker(s), starting there" in out
     assert [r["samples"] for r in model.history] == [ROWS, ROWS, ROWS]
+
+
+def test_a_relaunch_without_min_workers_waits_for_a_taken_slot_at_most_slot_wait_s(spark, ids_data, tmp_path, capsys):
+    """No min_workers: the relaunch needs both slots, another job holds one. It says what it
+    waits for and fails after slot_wait_s naming the settings (it used to wait silently until
+    the other job ended, or the stage's start watch, a minute later)."""
+    directory = str(tmp_path)
+    threads = _occupy_a_slot(spark, directory)
+    try:
+        with pytest.raises(sparkdl.InsufficientSlotsError) as info:
+            _estimator(directory, _KillAfterOccupied(directory, at=3), slot_wait_s=3.0, max_failures=1).fit(ids_data)
+        failed_after = time.time() - os.path.getmtime(os.path.join(directory, "killed"))
+    finally:
+        open(os.path.join(directory, "release"), "w").close()
+        for thread in threads:
+            thread.join(timeout=60)
+    message = str(info.value)
+    assert "the relaunch after a failure (attempt 2) found 1 free task slot(s) of the num_workers=2" in message, message
+    assert "slot_wait_s=3s" in message and "min_workers" in message, message
+    out = capsys.readouterr().out
+    assert "attempt 2: waiting up to slot_wait_s=3s for 2 free task slots (1 free now; held or awaited by stage" in out, out
+    # The failed attempt's own clean-up (the lost rank's report, the cancel: seconds), then 3 s.
+    assert failed_after < 3.0 + 30, failed_after

@@ -115,6 +115,36 @@ def test_too_few_slots_fails_within_seconds_naming_both_numbers(spark):
     assert elapsed < LaunchConfig(num_workers=3).slot_wait_s, f"the slot check took {elapsed:.1f}s"
 
 
+def test_a_setting_a_rank_refuses_is_a_config_error_on_the_driver_and_not_retried(spark):
+    """ShardedDataParallel(shard_modules=...) naming no submodule, found by the ranks (a custom
+    loop: the driver never sees the model): ``except sparkdl.ConfigError`` catches it, with the
+    rank, its host and traceback kept, and max_failures does not relaunch what can only repeat."""
+    def train_fn(ctx):
+        ctx.prepare_model(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+    strategy = sparkdl.ShardedDataParallel(shard_modules=["encoder"])
+    with pytest.raises(sparkdl.ConfigError) as info:
+        sparkdl.run(train_fn, num_workers=2, spark=spark, progress=False, strategy=strategy, max_failures=2)
+    error = info.value
+    assert isinstance(error, sparkdl.TrainingError) and error.rank in (0, 1), str(error)
+    assert "shard_modules entry 'encoder' names no submodule of Sequential" in str(error) and "ran on host" in str(error)
+    assert "sharded.py" in error.remote_traceback
+    assert "attempt 2" not in str(error)  # raised at once: a relaunch fails the same way
+
+
+def test_shard_modules_naming_no_submodule_fails_fit_before_launch(spark, digits_df, monkeypatch):
+    from sparkdl._launcher import driver
+
+    launched = []
+    monkeypatch.setattr(driver, "_launch_once", lambda *args, **kwargs: launched.append(1))
+    estimator = sparkdl.TorchEstimator(
+        model=digits_mlp, num_workers=2, progress=False, strategy=sparkdl.ShardedDataParallel(shard_modules=["encoder"]),
+    )
+    with pytest.raises(sparkdl.ConfigError, match="shard_modules entry 'encoder' names no submodule of Sequential") as info:
+        estimator.fit(digits_df)
+    assert not isinstance(info.value, sparkdl.TrainingError) and not launched  # the driver's check: no barrier stage
+
+
 def test_rank_logs_reach_the_driver_prefixed_with_the_rank(spark, caplog):
     def train_fn(ctx):
         ctx.logger.warning("hello from rank %d", ctx.rank)

@@ -227,6 +227,66 @@ def test_the_cli_exits_with_the_scripts_status(tmp_path):
     assert "exited with status 4 on rank 0" in done.stderr
 
 
+RANK1_FAILS = '''
+import os, sys, time
+rank = os.environ["RANK"]
+for i in range(4):
+    print("rank %s step %d" % (rank, i))
+if rank == "1":
+    print("rank 1 gives up", file=sys.stderr)
+    sys.exit(3)
+time.sleep(600)  # rank 0 works on until its task is killed
+'''
+
+
+def test_the_cli_reports_a_failed_rank_in_one_paragraph(tmp_path):
+    """`sparkdl launch` where rank 1 exits 3: stderr holds the failure once (rank, status, last
+    lines), none of Spark's task-failure warnings (their Java stacks repeat it) nor the channel's
+    internal lines. Spark's own start-up lines are the rest."""
+    import subprocess
+
+    script = tmp_path / "rank1_fails.py"
+    script.write_text(RANK1_FAILS)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=repo, PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; from sparkdl.cli import sparkdl_main; sys.exit(sparkdl_main())", "launch", "--master", "local[2]", "--num-workers", "2", str(script)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    err = done.stderr
+    assert done.returncode == 3, err[-3000:]
+    assert err.count("exited with status 3 on rank 1") == 1, err
+    paragraph = err[err.index("sparkdl launch: training failed on rank 1"):]
+    assert "rank 1 step 3" in paragraph and "rank 1 gives up" in paragraph, err
+    lines = err.splitlines()
+    assert not [line for line in lines if line.startswith("\tat ") or "at org.apache" in line], err
+    assert "TaskSetManager" not in err and "PythonException" not in err and "without saying bye" not in err, err
+    assert len(lines) < 30, f"{len(lines)} lines on stderr:\n{err}"
+    # Local mode: the executor's console is this one; each line of the ranks' output is shown once.
+    assert done.stdout.count("[sparkdl rank 1] rank 1 step 2") == 1 and "rank 1 step 2" not in err.replace(paragraph, ""), done.stdout
+
+
+BOTH_FAIL = '''
+import torch.distributed as dist, sys
+dist.init_process_group("gloo")
+dist.barrier()  # both ranks fail at the same moment
+print("giving up after the barrier")
+sys.exit(3)
+'''
+
+
+def test_identical_failures_of_several_ranks_are_reported_once(spark, tmp_path):
+    script = tmp_path / "both_fail.py"
+    script.write_text(BOTH_FAIL)
+    with pytest.raises(sparkdl.TrainingError) as raised:
+        sparkdl.launch(str(script), num_workers=2, spark=spark, progress=False, timeout_s=120)
+    text = str(raised.value)
+    assert {f.rank for f in raised.value.failures} == {0, 1}, text
+    assert text.startswith("training failed on ranks 0, 1 while running"), text
+    assert "exited with status 3 on ranks 0, 1" in text and text.count("exited with status 3") == 1, text
+    assert text.count("giving up after the barrier") == 1 and "also rank" not in text, text
+
+
 def _spawns_its_own_workers():
     import torch.multiprocessing as mp
 

@@ -72,3 +72,42 @@ def test_settings_every_failing_rank_rejected_are_raised_as_a_config_error_too()
     assert error.rank == 0 and type(pickle.loads(pickle.dumps(error))) is RankConfigError
     mixed = TrainingError([setting, RankFailure(rank=1, exc_type="ValueError", message="x", traceback="")])
     assert raised_from(mixed) is mixed
+
+
+def test_a_rank_number_and_host_in_the_headline_do_not_keep_identical_failures_apart():
+    def script_exit(rank, host):
+        message = f"the launched script t.py exited with status 3 on rank {rank} (host {host}); its last lines of output:\n  | same line"
+        return RankFailure(rank=rank, exc_type="ScriptExitError", message=message, traceback="", phase="running t.py", host=f"h{rank} ({host})")
+
+    text = format_failures([script_exit(1, "10.0.0.2"), script_exit(0, "10.0.0.1")])
+    assert text.startswith("training failed on ranks 0, 1 while running t.py: ScriptExitError: the launched script t.py exited with status 3 on ranks 0, 1")
+    assert text.count("exited with status 3") == 1 and text.count("same line") == 1 and "also" not in text
+    assert "rank 1 on host h1 (10.0.0.2), rank 0 on host h0 (10.0.0.1)" in text
+    # Different last lines are different failures: the other one in a line, without its output.
+    other = dataclasses.replace(script_exit(0, "10.0.0.1"), message=script_exit(0, "10.0.0.1").message.replace("same line", "other line"))
+    text = format_failures([script_exit(1, "10.0.0.2"), other])
+    assert text.startswith("training failed on rank 1 while") and "other line" not in text
+    assert "  also rank 0 on host h0 (10.0.0.1): ScriptExitError: the launched script t.py exited with status 3 on rank 0 (host 10.0.0.1)" in text
+
+
+def test_rank_errors_of_a_public_class_are_raised_as_that_class_and_never_retried():
+    from sparkdl._launcher.config import Decision, FailurePolicy
+    from sparkdl.errors import ConfigError, DataError, RankConfigError, RankDataError, raised_from
+
+    from sparkdl._frameworks import ProcessSpawnError
+    from sparkdl.data.dataset import EmptyDatasetError
+
+    spawn = RankFailure.from_exception(0, ProcessSpawnError("nprocs=2 ..."), host="h0")
+    assert spawn.category == "ConfigError" and RankFailure.from_json(spawn.to_json()) == spawn
+    empty = RankFailure.from_exception(1, EmptyDatasetError("no rows"), host="h1")
+    # A rank whose collective broke because its peer failed is a consequence, not a cause.
+    lost = RankFailure(rank=1, exc_type="DistBackendError", message="[gloo] Connection closed by peer", traceback="")
+    error = raised_from(TrainingError([spawn, lost]))
+    assert isinstance(error, RankConfigError) and isinstance(error, ConfigError) and error.rank == 0
+    assert "rank 0" in str(error) and "h0" in str(error) and "ProcessSpawnError" in error.remote_traceback
+    data = raised_from(TrainingError([empty]))
+    assert isinstance(data, RankDataError) and isinstance(data, DataError) and type(pickle.loads(pickle.dumps(data))) is RankDataError
+    policy = FailurePolicy(max_failures=5)
+    for failure in (spawn, empty, RankFailure(rank=0, exc_type="ConfigError", message="x", traceback="")):
+        assert policy.decide(TrainingError([failure]), 1) is Decision.RAISE
+    assert policy.decide(TrainingError([RankFailure(rank=0, exc_type="RuntimeError", message="x", traceback="")]), 1) is Decision.RETRY

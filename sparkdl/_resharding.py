@@ -15,7 +15,7 @@ import torch
 
 from sparkdl._device_feed import move_batch
 from sparkdl.checkpoint import Checkpoint, RankState
-from sparkdl.data.batching import to_tensors
+from sparkdl.data.batching import STREAM_ORDER, to_tensors
 from sparkdl.data.elastic import Remainder, StreamState, check_reader, plan_remainder, remainder_batches, steps_for
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -31,6 +31,7 @@ def stream_fields(ctx: "TrainContext", part: RankState) -> RankState:
     stream = {"epoch_start": ctx._epoch_start, "steps_per_epoch": ctx.steps_per_epoch}
     if ctx._dataset is not None:
         stream["data"] = ctx._dataset.fingerprint  # which rows the positions index
+        stream["order"] = STREAM_ORDER  # and in which order they were taken
     if remainder is not None:
         stream.update(remaining=torch.from_numpy(remainder.share.copy()), remaining_steps=remainder.steps, remaining_taken=remainder.taken)
     return dataclasses.replace(part, stream=stream)
@@ -52,8 +53,9 @@ def _stream_state(part: RankState, default_steps: Optional[int]) -> StreamState:
 def restore_stream(ctx: "TrainContext", part: RankState) -> None:
     """A same-size resume: the stream's epoch start, and a resharded epoch still in progress."""
     state = _stream_state(part, ctx.steps_per_epoch)
-    if _data_changed(ctx, [part]):
-        _resume_at_next_epoch(ctx, state)
+    changed = _data_changed(ctx, [part])
+    if changed:
+        _resume_at_next_epoch(ctx, state, changed)
         return
     ctx._batches_taken = state.batches_taken
     taken = state.batches_taken
@@ -63,20 +65,28 @@ def restore_stream(ctx: "TrainContext", part: RankState) -> None:
         ctx._remainder = Remainder(state.remaining, state.remaining_steps, state.remaining_taken, taken)
 
 
-def _data_changed(ctx: "TrainContext", parts) -> bool:
-    """Whether the checkpoint's stream positions index other rows than this run reads (their
-    fingerprints, :attr:`~sparkdl.data.dataset.DatasetInfo.fingerprint`, differ; checkpoints of earlier
-    versions recorded none and are taken as of the same data)."""
+def _data_changed(ctx: "TrainContext", parts) -> Optional[str]:
+    """Why the checkpoint's stream positions would index other rows than this run reads, or
+    None: other data (their fingerprints, :attr:`~sparkdl.data.dataset.DatasetInfo.fingerprint`,
+    differ), or a stream order of an earlier version."""
     if ctx._dataset is None:
-        return False
-    recorded = {(part.stream or {}).get("data") for part in parts} - {None}
-    return bool(recorded) and recorded != {ctx._dataset.fingerprint}
+        return None
+    streams = [part.stream or {} for part in parts]
+    if any(stream.get("order") != STREAM_ORDER for stream in streams):
+        return "it was written by an earlier sparkdl, whose stream took the rows in another order"
+    if {stream.get("data") for stream in streams} != {ctx._dataset.fingerprint}:
+        return (
+            f"it indexes other data than {ctx._dataset.name} holds now (its files and row groups differ: a DataFrame "
+            f"materialized again, e.g. by a new driver, whose rows Spark does not promise in the same order, or changed files)"
+        )
+    return None
 
 
-def _resume_at_next_epoch(ctx: "TrainContext", state: StreamState) -> None:
-    """A resume on other data: positions the stream at the start of the epoch after the
-    interrupted one, as a run on these data would have it, and has the rest of the interrupted
-    epoch end at once (``ctx._end_epoch_early``) instead of replaying positions onto other rows."""
+def _resume_at_next_epoch(ctx: "TrainContext", state: StreamState, why: str) -> None:
+    """A resume whose positions index other rows: positions the stream at the start of the
+    epoch after the interrupted one, as a run on these data would have it, and has the rest of
+    the interrupted epoch end at once (``ctx._end_epoch_early``) instead of replaying positions
+    onto other rows."""
     steps = state.steps_per_epoch
     if state.remaining is not None and state.remaining_taken < state.remaining_steps:
         next_epoch, left = state.batches_taken // steps, state.remaining_steps - state.remaining_taken  # a resharded epoch
@@ -89,12 +99,10 @@ def _resume_at_next_epoch(ctx: "TrainContext", state: StreamState) -> None:
     ctx._end_epoch_early = left > 0
     if left and ctx.rank == 0:  # at warning level: it reaches the driver's output
         ctx.logger.warning(
-            "the checkpoint indexes other data than %s holds now (its files and row groups differ: a DataFrame "
-            "materialized again, e.g. by a new driver, whose rows Spark does not promise in the same order, or "
-            "changed files); replaying its stream positions would train other rows than those it had left, so the "
-            "interrupted epoch %d ends here (%d of its steps per rank skipped) and training resumes at the start of "
-            "epoch %d. For exact mid-epoch resumes by a new driver, train on a Parquet URL (df.write.parquet once)",
-            ctx._dataset.name, next_epoch, left, next_epoch + 1,
+            "the checkpoint's stream positions cannot be replayed: %s. Replaying them would train other rows than "
+            "those it had left, so the interrupted epoch %d ends here (%d of its steps per rank skipped) and training "
+            "resumes at the start of epoch %d. For exact mid-epoch resumes by a new driver, train on a Parquet URL "
+            "(df.write.parquet once)", why, next_epoch, left, next_epoch + 1,
         )
 
 
@@ -102,8 +110,9 @@ def resume_resharded(ctx: "TrainContext", checkpoint: Checkpoint) -> Dict[str, A
     """Loads a checkpoint of another number of ranks: plans this rank's part of the interrupted
     epoch, maps the old ranks' state through the strategy, and returns this rank's user state."""
     old_world = checkpoint.world_size
-    if ctx._dataset is not None and _data_changed(ctx, checkpoint.ranks):
-        _resume_at_next_epoch(ctx, _stream_state(checkpoint.ranks[0], None))
+    changed = _data_changed(ctx, checkpoint.ranks)
+    if changed:
+        _resume_at_next_epoch(ctx, _stream_state(checkpoint.ranks[0], None), changed)
     elif ctx._dataset is not None:
         check_reader(ctx._reader.name)
         old_steps = None

@@ -166,7 +166,9 @@ class TrainContext:
         if self._stream is None:
             # Resuming: replay the seeded stream up to the checkpoint's position (cut, not
             # decoded). Reading is far cheaper than training, and replay makes resumed batches exact.
-            source = batches(self._reader, self._dataset, self._data_spec, self.rank, self.world_size, skip=self._batches_taken)
+            source = batches(
+                self._reader, self._dataset, self._data_spec, self.rank, self.world_size, skip=self._batches_taken, epoch_steps=self.steps_per_epoch,
+            )
             # On CUDA a prefetch thread pins batches and DeviceFeed copies the next one to the
             # GPU on a side stream while the current one trains; on the CPU this thread converts
             # each batch when it takes it (sparkdl._host_batches says why).

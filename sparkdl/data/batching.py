@@ -20,9 +20,13 @@ Sharding and balance rules (the same for every reader):
   blocks the others in a collective. Rows past the last full step of an epoch are not dropped:
   the stream simply goes on, and they open the next epoch. A rank with a smaller shard wraps
   around sooner, so its rows may appear once more per epoch than a larger shard's.
+* An epoch is one pass, that remainder rule aside: with ``epoch_rows = steps * batch_size`` and
+  a shard of ``S`` rows, an epoch takes ``min(S, epoch_rows)`` distinct rows, and when ``S <
+  epoch_rows`` each row ``epoch_rows // S`` or one more times (the order without shuffling
+  gives this by itself; with it, :func:`cut_stream` and :class:`~sparkdl.data.selection.EpochPasses`).
 * With ``shuffle`` on, row-group order is shuffled each pass and rows are mixed in a bounded
   in-memory buffer (``shuffle_buffer_batches`` batches), seeded per rank: reproducible, never the
-  whole dataset in memory.
+  whole dataset in memory. The buffer mixes rows of one pass only: it is emptied at a pass's end.
 * Which row groups and rows a rank reads (order, filters, the validation hold-out) is decided in
   :mod:`sparkdl.data.selection`, identically for every reader: the Petastorm and Arrow readers
   give the same batches for the same seed.
@@ -47,6 +51,7 @@ import numpy as np
 from sparkdl.data.dataset import DatasetInfo
 from sparkdl.data.plan import InputPlan
 from sparkdl.data.readers.base import Chunk, DataReader, chunk_rows
+from sparkdl.data.selection import EpochPasses, shard_rows, shuffled_batches
 from sparkdl.errors import ConfigError, DataError
 
 #: Model inputs of a batch: one array (``feature_cols``) or a dict of named arrays (``inputs=``).
@@ -59,6 +64,11 @@ TransformFn = Callable[[Inputs, Optional[np.ndarray]], Tuple[Inputs, Optional[np
 #: ``metric(output, label) -> scalar``: the mean over a batch's rows (a tensor or a number).
 MetricFn = Callable[[Any, Any], Any]
 
+
+#: The version of the stream's order (:func:`batches`). A checkpoint records it; its positions
+#: index the rows of the order they were taken in, so a resume under another order ends the
+#: interrupted epoch instead of replaying them (sparkdl._resharding). 2: an epoch is one pass.
+STREAM_ORDER = 2
 
 @dataclasses.dataclass(frozen=True)
 class ValidationSpec:
@@ -99,6 +109,9 @@ class DataSpec:
         decode_threads: threads that finish batches (decode images, apply ``transform_fn``)
             ahead of the training step; None uses the task's cores (``spark.task.cpus``). Runs
             without images or ``transform_fn`` finish batches inline: there is nothing to decode.
+        pass_marks: set by :func:`batches` on a shuffled stream: a reader's ``chunks`` also
+            yields ``PASS_END`` after each pass, and every chunk carries its rows' positions
+            (``POSITION_KEY``), so that an epoch is one pass (:func:`cut_stream`).
     """
 
     batch_size: int
@@ -113,6 +126,7 @@ class DataSpec:
     validation: Optional[ValidationSpec] = None
     prefetch_row_groups: int = 2
     decode_threads: Optional[int] = None
+    pass_marks: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
@@ -154,14 +168,16 @@ def decode_threads(spec: DataSpec) -> int:
     return max(1, torch.get_num_threads())
 
 
-def batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, skip: int = 0) -> Iterator[Batch]:
+def batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, skip: int = 0, epoch_steps: Optional[int] = None) -> Iterator[Batch]:
     """Endless finished batches of exactly ``spec.batch_size`` rows from this rank's shard.
 
     The first ``skip`` batches are cut but not finished (a resumed run's replay to its
-    checkpoint's position costs reading, not decoding).
+    checkpoint's position costs reading, not decoding). ``epoch_steps``: steps per epoch, when
+    the caller knows them (else counted from the footers as the driver does: :func:`epoch_rows`).
     """
     plan = dataset.plan
-    source = reader.chunks(dataset, spec, rank, world_size)
+    rows = epoch_rows(dataset, spec, world_size, epoch_steps) if spec.shuffle else None
+    source = reader.chunks(dataset, dataclasses.replace(spec, pass_marks=True) if spec.shuffle else spec, rank, world_size)
 
     def finish(index: int, arrays: Chunk) -> Batch:
         # Augmented training batches are seeded by their place in the stream; plans without
@@ -169,7 +185,7 @@ def batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int,
         augment = np.random.default_rng([spec.seed, rank, index]) if plan.augments else None
         return finish_batch(plan, arrays, augment, spec.transform_fn, dataset.locate)
 
-    cuts = cut_stream(source, spec, rank)
+    cuts = cut_stream(source, spec, rank, rows)
     try:
         for _ in range(skip):
             next(cuts)
@@ -179,23 +195,34 @@ def batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int,
         source.close()
 
 
-def cut_stream(source: Iterator[Chunk], spec: DataSpec, rank: int) -> Iterator[Chunk]:
+def epoch_rows(dataset: DatasetInfo, spec: DataSpec, world_size: int, steps: Optional[int] = None) -> Optional[int]:
+    """Rows of an epoch on each rank: ``steps`` (else :func:`steps_per_epoch` of the training
+    rows, as the driver counts them) times ``batch_size``; None when the footers hold too few."""
+    if steps is None:
+        total = sum(shard_rows(dataset, world_size, spec.holdout, "train", spec.filters))
+        if total < spec.batch_size * world_size:
+            return None
+        steps = steps_per_epoch(total, spec.batch_size, world_size)
+    return steps * spec.batch_size
+
+
+def cut_stream(source: Iterator[Chunk], spec: DataSpec, rank: int, epoch_rows: Optional[int] = None) -> Iterator[Chunk]:
     """The training stream's unfinished batches cut from ``source``'s chunks: shuffled in a
-    buffer seeded ``spec.seed + rank``. The shuffle depends only on the chunks' row counts, so a
-    source of position-only chunks gives each batch's positions (:mod:`sparkdl.data.elastic`)."""
-    rng = np.random.default_rng(spec.seed + rank)
-    target = spec.batch_size * (spec.shuffle_buffer_batches if spec.shuffle else 1)
+    buffer seeded ``spec.seed + rank``. The shuffle depends only on the chunks' row counts and
+    positions, so a source of position-only chunks gives each batch's positions
+    (:mod:`sparkdl.data.elastic`).
 
-    def merge(pending: List[Chunk]) -> Chunk:
-        if not spec.shuffle:
-            # Also copies a lone chunk: readers may hand out read-only views of Arrow buffers.
-            return _concatenate(pending)
-        order = rng.permutation(sum(chunk_rows(chunk) for chunk in pending))
-        if len(pending) == 1:
-            return {key: values[order] for key, values in pending[0].items()}
-        return _shuffled_concatenation(pending, order)
-
-    return _cut_batches(source, spec.batch_size, target, merge, keep_rest=False)
+    ``PASS_END`` in ``source`` ends a pass. With shuffling, rows of two passes never mix, and
+    with ``epoch_rows`` an epoch is one pass, remainder rule aside
+    (:func:`~sparkdl.data.selection.shuffled_batches`). Without, passes follow each other in
+    order, and an epoch, a window of that cycle, is one pass already.
+    """
+    if spec.shuffle:
+        passes = EpochPasses(epoch_rows) if epoch_rows else None
+        rng = np.random.default_rng(spec.seed + rank)
+        return shuffled_batches(source, spec.batch_size, spec.batch_size * spec.shuffle_buffer_batches, rng, passes)
+    # Also copies a lone chunk: readers may hand out read-only views of Arrow buffers.
+    return _cut_batches((chunk for chunk in source if chunk), spec.batch_size, spec.batch_size, _concatenate, keep_rest=False)
 
 
 def validation_batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int) -> Iterator[Batch]:
@@ -281,25 +308,6 @@ def _finish_in_order(cuts: Iterator[Chunk], finish: Callable[[int, Chunk], Batch
         for future in in_flight:
             future.cancel()
         pool.shutdown(wait=True)
-
-
-def _shuffled_concatenation(chunks: List[Chunk], order: np.ndarray) -> Chunk:
-    """The chunks concatenated, then rows ``order`` taken, in one copy: each chunk's rows are
-    written straight to their places. A row group's chunk arrives with the rows left from the
-    last one; concatenating them first would copy the whole row group twice (measured: 3-9 ms
-    for 75,000 rows of 256 bytes, beside the permutation's 3.5 ms)."""
-    places = np.empty_like(order)
-    places[order] = np.arange(len(order))
-    merged: Chunk = {}
-    for key in chunks[0]:
-        parts = [chunk[key] for chunk in chunks]
-        values = np.empty((len(order),) + parts[0].shape[1:], dtype=np.result_type(*parts))
-        start = 0
-        for part in parts:
-            values[places[start:start + len(part)]] = part
-            start += len(part)
-        merged[key] = values
-    return merged
 
 
 def _concatenate(chunks: List[Chunk]) -> Chunk:

@@ -4,7 +4,9 @@ An epoch on N ranks is a fixed number of steps, and each rank's stream is a pure
 the seed, the rank and N (:mod:`sparkdl.data.selection`, :func:`sparkdl.data.batching.cut_stream`).
 So the rows old rank ``i`` still had to take in the interrupted epoch — its batches from its
 checkpointed ``batches_taken`` to the epoch's end — are computed by replaying its stream with
-positions only (no column is read, except a filter's columns to evaluate it).
+positions only (no column is read, except a filter's columns to evaluate it): the same passes,
+pass ends and one-pass epochs of the checkpoint's ``steps_per_epoch`` as the real stream
+(:func:`~sparkdl.data.selection.shuffled_batches`).
 
 On an N -> M resume every new rank computes the same remainder R (the union over the old ranks;
 a multiset: a rank whose shard wraps around within an epoch has some rows twice, as it would
@@ -29,13 +31,15 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from sparkdl.data.batching import Batch, DataSpec, cut_stream, finish_batch, steps_per_epoch
+from sparkdl.data.batching import epoch_rows as _epoch_rows
 from sparkdl.data.dataset import DatasetInfo
-from sparkdl.data.readers.base import Chunk
+from sparkdl.data.inputs import POSITION_KEY
+from sparkdl.data.readers.base import PASS_END, Chunk
 from sparkdl.data.selection import OpenFiles, RowSelector, pass_row_groups, shard_rows
 from sparkdl.errors import ConfigError, DataError
 
-#: The one column of the position-only chunks a replay cuts.
-_POSITIONS = "positions"
+#: The one column of the position-only chunks a replay cuts (the key the readers put positions under).
+_POSITIONS = POSITION_KEY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,9 +99,12 @@ def position_pass(dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: i
             yield {_POSITIONS: positions}
 
 
-def stream_positions(dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, start: int, stop: int) -> List[np.ndarray]:
-    """The positions of batches ``start..stop-1`` of rank ``rank``'s stream among ``world_size``."""
+def stream_positions(dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, start: int, stop: int, epoch_rows: Optional[int] = None) -> List[np.ndarray]:
+    """The positions of batches ``start..stop-1`` of rank ``rank``'s stream among ``world_size``,
+    whose epochs are ``epoch_rows`` rows (default: as :func:`~sparkdl.data.batching.batches` counts them)."""
     files = OpenFiles(dataset) if spec.filters is not None else None
+    if epoch_rows is None and spec.shuffle:
+        epoch_rows = _epoch_rows(dataset, spec, world_size)
 
     def source() -> Iterator[Chunk]:
         for pass_index in itertools.count():
@@ -107,9 +114,10 @@ def stream_positions(dataset: DatasetInfo, spec: DataSpec, rank: int, world_size
                 yield chunk
             if rows == 0:
                 raise DataError(f"rank {rank} of {world_size} reads no rows from its shard of {dataset.name}")
+            yield PASS_END
 
     out: List[np.ndarray] = []
-    cuts = cut_stream(source(), spec, rank)
+    cuts = cut_stream(source(), spec, rank, epoch_rows)
     try:
         for index, chunk in enumerate(cuts):
             if index >= stop:
@@ -137,7 +145,7 @@ def rows_left(dataset: DatasetInfo, spec: DataSpec, old: Sequence[StreamState]) 
             next_epochs.add(state.batches_taken // steps)
             continue
         start = state.epoch_start if state.epoch_start is not None else state.batches_taken - state.batches_taken % steps
-        parts.extend(stream_positions(dataset, spec, rank, world_size, state.batches_taken, start + steps))
+        parts.extend(stream_positions(dataset, spec, rank, world_size, state.batches_taken, start + steps, steps * spec.batch_size))
         next_epochs.add(start // steps + 1)
     if len(next_epochs) != 1:
         raise ValueError(f"the checkpoint's ranks are in different epochs ({sorted(next_epochs)}): it cannot be resharded")

@@ -15,12 +15,15 @@
   for every seed and ``num_workers``). Training skips them, the validation pass reads only them.
 * **Filters.** A pyarrow filter (DNF or expression) keeps rows; the readers evaluate it on the
   rows of each row group, after skipping row groups whose statistics rule it out.
+* **Epochs are passes.** A shuffled training stream leaves out of a pass the rows that the
+  epoch in progress already took from the pass before (:class:`EpochPasses`), so an epoch takes
+  no row twice while the shard holds rows it has not taken.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -28,8 +31,11 @@ import pyarrow.parquet as pq
 
 from sparkdl.filesystem import file_paths, filesystem_and_path
 from sparkdl.data.dataset import DatasetInfo, to_expression
+from sparkdl.data.inputs import POSITION_KEY
 from sparkdl.errors import ConfigError, DataError
 
+#: Row-aligned arrays of some rows (:data:`sparkdl.data.readers.base.Chunk`).
+Chunk = Dict[str, np.ndarray]
 #: Added to positions before hashing, so the split is not the one other tools derive from
 #: hashing plain row numbers.
 _SALT = np.uint64(0x9E3779B97F4A7C15)
@@ -152,6 +158,173 @@ class PositionCursor:
                 self._index += 1
                 self._offset = 0
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+class EpochPasses:
+    """Makes each epoch of a shuffled stream one pass over the shard, remainder rule aside.
+
+    The stream is pass after pass over the shard, each shuffled within itself (the shuffle
+    buffer is emptied at a pass's end), cut into epochs of ``epoch_rows`` rows. When a pass that
+    began in an earlier epoch ends inside the epoch in progress, the rows it gave that epoch
+    (its last ones) are left out of the next pass: the epoch takes the rest of the shard, not
+    those rows again. They return in the pass after. So a shard of ``S >= epoch_rows`` rows
+    gives every epoch distinct rows, ``S - epoch_rows`` left out (the rows that open the next
+    epoch are the ones the last one left), and a smaller shard gives each row
+    ``epoch_rows // S`` or one more times an epoch. A pure function of the rows' positions
+    (chunks carry them under ``POSITION_KEY``), so a replay of positions follows it exactly.
+
+    Memory: the positions of the rows a pass gave the epoch in which it may end (8 bytes a row;
+    in the first pass, whose length is not known yet, those of each epoch in progress).
+    """
+
+    def __init__(self, epoch_rows: int) -> None:
+        self.epoch_rows = epoch_rows
+        self.served = 0  # rows handed out in batches
+        self.pass_start = 0  # the stream position of the current pass's first row
+        self.pass_rows: Optional[int] = None  # rows the current pass hands out, once known
+        self.shard: Optional[int] = None  # rows of a whole pass (counted in the first)
+        self.admitted = 0  # rows of the current pass admitted so far
+        self.leave_out = np.zeros(0, dtype=np.int64)  # sorted positions the current pass skips
+        self.recent: List[np.ndarray] = []  # this pass's rows in the epoch in progress (recorded when it may end there)
+        self.enabled = True  # off for good once a chunk comes without positions
+
+    def admit(self, chunk: Dict[str, np.ndarray]) -> Optional[Dict[str, np.ndarray]]:
+        """The chunk without the rows this pass leaves out (None if none is left)."""
+        if not self.enabled:
+            return chunk
+        positions = chunk.get(POSITION_KEY)
+        if positions is None:  # a reader that does not tell positions: passes are only flushed
+            self.enabled, self.recent, self.leave_out = False, [], self.leave_out[:0]
+            return chunk
+        if len(self.leave_out) and len(positions):
+            low = np.searchsorted(self.leave_out, positions.min(), side="left")
+            high = np.searchsorted(self.leave_out, positions.max(), side="right")
+            if high > low:
+                chunk = _without(chunk, positions, self.leave_out[low:high])
+        rows = len(next(iter(chunk.values())))
+        self.admitted += rows
+        return chunk if rows else None
+
+    def served_batch(self, positions: Optional[np.ndarray], rows: int, earlier: int) -> None:
+        """A batch of ``rows`` was handed out; its first ``earlier`` rows belong to earlier passes."""
+        start, self.served = self.served, self.served + rows
+        if not self.enabled or positions is None:
+            return
+        if start % self.epoch_rows == 0:
+            self.recent = []
+        epoch_end = (start // self.epoch_rows + 1) * self.epoch_rows
+        if self.pass_rows is None or self.pass_start + self.pass_rows < epoch_end:
+            self.recent.append(positions[earlier:])
+
+    def end_pass(self, held: int, held_own: Optional[np.ndarray]) -> None:
+        """The pass ended; ``held`` rows are not in a batch yet (they open the next one),
+        ``held_own`` the positions of those that belong to this pass."""
+        if not self.enabled:
+            return
+        if self.shard is None:
+            self.shard = self.admitted
+        end = self.served + held
+        epoch_start = end - end % self.epoch_rows
+        leave_out = self.leave_out[:0]
+        if self.pass_start < epoch_start < end:
+            # No batch of the epoch in progress handed out yet: ``recent`` holds the last one's rows.
+            parts = (self.recent if self.served > epoch_start else []) + ([held_own] if held_own is not None else [])
+            leave_out = np.sort(np.concatenate(parts)) if parts else leave_out
+        self.leave_out, self.recent = leave_out, []
+        self.pass_start, self.pass_rows, self.admitted = end, self.shard - len(leave_out), 0
+
+
+def _without(chunk: Chunk, positions: np.ndarray, dropped: np.ndarray) -> Chunk:
+    """The chunk without the rows at positions ``dropped`` (sorted, within the chunk's range)."""
+    if np.all(positions[1:] > positions[:-1]):  # a row group's rows, in order: a lookup per dropped row
+        places = np.searchsorted(positions, dropped)
+        places = places[positions[places] == dropped]
+        keep = np.ones(len(positions), dtype=bool)
+        keep[places] = False
+    else:
+        keep = ~np.isin(positions, dropped)
+    return chunk if keep.all() else {key: values[keep] for key, values in chunk.items()}
+
+
+def shuffled_batches(source: Iterator[Chunk], batch_size: int, buffer_rows: int, rng: np.random.Generator, passes: Optional[EpochPasses]) -> Iterator[Chunk]:
+    """Batches of ``batch_size`` rows of ``source``'s chunks, shuffled in a bounded buffer:
+    whenever ``buffer_rows`` rows are pending they are permuted, full batches are cut and the
+    rest stays pending. An empty chunk (``PASS_END``) ends a pass: the pending rows are permuted
+    and cut then, and the last of them (fewer than a batch, ``lead``) open the next batch ahead
+    of the next pass's rows, so rows of two passes never mix. ``passes`` (positions in the
+    chunks) also keeps each epoch one pass (:class:`EpochPasses`)."""
+    pending: List[Chunk] = []
+    pending_rows = 0
+    lead: Optional[Chunk] = None  # rows a pass left, fewer than a batch: they open the next one
+    earlier = 0  # of those, the rows of passes before the last (one shorter than a batch)
+    for chunk in source:
+        if chunk:
+            if passes is not None and (chunk := passes.admit(chunk)) is None:
+                continue
+            pending.append(chunk)
+            pending_rows += _rows(chunk)
+            if pending_rows < buffer_rows:
+                continue
+        merged: Optional[Chunk] = None
+        if pending:
+            order = rng.permutation(pending_rows)
+            merged = {key: values[order] for key, values in pending[0].items()} if len(pending) == 1 else _shuffled_concatenation(pending, order)
+            pending, pending_rows = [], 0
+        if merged is not None and lead is not None:
+            need = batch_size - _rows(lead)
+            head = {key: np.concatenate([lead[key], values[:need]]) for key, values in merged.items()}
+            if _rows(merged) < need:  # a pass shorter than the batch still needed (only at its end)
+                lead, earlier, merged = head, _rows(lead), None
+            else:
+                _served(passes, head, _rows(lead))
+                yield head
+                lead, merged = None, {key: values[need:] for key, values in merged.items()}
+        rest = None
+        if merged is not None:
+            full = _rows(merged) - _rows(merged) % batch_size
+            for start in range(0, full, batch_size):
+                batch = {key: values[start:start + batch_size] for key, values in merged.items()}
+                _served(passes, batch, 0)
+                yield batch
+            rest = {key: values[full:] for key, values in merged.items()} if full < _rows(merged) else None
+        if chunk:  # the buffer was full: the rest stays in it
+            pending, pending_rows = ([rest], _rows(rest)) if rest is not None else ([], 0)
+            continue
+        if merged is not None:
+            lead, earlier = rest, 0
+        elif lead is not None:  # the pass gave no row
+            earlier = _rows(lead)
+        if passes is not None:
+            own = lead.get(POSITION_KEY) if lead is not None else None
+            passes.end_pass(_rows(lead) if lead is not None else 0, own[earlier:] if own is not None else None)
+
+
+def _served(passes: Optional[EpochPasses], batch: Chunk, earlier: int) -> None:
+    if passes is not None:
+        passes.served_batch(batch.get(POSITION_KEY), _rows(batch), earlier)
+
+
+def _rows(chunk: Chunk) -> int:
+    return len(next(iter(chunk.values()))) if chunk else 0
+
+
+def _shuffled_concatenation(chunks: List[Chunk], order: np.ndarray) -> Chunk:
+    """The chunks concatenated, then rows ``order`` taken, in one copy: each chunk's rows are
+    written straight to their places. A row group's chunk arrives with the rows left from the
+    last one; concatenating them first would copy the whole row group twice (measured: 3-9 ms
+    for 75,000 rows of 256 bytes, beside the permutation's 3.5 ms)."""
+    places = np.empty_like(order)
+    places[order] = np.arange(len(order))
+    merged: Chunk = {}
+    for key in chunks[0]:
+        parts = [chunk[key] for chunk in chunks]
+        values = np.empty((len(order),) + parts[0].shape[1:], dtype=np.result_type(*parts))
+        start = 0
+        for part in parts:
+            values[places[start:start + len(part)]] = part
+            start += len(part)
+        merged[key] = values
+    return merged
 
 
 class OpenFiles:

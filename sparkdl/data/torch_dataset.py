@@ -124,7 +124,7 @@ class ShardDataset(IterableDataset):
             from sparkdl.data.batching import batches
 
             self.close()
-            source = batches(self._reader, self._dataset, self._spec, self.rank, self.world_size, skip=position)
+            source = batches(self._reader, self._dataset, self._spec, self.rank, self.world_size, skip=position, epoch_steps=self.steps_per_epoch)
             # Unpinned: the framework moves batches to its device itself.
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             self._stream, self._stream_at = host_batches(source, device, pin=False), position

@@ -1,5 +1,6 @@
 """Batching, shuffling and column conversion, with an in-memory reader (no Spark)."""
 
+import itertools
 from typing import Iterator
 
 import numpy as np
@@ -148,3 +149,22 @@ def test_the_shuffle_buffer_takes_the_rows_of_several_chunks_as_if_concatenated_
         np.testing.assert_array_equal(batch["id"], expected["id"][rows])
         assert [list(t) for t in batch["tokens"]] == [list(t) for t in expected["tokens"][rows]]
         assert batch["name"].tolist() == expected["name"][rows].tolist()
+
+
+def test_the_shuffle_buffer_never_mixes_rows_of_two_passes():
+    """A pass's end empties the buffer: its last rows open the next batch, ahead of the next
+    pass's. Chunks without positions (a reader that does not tell them) get this much."""
+    from sparkdl.data.batching import cut_stream
+    from sparkdl.data.readers.base import PASS_END
+
+    def source():
+        while True:
+            for start, size in ((0, 37), (37, 5), (42, 58)):
+                yield {"id": np.arange(start, start + size)}
+            yield PASS_END
+
+    spec = DataSpec(batch_size=30, seed=4, shuffle_buffer_batches=2)
+    rows = np.concatenate([b["id"] for b in itertools.islice(cut_stream(source(), spec, rank=0), 20)])
+    for start in range(0, 600, 100):
+        assert sorted(rows[start:start + 100].tolist()) == list(range(100))  # each pass, whole, in its place
+    assert not np.array_equal(rows[:100], rows[100:200])

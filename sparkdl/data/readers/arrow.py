@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Deque, Iterable, Iterator, Optional
 import pyarrow as pa
 
 from sparkdl.data.dataset import DatasetInfo
+from sparkdl.data.inputs import POSITION_KEY
 from sparkdl.data.readers.base import PASS_END, Chunk, DataReader, chunk_rows
 from sparkdl.data.selection import OpenFiles, RowSelector, pass_row_groups
 
@@ -71,7 +72,10 @@ class ArrowReader(DataReader):
                 table = table.filter(pa.array(keep))
                 positions = positions[keep]
             source = dataset.origin or f"row group {row_group} of file {files.urls[file_index]!r}"
-            return dataset.plan.extract({c: table.column(c) for c in dataset.columns}, infos, source, positions)
+            chunk = dataset.plan.extract({c: table.column(c) for c in dataset.columns}, infos, source, positions)
+            if spec.pass_marks:
+                chunk.setdefault(POSITION_KEY, positions)
+            return chunk
 
         # Every pass's row groups, then its end (None); a pass's order is drawn when reached.
         groups = (

@@ -67,7 +67,9 @@ class DataReader(abc.ABC):
 
     def chunks(self, dataset: DatasetInfo, spec: "DataSpec", rank: int, world_size: int) -> Iterator[Chunk]:
         """Endless chunks of this rank's shard: pass 0, 1, 2, ... (:meth:`passes`); a pass that
-        gives no rows fails naming the rank. Must close its resources when the generator is closed."""
+        gives no rows fails naming the rank. With ``spec.pass_marks``, each pass is followed by
+        :data:`PASS_END` (and :meth:`read_pass` should put each row's position under
+        ``POSITION_KEY``). Must close its resources when the generator is closed."""
         rows = 0
         for chunk in self.passes(dataset, spec, rank, world_size, itertools.count()):
             if chunk is PASS_END:
@@ -75,6 +77,8 @@ class DataReader(abc.ABC):
                     narrowed = " after filters and the validation hold-out" if spec.filters is not None or spec.holdout else ""
                     raise DataError(f"rank {rank} read no rows from its shard of {dataset.name}{narrowed}")
                 rows = 0
+                if spec.pass_marks:
+                    yield PASS_END
                 continue
             rows += chunk_rows(chunk)
             yield chunk

@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from sparkdl.data.dataset import DatasetInfo
+from sparkdl.data.inputs import POSITION_KEY
 from sparkdl.data.readers.base import Chunk, DataReader
 from sparkdl.errors import ConfigError, DataError
 
@@ -101,7 +102,10 @@ class PetastormReader(DataReader):
                     columns = {name: values[keep] for name, values in columns.items()}
                     positions = positions[keep] if positions is not None else None
                 where = dataset.row_group_of(int(positions[0])) if positions is not None and len(positions) else source
-                yield dataset.plan.extract(columns, infos, where, positions)
+                chunk = dataset.plan.extract(columns, infos, where, positions)
+                if spec.pass_marks and positions is not None:
+                    chunk.setdefault(POSITION_KEY, positions)
+                yield chunk
         finally:
             reader.stop()
             reader.join()

@@ -48,8 +48,11 @@ import threading
 import time
 from typing import Any, Callable
 
-from sparkdl._secure import FrameAuthError, FrameFormatError, FrameOpener, FrameProtection, FrameSealer, mismatch_message, mode_byte, mode_from_byte, protection, read_length_prefixed, split_greeting
-from sparkdl._tcpserver import ThreadedServer, checked_secret, recv_exact
+from sparkdl._secure import (
+    FrameAuthError, FrameFormatError, FrameOpener, FrameProtection, FrameSealer, HandshakeFailed, Shed, connect_retrying, mismatch_message, mode_byte,
+    mode_from_byte, protection, read_greeting, read_length_prefixed, split_greeting,
+)
+from sparkdl._tcpserver import HANDSHAKE_S, ThreadedServer, checked_secret, recv_exact
 from sparkdl._tcpserver import close_quietly as _close_quietly
 from sparkdl._tcpserver import shutdown_quietly as _shutdown_quietly
 
@@ -141,8 +144,9 @@ class ChannelServer(ThreadedServer):
         on_message: Callable[[int, Message], None],
         on_disconnect: Callable[[int, bool], None] | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
-        handshake_timeout: float = 10.0,
+        handshake_timeout: float = HANDSHAKE_S,
         encrypt: bool = False,
+        report_lost_ranks: bool = True,
     ) -> None:
         """Binds to an ephemeral port on ``host`` and starts accepting in a daemon thread.
 
@@ -156,6 +160,9 @@ class ChannelServer(ThreadedServer):
             handshake_timeout: seconds a new peer has to authenticate and say hello.
             encrypt: encrypt every frame (otherwise frames are integrity-protected only);
                 clients must use the same setting or they are refused at the handshake.
+            report_lost_ranks: warn when a rank vanishes without saying bye; False logs it at
+                debug level (the launcher's monitor judges those disconnects and its error
+                names the one that matters).
 
         Raises:
             ValueError: if ``secret`` is empty or a limit is not positive.
@@ -169,6 +176,7 @@ class ChannelServer(ThreadedServer):
         self._max_message_bytes = max_message_bytes
         self._handshake_timeout = handshake_timeout
         self._encrypt = bool(encrypt)
+        self._report_lost_ranks = report_lost_ranks
         family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
         listener = socket.create_server((host, 0), family=family)
         self._address: tuple[str, int] = listener.getsockname()[:2]
@@ -228,6 +236,8 @@ class ChannelServer(ThreadedServer):
         rank = hello.get("rank") if hello is not None else None
         if hello is None or hello.get("kind") != _HELLO or type(rank) is not int or rank < 0:
             raise _ProtocolError("missing or invalid hello frame")
+        # Before "ready": a client told it is in is never then dropped to make room.
+        self._authenticated()  # no longer counts against the pending-handshake cap
         ready = {"kind": _READY, "max_message_bytes": self._max_message_bytes}
         conn.sendall(_seal(keys.sealer, _encode_payload(ready, _MAX_CONTROL_BYTES)))
         conn.settimeout(None)  # tasks may stay quiet for a long time; close() unblocks via shutdown
@@ -238,11 +248,12 @@ class ChannelServer(ThreadedServer):
         clean = False
         try:
             rank, keys = self._handshake(conn)
-            self._authenticated()  # no longer counts against the pending-handshake cap
             while True:
                 message = _read_frame(conn, keys.opener, self._max_message_bytes)
                 if message is None:
-                    if not self._closed.is_set():
+                    if not self._closed.is_set() and not self._report_lost_ranks:
+                        logger.debug("channel: rank %d (%s) disconnected without saying bye", rank, peer)
+                    elif not self._closed.is_set():
                         self._log_drop(
                             peer, "disconnected without saying bye",
                             "channel: rank %d (%s) disconnected without saying bye", rank, peer,
@@ -293,14 +304,16 @@ class ChannelClient:
             address: the server's ``(host, port)``.
             secret: the per-job secret the server was created with.
             rank: this task's rank, attached by the server to every message.
-            timeout: seconds allowed for connecting, for the handshake and for each send.
+            timeout: seconds allowed for connecting and the handshake (retried while the server
+                sheds connections, e.g. under a flood of idle ones), and for each send.
             encrypt: encrypt every frame (otherwise frames are integrity-protected only); must
                 match the server's setting.
 
         Raises:
             ValueError: if ``rank`` is not a non-negative int.
-            ChannelError: if the server is unreachable, is not a channel server, rejects us, or
-                disagrees about ``encrypt`` (an "encryption mismatch").
+            ChannelError: if the server is unreachable, does not complete the handshake within
+                ``timeout``, is not a channel server, rejects us, or disagrees about ``encrypt``
+                (an "encryption mismatch").
         """
         if type(rank) is not int or rank < 0:
             raise ValueError(f"rank must be a non-negative int, got {rank!r}")
@@ -308,15 +321,13 @@ class ChannelClient:
         self._lock = threading.Lock()
         self._closed = False
         try:
-            sock = socket.create_connection(tuple(address), timeout=timeout)
+            sock, (self._max_message_bytes, self._keys) = connect_retrying(
+                address, timeout, lambda sock, deadline: self._handshake(sock, secret, rank, bool(encrypt), deadline), "the channel server"
+            )
+        except HandshakeFailed as exc:
+            raise ChannelError(str(exc)) from None
         except OSError as exc:
             raise ChannelError(f"cannot connect to the channel server at {address}: {exc}") from exc
-        try:
-            deadline = time.monotonic() + timeout
-            self._max_message_bytes, self._keys = self._handshake(sock, secret, rank, bool(encrypt), deadline)
-        except BaseException:
-            _close_quietly(sock)
-            raise
         sock.settimeout(timeout)
         self._sock = sock
 
@@ -324,8 +335,9 @@ class ChannelClient:
     def _handshake(
         sock: socket.socket, secret: bytes, rank: int, encrypt: bool, deadline: float
     ) -> tuple[int, FrameProtection]:
+        """One attempt; raises ChannelError (not retried), Shed or OSError (connect_retrying's)."""
         try:
-            greeting = split_greeting(recv_exact(sock, GREETING_BYTES, deadline), MAGIC, _NONCE_BYTES)
+            greeting = split_greeting(read_greeting(sock, GREETING_BYTES, MAGIC, deadline), MAGIC, _NONCE_BYTES)
             if greeting is None:
                 raise ChannelError("the peer is not a sparkdl channel server (bad greeting)")
             server_mode, server_nonce = greeting
@@ -345,10 +357,8 @@ class ChannelClient:
             ready = _read_frame(sock, keys.opener, _MAX_CONTROL_BYTES, deadline)
         except _ProtocolError as exc:
             raise ChannelError(f"channel handshake failed: {exc}") from None
-        except OSError as exc:  # includes the reset a server sends when it rejects our secret
-            raise ChannelError(f"channel handshake failed (wrong secret?): {exc}") from exc
-        if ready is None:
-            raise ChannelError("the server hung up during the handshake (wrong secret?)")
+        if ready is None:  # as when it rejects our secret; or it dropped us late, to make room
+            raise Shed("the server hung up during the handshake", proved=True)
         limit = ready.get("max_message_bytes")
         if ready.get("kind") != _READY or type(limit) is not int or limit <= 0:
             raise ChannelError("the server sent an invalid ready frame")

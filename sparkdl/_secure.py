@@ -33,6 +33,12 @@ buffer with it; nothing in a frame is *acted on* before :meth:`OpeningFrame.fina
 When a frame fails, the buffer it was received into holds unverified bytes: the server drops
 the connection, the client raises, and neither uses them.
 
+A server sheds unauthenticated connections under a flood (:mod:`sparkdl._tcpserver`: the oldest
+pending go first), so every client connects through :func:`connect_retrying`: a server that hangs
+up before its greeting (:func:`read_greeting` raises :class:`Shed`) is tried again with backoff
+within the client's timeout, and giving up names what happened (no answer, or closed each time),
+never "bad greeting", which stays for a peer that answers in another protocol.
+
 The streaming ``Cipher(AES(key), GCM(nonce))`` API is used so large payloads are processed in
 place: sending in integrity mode reads the caller's buffer twice (GMAC, send) and copies
 nothing; sending encrypted writes ciphertext through a reusable scratch buffer; receiving
@@ -42,16 +48,18 @@ decrypts (or authenticates) the bytes in the very buffer they were received into
 from __future__ import annotations
 
 import dataclasses
+import random
 import socket
 import struct
-from typing import Optional, Tuple, Union
+import time
+from typing import Callable, Optional, Tuple, TypeVar, Union
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from sparkdl._tcpserver import recv_exact
+from sparkdl._tcpserver import close_quietly, format_peer, recv_exact
 
 __all__ = [
     "KEY_BYTES",
@@ -62,13 +70,17 @@ __all__ = [
     "FrameOpener",
     "FrameProtection",
     "FrameSealer",
+    "HandshakeFailed",
     "OpeningFrame",
     "SealingFrame",
+    "Shed",
+    "connect_retrying",
     "derive_keys",
     "mismatch_message",
     "mode_byte",
     "mode_from_byte",
     "protection",
+    "read_greeting",
 ]
 
 Buffer = Union[bytes, bytearray, memoryview]
@@ -85,6 +97,10 @@ _CLIENT_TO_SERVER = b"client->server"
 _SERVER_TO_CLIENT = b"server->client"
 #: Encrypted sends go through a scratch buffer of at most this size (cache-sized chunks).
 SEAL_CHUNK_BYTES = 256 << 10
+#: A client's connect-and-handshake retries (:func:`connect_retrying`): first pause, longest
+#: pause, and retries of a server that hung up after this side proved the secret.
+RETRY_FIRST_S, RETRY_MAX_S, RETRIES_AFTER_PROOF = 0.02, 0.5, 2
+T = TypeVar("T")
 
 
 class FrameAuthError(Exception):
@@ -318,3 +334,90 @@ def protection(secret: bytes, label: bytes, server_nonce: bytes, client_nonce: b
     if server:
         return FrameProtection(FrameSealer(to_client, encrypt), FrameOpener(to_server, encrypt))
     return FrameProtection(FrameSealer(to_server, encrypt), FrameOpener(to_client, encrypt))
+
+
+# ---- a client's handshake under a flood: the servers shed idle peers, clients retry -------
+
+
+class Shed(ConnectionError):
+    """The server hung up on a new connection during the handshake: before its greeting (it
+    dropped us unserved, e.g. while shedding a flood: retry) or, ``proved``, after this side
+    proved the secret (a wrong secret, or dropped late: retried a few times)."""
+
+    def __init__(self, message: str, proved: bool = False) -> None:
+        super().__init__(message)
+        self.proved = proved
+
+
+class HandshakeFailed(Exception):
+    """:func:`connect_retrying` gave up; the message says why, for the caller's own error."""
+
+
+def read_greeting(sock: socket.socket, size: int, magic: bytes, deadline: float) -> bytes:
+    """A server's first ``size`` bytes. Raises :class:`Shed` when it hangs up before they stop
+    looking like ``magic`` (a sparkdl server dropping us); a foreign greeting is returned as it
+    came, for the caller to refuse."""
+    try:
+        data = recv_exact(sock, size, deadline)
+    except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError) as exc:
+        raise Shed(f"the server reset the connection before its greeting ({exc})") from None
+    if len(data) < size and (magic.startswith(data) or data.startswith(magic)):
+        raise Shed("the server closed the connection before its greeting")
+    return data
+
+
+def connect_retrying(address: Tuple[str, int], timeout_s: float, attempt: Callable[[socket.socket, float], T], what: str) -> Tuple[socket.socket, T]:
+    """Connects and runs ``attempt(sock, deadline)`` (a client handshake) until it succeeds,
+    retrying with backoff while the server sheds the connection (:class:`Shed`), all within
+    ``timeout_s``. Returns the socket (timeout still set) and what ``attempt`` returned.
+
+    Raises:
+        OSError: cannot connect at all (refused, unreachable).
+        HandshakeFailed: out of time, or hung up on again after proving the secret; names
+            ``what`` (e.g. "the driver's channel server") and the address.
+        Whatever else ``attempt`` raises (a protocol error: not retried).
+    """
+    where, start = format_peer(tuple(address)), time.monotonic()
+    deadline, pause = start + timeout_s, RETRY_FIRST_S
+    tries = late = 0
+    last = "no answer"
+    while True:
+        tries += 1
+        try:
+            sock = socket.create_connection(tuple(address), timeout=max(deadline - time.monotonic(), 0.001))
+        except TimeoutError:
+            if tries == 1:
+                raise
+            raise HandshakeFailed(f"{what} at {where}: no connection within {timeout_s:g} s ({tries} attempts; last: {last})") from None
+        try:
+            return sock, attempt(sock, deadline)
+        except Shed as exc:
+            close_quietly(sock)
+            shed = exc
+        except ConnectionError as exc:  # reset or broken pipe past the greeting
+            close_quietly(sock)
+            shed = Shed(str(exc), proved=True)
+        except TimeoutError:
+            close_quietly(sock)
+            raise HandshakeFailed(
+                f"{what} at {where} did not complete the handshake within {timeout_s:g} s ({tries} attempt{'s' * (tries > 1)}; "
+                f"last: {last}); it may be flooded by other connections"
+            ) from None
+        except OSError as exc:
+            close_quietly(sock)
+            raise HandshakeFailed(f"the handshake with {what} at {where} failed: {exc}") from exc
+        except BaseException:
+            close_quietly(sock)
+            raise
+        last = str(shed)
+        late += shed.proved
+        if late > RETRIES_AFTER_PROOF:
+            raise HandshakeFailed(f"{what} at {where} hung up after this side proved the job's secret, {late} times (wrong secret?): {shed}")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise HandshakeFailed(
+                f"{what} at {where} did not complete the handshake within {timeout_s:g} s ({tries} attempts, each closed by "
+                f"the server; last: {last}); it may be flooded by other connections"
+            )
+        time.sleep(min(left, pause * random.uniform(0.5, 1.0)))  # a pause, not synchronization
+        pause = min(pause * 2, RETRY_MAX_S)

@@ -27,7 +27,8 @@ from sparkdl._store_wire import (  # the protocol
     BLOCKING, HEADER, I64, MAX_FRAME_BYTES, MAX_ITEMS, MAX_KEY_BYTES, MAX_TEXT_BYTES, MAX_VALUE_BYTES, REPLY_ITEMS, REQUEST_ITEMS, U32,
     Framing, Message, Op, Status, WireError, client_handshake, decode, encode, server_handshake, store_key,
 )
-from sparkdl._tcpserver import MAX_PENDING_HANDSHAKES, ThreadedServer, checked_secret, close_quietly, shutdown_quietly
+from sparkdl._secure import HandshakeFailed, connect_retrying
+from sparkdl._tcpserver import HANDSHAKE_S, MAX_PENDING_HANDSHAKES, ThreadedServer, checked_secret, close_quietly, shutdown_quietly
 from sparkdl.errors import PeerLostError
 
 __all__ = ["StoreClient", "StoreError", "StoreServer", "StoreTimeoutError", "StoreUnavailableError"]
@@ -35,7 +36,7 @@ __all__ = ["StoreClient", "StoreError", "StoreServer", "StoreTimeoutError", "Sto
 logger = logging.getLogger("sparkdl.rendezvous")
 
 MAX_STORE_BYTES, MAX_STORE_KEYS = 64 << 20, 1 << 16  # all authenticated peers can make us hold
-MAX_HANDSHAKE_S = 30.0
+MAX_HANDSHAKE_S = 30.0  #: a client's bound on connecting and its handshake (retried meanwhile)
 MAX_CLIENT_CONNECTIONS = 8  #: per client, one per concurrent caller: a blocked ``wait`` holds up no ``check``
 
 
@@ -81,7 +82,7 @@ class StoreServer(ThreadedServer):
             host: the address to listen on (the driver's channel host, or rank 0's task address).
             secret: the per-job secret (the key is :func:`store_key` of it).
             timeout_s: bound on the rest of a request once it started, and on each reply.
-            handshake_timeout_s: how long a new peer has to authenticate (``min(timeout_s, 30)``).
+            handshake_timeout_s: how long a new peer has to authenticate (``min(timeout_s, 5)``).
             encrypt: encrypt every frame (else only authenticate it); clients must agree.
             max_pending_handshakes: connections at most that have not authenticated yet.
 
@@ -90,7 +91,7 @@ class StoreServer(ThreadedServer):
         """
         self._key = store_key(secret)
         self._timeout_s = float(timeout_s)
-        self._handshake_s = min(self._timeout_s, MAX_HANDSHAKE_S) if handshake_timeout_s is None else float(handshake_timeout_s)
+        self._handshake_s = min(self._timeout_s, HANDSHAKE_S) if handshake_timeout_s is None else float(handshake_timeout_s)
         self._encrypt = encrypt
         self._data: Dict[bytes, bytes] = {}
         self._bytes = 0
@@ -120,11 +121,10 @@ class StoreServer(ThreadedServer):
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(self._handshake_s)
             try:
-                session = server_handshake(conn, self._key, time.monotonic() + self._handshake_s, self._encrypt)
+                session = server_handshake(conn, self._key, time.monotonic() + self._handshake_s, self._encrypt, self._authenticated)
             except TimeoutError:
                 raise WireError(f"handshake not completed within {self._handshake_s:g}s") from None
             rank = session.client_rank
-            self._authenticated()
             frames = Framing(conn, session)
             while (body := frames.recv(None, idle_s=self._timeout_s)) is not None:
                 reply = self._answer(decode(body))
@@ -288,16 +288,16 @@ class StoreClient(dist.Store):
 
     def _connect(self) -> Tuple[socket.socket, Framing]:
         bound, where = min(self._bound_s() or MAX_HANDSHAKE_S, MAX_HANDSHAKE_S), f"{self.address[0]}:{self.address[1]}"
+        def attempt(sock: socket.socket, deadline: float) -> Framing:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return Framing(sock, client_handshake(sock, self._key, self.rank, deadline, self._encrypt))
+
         try:
-            sock = socket.create_connection(self.address, timeout=bound)
+            return connect_retrying(self.address, bound, attempt, f"the rendezvous store on {self.served_by}")
+        except (HandshakeFailed, WireError) as exc:  # HandshakeFailed names the store and its address
+            raise StoreUnavailableError(f"rank {self.rank}: " + (str(exc) if isinstance(exc, HandshakeFailed) else f"handshake with the rendezvous store at {where} failed: {exc}")) from exc
         except OSError as exc:
             raise StoreUnavailableError(f"rank {self.rank} cannot reach the rendezvous store on {self.served_by} at {where}: {exc}") from exc
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return sock, Framing(sock, client_handshake(sock, self._key, self.rank, time.monotonic() + bound, self._encrypt))
-        except (WireError, OSError) as exc:
-            close_quietly(sock)
-            raise StoreUnavailableError(f"rank {self.rank}: handshake with the rendezvous store at {where} failed: {exc}") from exc
 
     def _closed_error(self) -> StoreError:
         return StoreError(f"rank {self.rank}: the rendezvous store client is closed (the job's process group was torn down)")

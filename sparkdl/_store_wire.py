@@ -18,7 +18,9 @@ by the same per-job secret is worthless here, and the other way round):
 Both sides prove the secret; fresh nonces on both sides keep a recorded exchange from being
 replayed, and both modes are bound into the proofs: a mismatch (one side encrypts, the other
 does not) fails the handshake with a message saying so. A peer that fails, or is not done
-within the server's handshake timeout, is dropped before anything else it sent is parsed.
+within the server's handshake timeout, is dropped before anything else it sent is parsed. A
+server that hangs up before its greeting (shedding a flood), or after the client's proof, is
+:class:`~sparkdl._secure.Shed`: the client retries (:func:`sparkdl._secure.connect_retrying`).
 
 Frames, both ways, after the handshake: ``length`` (u32, at most :data:`MAX_FRAME_BYTES`) + a
 body of exactly ``length`` bytes + a 16-byte AES-256-GCM tag (:mod:`sparkdl._secure`: keys from
@@ -67,9 +69,9 @@ import secrets
 import socket
 import struct
 import time
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
-from sparkdl._secure import FrameAuthError, FrameFormatError, mismatch_message, mode_byte, mode_from_byte, protection, read_length_prefixed, split_greeting
+from sparkdl._secure import FrameAuthError, FrameFormatError, Shed, mismatch_message, mode_byte, mode_from_byte, protection, read_greeting, read_length_prefixed, split_greeting
 from sparkdl._tcpserver import checked_secret, recv_exact
 
 GREETING = b"SPKDLRZ\x02"
@@ -133,8 +135,8 @@ class Session:
 
 
 def client_handshake(sock: socket.socket, key: bytes, rank: int, deadline: float, encrypt: bool = False) -> Session:
-    """Authenticates a new connection, client side. Raises WireError, TimeoutError, OSError."""
-    greeting = split_greeting(recv_exact(sock, GREETING_BYTES, deadline), GREETING, NONCE_BYTES)
+    """Authenticates a new connection, client side. Raises WireError, Shed, TimeoutError, OSError."""
+    greeting = split_greeting(read_greeting(sock, GREETING_BYTES, GREETING, deadline), GREETING, NONCE_BYTES)
     if greeting is None:
         raise WireError("the peer is not a sparkdl rendezvous store (bad greeting)")
     theirs, server_nonce = mode_from_byte(greeting[0][0]), greeting[1]
@@ -145,14 +147,15 @@ def client_handshake(sock: socket.socket, key: bytes, rank: int, deadline: float
         raise WireError(mismatch_message(encrypt, bool(theirs), "rendezvous client", "rendezvous store"))
     proof = recv_exact(sock, DIGEST_BYTES, deadline)
     if len(proof) < DIGEST_BYTES:
-        raise WireError("the store hung up during the handshake (wrong secret?)")
+        raise Shed("the store hung up during the handshake", proved=True)  # a wrong secret, or dropped late
     if not hmac.compare_digest(proof, _mac(key, _LABELS[2], client_nonce, server_nonce, mode)):
         raise WireError("the store failed to prove the job's secret")
     return Session(key, client_nonce, server_nonce, rank, encrypt, server=False)
 
 
-def server_handshake(conn: socket.socket, key: bytes, deadline: float, encrypt: bool = False) -> Session:
-    """Authenticates a new connection, server side. Raises WireError, TimeoutError, OSError."""
+def server_handshake(conn: socket.socket, key: bytes, deadline: float, encrypt: bool = False, verified: Callable[[], None] = lambda: None) -> Session:
+    """Authenticates a new connection, server side; calls ``verified()`` once the client proved
+    the secret, before proving it back. Raises WireError, TimeoutError, OSError."""
     server_nonce, mode = secrets.token_bytes(NONCE_BYTES), mode_byte(encrypt)
     conn.sendall(GREETING + mode + server_nonce)
     size = U32.size + NONCE_BYTES + 1 + DIGEST_BYTES
@@ -165,6 +168,7 @@ def server_handshake(conn: socket.socket, key: bytes, deadline: float, encrypt: 
         raise WireError("authentication failed (wrong secret or not a sparkdl rank)")
     if their_mode != mode:
         raise WireError(mismatch_message(encrypt, not encrypt, "rendezvous store", f"rank {U32.unpack(rank_bytes)[0]}"))
+    verified()
     conn.sendall(_mac(key, _LABELS[2], client_nonce, server_nonce, mode))
     return Session(key, client_nonce, server_nonce, U32.unpack(rank_bytes)[0], encrypt, server=True)
 

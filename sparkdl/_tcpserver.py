@@ -7,19 +7,28 @@ bounded wait. What a connection says (handshake, frames) is entirely the subclas
 Anyone who can reach a port can connect, so two things are bounded here for every server:
 
 * connections that have not finished their handshake (``max_pending_handshakes``, counted from
-  accept until the subclass calls :meth:`ThreadedServer._authenticated`); one over the cap is
-  closed at once, without a thread;
-* the warnings about dropped and refused peers (:class:`RateLimitedLog`): a few one by one, then
+  accept until the subclass calls :meth:`ThreadedServer._authenticated`, and
+  ``max_pending_per_peer`` of them from one address). A new connection is never refused: when
+  a cap is hit, the oldest pending connection of the address holding the most (or of the new
+  peer's own, over its cap) is dropped, an idle one (nothing sent yet) before one whose bytes
+  wait. Idle peers can then only delay the job's own ranks, never lock them out: a rank's
+  connection is the newest, it answers the greeting at once, and a rank that is dropped anyway
+  retries (:func:`sparkdl._secure.connect_retrying`) within its timeout. Each server also gives a new peer only
+  :data:`HANDSHAKE_S` to authenticate;
+* the warnings about dropped peers (:class:`RateLimitedLog`): a few one by one, then
   at most one summary line per interval, and a last one at close.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
+import select
 import socket
 import threading
 import time
-from typing import Any, Callable, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 #: Safety net for platforms where shutdown() of a listening socket does not interrupt accept().
 ACCEPT_POLL_S = 0.5
@@ -28,6 +37,8 @@ JOIN_TIMEOUT_S = 5.0
 #: Default bound on a server's connections that have not finished their handshake: a flood of
 #: idle connections must not hold a thread and a file descriptor each for the whole timeout.
 MAX_PENDING_HANDSHAKES = 64
+#: How long a new peer has to authenticate (the servers' default): idle connections go soon.
+HANDSHAKE_S = 5.0
 #: A server logs its first few drops one by one, then at most one summary per interval.
 LOG_BURST = 5
 LOG_INTERVAL_S = 10.0
@@ -187,7 +198,9 @@ class ThreadedServer:
         name: str,
         logger: logging.Logger,
         max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
+        max_pending_per_peer: Optional[int] = None,
     ) -> None:
+        """``max_pending_per_peer``: pending handshakes of one address (half the cap, at least 1)."""
         if max_pending_handshakes < 1:
             raise ValueError("max_pending_handshakes must be at least 1")
         self._lock = threading.Lock()
@@ -195,9 +208,13 @@ class ThreadedServer:
         self._closed = threading.Event()
         self._conns: Set[socket.socket] = set()
         self._threads: Set[threading.Thread] = set()
-        # Connection threads whose peer has not authenticated yet (see _admit).
-        self._unauthenticated: Set[threading.Thread] = set()
+        # Connection threads whose peer has not authenticated yet (see _admit), and those dropped
+        # to make room (their own drop is logged as that).
+        self._unauthenticated: Dict[threading.Thread, _Pending] = {}
+        self._evicted: Set[threading.Thread] = set()
         self._max_unauthenticated = max_pending_handshakes
+        self._max_per_peer = max(1, max_pending_handshakes // 2) if max_pending_per_peer is None else max(1, max_pending_per_peer)
+        self._accepted = itertools.count()
         self._name = name
         self._log = logger
         self._drop_log = RateLimitedLog(logger, name, "dropped {count} more unauthenticated connections")
@@ -248,40 +265,61 @@ class ThreadedServer:
     def _admit(self, peer: Any) -> bool:
         """Called under the lock for each accepted connection; False drops it unserved.
 
-        The default refuses a connection while ``max_pending_handshakes`` others have not
-        finished their handshake (every server of sparkdl keeps it: the channel, the store, the
-        parameter server's shards). A subclass overriding it replaces that policy; call
-        ``super()._admit(peer)`` to keep it.
+        The default admits every connection and makes room for it (:meth:`_make_room`): every
+        server of sparkdl keeps that (the channel, the store, the parameter server's shards). A
+        subclass overriding it replaces that policy; call ``super()._admit(peer)`` to keep it.
         """
-        pending = len(self._unauthenticated)
-        if pending >= self._max_unauthenticated:
-            self._drop_log.event(
-                peer, "too many pending handshakes",
-                "%s: %d connections have not finished their handshake; refusing %s",
-                self._name, pending, format_peer(peer),
-            )
-            return False
+        self._make_room(_host(peer))
         return True
+
+    def _make_room(self, host: str) -> None:
+        """Under the lock, before a connection from ``host`` is admitted: with ``host`` at
+        ``max_pending_per_peer`` pending handshakes, drops its oldest; else with all
+        ``max_pending_handshakes`` taken, the oldest of the address holding the most (of those,
+        the one that connected last). An idle
+        connection (no byte waiting: a rank answers its greeting at once) goes before others."""
+        pending = list(self._unauthenticated.values())
+        mine = [entry for entry in pending if entry.host == host]
+        if len(mine) >= self._max_per_peer:
+            candidates = mine
+        elif len(pending) >= self._max_unauthenticated:
+            rank: Dict[str, Tuple[int, int]] = {}  # host -> (pending, newest): ties go to who connects now
+            for entry in pending:
+                count, newest = rank.get(entry.host, (0, 0))
+                rank[entry.host] = (count + 1, max(newest, entry.seq))
+            top = max(rank, key=lambda name: rank[name])
+            candidates = [entry for entry in pending if entry.host == top]
+        else:
+            return
+        victim = min(_idle(candidates) or candidates, key=lambda entry: entry.seq)
+        del self._unauthenticated[victim.thread]
+        self._evicted.add(victim.thread)
+        shutdown_quietly(victim.conn)  # its thread sees EOF, logs the drop and closes it
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
         raise NotImplementedError
 
     def _authenticated(self) -> None:
         """Marks the calling connection's peer as authenticated (call from ``_serve`` once the
-        handshake succeeded): it no longer counts against ``max_pending_handshakes``."""
+        handshake succeeded): it no longer counts against ``max_pending_handshakes``. Raises
+        ConnectionAbortedError if it was dropped to make room meanwhile (its socket is shut)."""
         with self._lock:
-            self._unauthenticated.discard(threading.current_thread())
+            if self._unauthenticated.pop(threading.current_thread(), None) is None:
+                raise ConnectionAbortedError("dropped to make room for newer connections")
 
     def _log_drop(self, peer: Any, reason: object, msg: str, *args: Any, authenticated: bool = False) -> None:
         """Warns ``msg % args`` about a dropped or lost peer, rate-limited and summarized per
         server (separately for peers that had authenticated)."""
+        if not authenticated and threading.current_thread() in self._evicted:
+            reason = f"the oldest of {self._max_unauthenticated} pending handshakes ({self._max_per_peer} from one address) go first"
+            msg, args = "%s: dropping %s to make room: %s", (self._name, format_peer(peer), reason)
         (self._peer_log if authenticated else self._drop_log).event(peer, reason, msg, *args)
 
     def _forget_connection(self, conn: socket.socket) -> None:
         """Closes a served connection (call from ``_serve``'s ``finally``)."""
         with self._lock:
             self._conns.discard(conn)
-            self._unauthenticated.discard(threading.current_thread())
+            self._unauthenticated.pop(threading.current_thread(), None)
             self._idle.notify_all()
         close_quietly(conn)
 
@@ -290,11 +328,17 @@ class ThreadedServer:
         for whatever ``_serve`` does after the connection ended (disconnect callbacks)."""
         with self._lock:
             self._threads.discard(threading.current_thread())
-            self._unauthenticated.discard(threading.current_thread())
+            self._unauthenticated.pop(threading.current_thread(), None)
+            self._evicted.discard(threading.current_thread())
+            self._idle.notify_all()
 
     def _accept_loop(self) -> None:
         try:
             while not self._closed.is_set():
+                # Threads of dropped peers still winding down count against the cap too (at most
+                # a poll's wait): a flood cannot make the server hold more threads than that.
+                with self._idle:
+                    self._idle.wait_for(lambda: len(self._evicted) < max(1, self._max_unauthenticated - len(self._unauthenticated)), ACCEPT_POLL_S)
                 try:
                     conn, peer = self._listener.accept()
                 except TimeoutError:
@@ -317,7 +361,35 @@ class ThreadedServer:
                     thread = threading.Thread(target=self._serve, args=(conn, peer), name=f"{self._name}-{peer}", daemon=True)
                     self._conns.add(conn)
                     self._threads.add(thread)
-                    self._unauthenticated.add(thread)
+                    self._unauthenticated[thread] = _Pending(thread, conn, _host(peer), next(self._accepted))
                     thread.start()
         finally:
             close_quietly(self._listener)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """A connection whose peer has not authenticated yet; ``seq`` orders them by accept."""
+
+    thread: threading.Thread
+    conn: socket.socket
+    host: str
+    seq: int
+
+
+def _host(peer: Any) -> str:
+    return str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
+
+
+def _idle(entries: List[_Pending]) -> List[_Pending]:
+    """Those with nothing to read (under the server's lock: their sockets are open)."""
+    poller = select.poll()
+    by_fd = {}
+    for entry in entries:
+        try:
+            by_fd[entry.conn.fileno()] = entry
+            poller.register(entry.conn.fileno(), select.POLLIN)
+        except (OSError, ValueError):
+            continue
+    busy = {fd for fd, _ in poller.poll(0)}
+    return [entry for fd, entry in by_fd.items() if fd not in busy]

@@ -161,21 +161,6 @@ def launch(
 _MAX_DRAINS = 10
 
 
-class _RankDisconnects(logging.Filter):
-    """The channel's line for a rank that hung up without saying bye goes to debug level: the
-    monitor judges those disconnects (the cause, WorkerLost, or a consequence of a cancel) and
-    the TrainingError names the one that matters. Other peers' lines (unauthenticated ones) stay."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno > logging.DEBUG and record.msg == "channel: rank %d (%s) disconnected without saying bye":
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
-        return True
-
-
-logging.getLogger("sparkdl.channel").addFilter(_RankDisconnects())
-
-
 def _say(config: LaunchConfig, message: str) -> None:
     # Once: on the progress display when there is one, else in the log (a logger with no
     # handler prints warnings to stderr too, which printed it twice).
@@ -206,7 +191,8 @@ def _launch_once(
     host = session.channel_host()
     secret = new_secret()
     encrypt = payload_fields.get("encrypt", False)
-    server = ChannelServer(host, secret, monitor.on_message, monitor.on_disconnect, encrypt=encrypt)
+    # The monitor judges a rank's lost connection; its error names the one that matters.
+    server = ChannelServer(host, secret, monitor.on_message, monitor.on_disconnect, encrypt=encrypt, report_lost_ranks=False)
     monitor.channel_host = host
     try:
         # The launch's rendezvous store, where the channel listens: every task knows its address

@@ -269,6 +269,110 @@ def test_client_connect_failure_raises_channel_error(secret):
         ChannelClient(address, secret, rank=0, timeout=1.0)
 
 
+def _idle_flood(address, count: int) -> list:
+    """``count`` idle connections (they never answer the greeting); the caller closes them."""
+    socks = []
+    try:
+        for _ in range(count):
+            socks.append(socket.create_connection(address, timeout=WAIT))
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
+def test_a_flood_of_idle_connections_before_a_rank_connects_does_not_keep_it_out(server, secret, rec):
+    # Issue #29: 300 idle connections made the rank's one connection look like a "bad greeting".
+    flood = _idle_flood(server.address, 300)
+    try:
+        start = time.monotonic()
+        with ChannelClient(server.address, secret, rank=0, timeout=30.0) as client:
+            client.send({"kind": "progress", "n": 1})
+            assert get(rec.messages) == (0, {"kind": "progress", "n": 1})
+        assert time.monotonic() - start < 5.0  # served at once, not after the flood times out
+        assert get(rec.disconnects) == (0, True)
+        assert server.pending_handshakes <= 32  # the flood holds at most half the slots
+    finally:
+        for sock in flood:
+            sock.close()
+
+
+def test_a_rank_gets_through_while_a_flooder_keeps_opening_connections(server, secret, rec):
+    stop, held, errors = threading.Event(), [], []
+
+    def flooder() -> None:
+        try:
+            while not stop.is_set() and len(held) < 3000:
+                held.append(socket.create_connection(server.address, timeout=WAIT))
+        except OSError as exc:  # noqa: PERF203 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=flooder, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + WAIT
+        while len(held) < 200:  # the flood is under way before the rank connects
+            assert time.monotonic() < deadline and not errors, errors
+            time.sleep(0.01)  # polling the flooder's progress
+        for rank in range(4):
+            with ChannelClient(server.address, secret, rank=rank, timeout=30.0) as client:
+                client.send({"kind": "progress", "rank": rank})
+                assert get(rec.messages) == (rank, {"kind": "progress", "rank": rank})
+    finally:
+        stop.set()
+        thread.join(WAIT)
+        for sock in held:
+            sock.close()
+    assert not errors, errors
+
+
+def test_a_server_that_never_answers_is_named_as_such_not_as_a_foreign_server(secret):
+    with socket.create_server((HOST, 0)) as mute:  # accepts (the kernel does) but never greets
+        host, port = mute.getsockname()[:2]
+        start = time.monotonic()
+        with pytest.raises(ChannelError) as info:
+            ChannelClient(mute.getsockname(), secret, rank=0, timeout=1.0)
+        assert time.monotonic() - start < 3.0
+    text = str(info.value)
+    assert f"the channel server at {host}:{port} did not complete the handshake within 1 s" in text, text
+    assert "flooded" in text and "bad greeting" not in text and "not a sparkdl" not in text, text
+
+
+def test_a_server_that_hangs_up_on_every_connection_is_retried_then_named(secret):
+    with socket.create_server((HOST, 0)) as listener:
+        stop, accepted = threading.Event(), []
+
+        def refuse() -> None:  # what a server does to a connection it will not serve
+            listener.settimeout(0.1)
+            while not stop.is_set():
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                accepted.append(1)
+                conn.close()
+
+        thread = threading.Thread(target=refuse, daemon=True)
+        thread.start()
+        try:
+            with pytest.raises(ChannelError) as info:
+                ChannelClient(listener.getsockname(), secret, rank=0, timeout=1.5)
+        finally:
+            stop.set()
+            thread.join(WAIT)
+    text = str(info.value)
+    assert "did not complete the handshake within 1.5 s" in text and "closed the connection before its greeting" in text, text
+    assert "bad greeting" not in text and len(accepted) > 2, (text, len(accepted))
+
+
+def test_a_wrong_secret_still_fails_soon_and_says_so(server, secret):
+    start = time.monotonic()
+    with pytest.raises(ChannelError, match=r"wrong secret\?"):
+        ChannelClient(server.address, b"not the secret", rank=0, timeout=30.0)
+    assert time.monotonic() - start < 5.0  # retried twice, not for the whole timeout
+
+
 def test_garbage_instead_of_handshake_is_dropped(server, secret, rec, logs):
     with socket.create_connection(server.address, timeout=WAIT) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\nHost: driver\r\n\r\n" + b"\x00" * 64)
@@ -476,17 +580,12 @@ for sock in held:
 
 
 class _FloodWatch(ChannelServer):
-    """The real server, counting each flood connection's one outcome (refused or dropped)."""
+    """The real server, counting each flood connection's one outcome (dropped: to make room for
+    newer ones, or when the flooder hung up)."""
 
     def __init__(self, *args, **kwargs) -> None:
         self.outcomes = threading.Semaphore(0)
         super().__init__(*args, **kwargs)
-
-    def _admit(self, peer) -> bool:
-        admitted = super()._admit(peer)
-        if not admitted:
-            self.outcomes.release()
-        return admitted
 
     def _log_drop(self, *args, authenticated: bool = False) -> None:
         super()._log_drop(*args, authenticated=authenticated)
@@ -533,7 +632,7 @@ def test_flood_of_unauthenticated_connections_is_bounded_and_summarized(secret, 
             flooder.stdin.write("0\n")
             flooder.stdin.flush()
             assert flooder.wait(timeout=WAIT) == 0
-            # Every flood connection was refused at once or dropped when the flooder hung up.
+            # Every flood connection was dropped to make room, or when the flooder hung up.
             deadline = time.monotonic() + WAIT
             for _ in range(total):
                 assert server.outcomes.acquire(timeout=max(0.0, deadline - time.monotonic()))

@@ -15,6 +15,7 @@ import math
 import json
 import socket
 import threading
+import time
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
@@ -694,3 +695,126 @@ def test_frame_counters_advance_per_direction():
         frame = sealer.seal(b"h", payload)
         assert opener.open(b"h", *_split(frame, 1, len(payload))) == payload
     assert sealer.frames == opener.frames == 2
+
+
+# ---- a client's handshake while the server sheds connections (connect_retrying) -------------
+
+
+class _Scripted:
+    """A listener whose n-th accepted connection gets ``script[n]`` (the last one repeats):
+    ``"close"`` (hung up unserved), ``"silent"`` (held open, never answered), or bytes to send
+    before holding the connection open. Holds what it accepted until :meth:`close`."""
+
+    def __init__(self, script: List[object]) -> None:
+        self.listener = socket.create_server((HOST, 0))
+        self.address = self.listener.getsockname()[:2]
+        self.script, self.accepted = script, 0
+        self.held: List[socket.socket] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            action = self.script[min(self.accepted, len(self.script) - 1)]
+            self.accepted += 1
+            if action == "close":
+                conn.close()
+                continue
+            if isinstance(action, bytes):
+                conn.sendall(action)
+            self.held.append(conn)
+
+    def close(self) -> None:
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes accept(); close() alone does not
+        except OSError:
+            pass
+        self.listener.close()
+        self.thread.join(WAIT)
+        for conn in self.held:
+            conn.close()
+
+
+def _greeting_attempt(sock: socket.socket, deadline: float) -> bytes:
+    from sparkdl._secure import read_greeting
+
+    return read_greeting(sock, len(b"MAGIC123") + 4, b"MAGIC123", deadline)
+
+
+@pytest.mark.parametrize("sent, shed", [(None, True), (b"MAG", True), (b"MAGIC123\x01", True), (b"HTTP/1.1 400", False)])
+def test_read_greeting_tells_a_shed_connection_from_a_foreign_server(sent, shed):
+    from sparkdl._secure import Shed
+
+    fake = _Scripted(["close" if sent is None else sent])
+    try:
+        with socket.create_connection(fake.address, timeout=WAIT) as sock:
+            if sent is not None:  # a truncated or foreign greeting, then the server hangs up
+                assert sock.recv(len(sent), socket.MSG_PEEK | socket.MSG_WAITALL) == sent
+                deadline = time.monotonic() + WAIT
+                while len(fake.held) < 1:  # appended right after the send
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)  # polling the fake server's thread
+                fake.held[0].shutdown(socket.SHUT_WR)
+            if shed:
+                with pytest.raises(Shed, match="before its greeting"):
+                    _greeting_attempt(sock, time.monotonic() + WAIT)
+            else:  # returned as it came, for the caller to call it a bad greeting
+                assert _greeting_attempt(sock, time.monotonic() + WAIT) == b"HTTP/1.1 400"
+    finally:
+        fake.close()
+
+
+def test_connect_retrying_gets_through_a_server_that_sheds_the_first_connections():
+    from sparkdl._secure import connect_retrying
+
+    fake = _Scripted(["close", "close", "close", b"MAGIC1230000"])
+    try:
+        sock, greeting = connect_retrying(fake.address, WAIT, _greeting_attempt, "the test server")
+        sock.close()
+        assert greeting == b"MAGIC1230000" and fake.accepted == 4
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("action, last", [("silent", "no answer"), ("close", "closed the connection before its greeting")])
+def test_connect_retrying_names_the_real_cause_when_it_gives_up(action, last):
+    from sparkdl._secure import HandshakeFailed, connect_retrying
+
+    fake = _Scripted([action])
+    try:
+        start = time.monotonic()
+        with pytest.raises(HandshakeFailed) as info:
+            connect_retrying(fake.address, 1.0, _greeting_attempt, "the test server")
+        assert time.monotonic() - start < 1.0 + 2.0
+        text = str(info.value)
+        host, port = fake.address
+        assert f"the test server at {host}:{port} did not complete the handshake within 1 s" in text, text
+        assert last in text and "flooded" in text and "bad greeting" not in text, text
+        assert (fake.accepted > 1) == (action == "close")  # a silent server is not hammered
+    finally:
+        fake.close()
+
+
+def test_connect_retrying_gives_up_soon_on_a_server_that_hangs_up_after_the_proof():
+    from sparkdl._secure import HandshakeFailed, Shed, connect_retrying
+
+    def attempt(sock: socket.socket, deadline: float) -> None:
+        raise Shed("the server hung up during the handshake", proved=True)  # as with a wrong secret
+
+    fake = _Scripted([b"x"])
+    try:
+        start = time.monotonic()
+        with pytest.raises(HandshakeFailed, match=r"hung up after this side proved the job's secret, 3 times \(wrong secret\?\)"):
+            connect_retrying(fake.address, 30.0, attempt, "the test server")
+        assert time.monotonic() - start < 5.0
+        deadline = time.monotonic() + WAIT
+        while fake.accepted < 3:  # the fake accepts after the kernel did: poll, bounded
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert fake.accepted == 3  # the first try and two retries, no more
+    finally:
+        fake.close()

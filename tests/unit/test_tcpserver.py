@@ -140,12 +140,12 @@ class Greeter(ThreadedServer):
     """Greets each admitted peer with b"hi"; a peer that answers b"ok" is authenticated (and
     answered b"in"), anything else (hanging up, silence past ``handshake_s``) is dropped."""
 
-    def __init__(self, cap: int, handshake_s: float = 60.0) -> None:
+    def __init__(self, cap: int, handshake_s: float = 60.0, per_peer=None) -> None:
         self.handshake_s = handshake_s
         self.ended = threading.Semaphore(0)  # one release per served connection that ended
         listener = socket.create_server((HOST, 0), backlog=256)
         self.address = listener.getsockname()[:2]
-        super().__init__(listener, "greeter", logging.getLogger("sparkdl.test_tcpserver"), max_pending_handshakes=cap)
+        super().__init__(listener, "greeter", logging.getLogger("sparkdl.test_tcpserver"), max_pending_handshakes=cap, max_pending_per_peer=per_peer)
 
     def _serve(self, conn: socket.socket, peer) -> None:
         try:
@@ -183,8 +183,21 @@ def servers():
         server.close()
 
 
-def connect(address, count: int) -> List[socket.socket]:
-    return [socket.create_connection(address, timeout=WAIT) for _ in range(count)]
+def connect(address, count: int, source: str = HOST) -> List[socket.socket]:
+    return [socket.create_connection(address, timeout=WAIT, source_address=(source, 0)) for _ in range(count)]
+
+
+def greeted(address, count: int, source: str = HOST) -> List[socket.socket]:
+    """``count`` connections, one after the other, each asserted to be greeted (b"hi")."""
+    socks: List[socket.socket] = []
+    try:
+        for _ in range(count):
+            socks += connect(address, 1, source)
+            assert socks[-1].recv(2) == b"hi", "a new connection must be served, never refused"
+    except BaseException:
+        close_all(socks)
+        raise
+    return socks
 
 
 def first_bytes(socks: List[socket.socket]) -> List[bytes]:
@@ -193,81 +206,131 @@ def first_bytes(socks: List[socket.socket]) -> List[bytes]:
     return [sock.recv(2) for sock in socks]
 
 
+def dropped(sock: socket.socket) -> bool:
+    """Whether the server has closed this (greeted, idle) connection: EOF, within WAIT."""
+    sock.settimeout(WAIT)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def still_pending(sock: socket.socket) -> bool:
+    """Whether the server still holds this connection open (nothing to read, no EOF)."""
+    sock.setblocking(False)
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.settimeout(WAIT)
+    return False
+
+
 def close_all(socks: List[socket.socket]) -> None:
     for sock in socks:
         sock.close()
 
 
-def test_connections_over_the_cap_are_closed_at_once_without_a_thread(servers, records):
+def test_over_the_cap_the_oldest_pending_connections_are_dropped_and_every_new_one_is_served(servers, records):
     cap, excess = 8, 40
     threads_before = threading.active_count()
-    server = Greeter(cap)
+    server = Greeter(cap, per_peer=cap)
     servers.append(server)
-    socks = connect(server.address, cap + excess)
+    socks = greeted(server.address, cap + excess)  # each one is greeted: nobody is refused
     try:
-        got = first_bytes(socks)  # accepted in connection order: the first `cap` are pending
-        assert got == [b"hi"] * cap + [b""] * excess
-        assert server.live_threads() == cap
-        assert server.pending_handshakes == cap
+        # The oldest `excess` were dropped to make room, in order; the newest `cap` are pending.
+        assert [dropped(sock) for sock in socks[:excess]] == [True] * excess
+        server.wait_ended(excess)
+        assert all(still_pending(sock) for sock in socks[excess:])
+        assert server.pending_handshakes == cap and server.live_threads() == cap
         assert threading.active_count() <= threads_before + cap + 1  # + the accept thread
-        # Refusals are logged five at a time, not one line each.
-        assert len(records.lines) == 5 and all("refusing" in line for line in records.lines)
+        # Drops are logged five at a time, not one line each, and say why.
+        assert len(records.lines) == 5 and all("to make room" in line for line in records.lines), records.lines
     finally:
         close_all(socks)
-    # Pending peers that hang up free their slots: new connections are admitted again.
     server.wait_ended(cap)
     assert server.pending_handshakes == 0
-    again = connect(server.address, cap)
-    try:
-        assert first_bytes(again) == [b"hi"] * cap
-    finally:
-        close_all(again)
-    server.wait_ended(cap)
     server.close()
-    assert records.summarized() == excess - 5 + 2 * cap  # the final summary at close loses no count
+    assert records.summarized() == excess - 5 + cap  # the final summary at close loses no count
     assert len(records.lines) == 6
+
+
+def test_a_flood_of_idle_connections_cannot_keep_a_peer_from_authenticating(servers):
+    server = Greeter(64)  # the servers' default cap, and 32 from one address
+    servers.append(server)
+    flood = connect(server.address, 300)  # idle: never answer the greeting
+    try:
+        start = time.monotonic()
+        with socket.create_connection(server.address, timeout=WAIT) as peer:
+            assert peer.recv(2) == b"hi", "the job's own peer must be served during a flood"
+            peer.sendall(b"ok")
+            assert peer.recv(2) == b"in"
+            assert time.monotonic() - start < 2.0
+        assert server.pending_handshakes <= 32
+    finally:
+        close_all(flood)
+
+
+def test_a_flooding_address_only_evicts_its_own_connections(servers):
+    # 127.0.0.x are all this host's: three "hosts" on loopback. Ranks (.1) start their
+    # handshakes; two flooders (.2, .3) open far more idle connections after them.
+    server = Greeter(8, per_peer=4)
+    servers.append(server)
+    ranks = greeted(server.address, 3)
+    floods = []
+    try:
+        floods += greeted(server.address, 20, source="127.0.0.2")
+        floods += greeted(server.address, 20, source="127.0.0.3")
+        assert all(still_pending(sock) for sock in ranks), "a flooder must not evict another address's peers"
+        assert server.pending_handshakes == 8
+        for sock in ranks:  # and they authenticate, late as they are
+            sock.sendall(b"ok")
+            assert sock.recv(2) == b"in"
+        assert server.pending_handshakes == 5
+    finally:
+        close_all(ranks + floods)
 
 
 def test_pending_handshakes_that_time_out_free_their_slots(servers):
     cap = 4
-    server = Greeter(cap, handshake_s=1.0)
+    server = Greeter(cap, handshake_s=1.0, per_peer=cap)
     servers.append(server)
-    silent = connect(server.address, cap)
+    silent = greeted(server.address, cap)
     try:
-        assert first_bytes(silent) == [b"hi"] * cap
-        refused = connect(server.address, 1)
-        assert first_bytes(refused) == [b""]
-        close_all(refused)
         server.wait_ended(cap)  # the server gives up on them after 1 s
-        assert [sock.recv(1) for sock in silent] == [b""] * cap
-        late = connect(server.address, 1)
-        assert first_bytes(late) == [b"hi"]
+        assert [dropped(sock) for sock in silent] == [True] * cap
+        assert server.pending_handshakes == 0
+        late = greeted(server.address, cap)
+        assert all(still_pending(sock) for sock in late)  # the slots are free: nobody dropped
         close_all(late)
     finally:
         close_all(silent)
 
 
-def test_authenticated_peers_do_not_count_against_the_cap(servers):
+def test_authenticated_peers_do_not_count_against_the_cap_and_are_never_dropped(servers):
     cap = 2
-    server = Greeter(cap)
+    server = Greeter(cap, per_peer=cap)
     servers.append(server)
     socks = []
     try:
         for _ in range(5 * cap):
-            sock = connect(server.address, 1)[0]
+            sock = greeted(server.address, 1)[0]
             socks.append(sock)
-            assert sock.recv(2) == b"hi"
             sock.sendall(b"ok")
             assert sock.recv(2) == b"in"
         assert server.live_threads() == 5 * cap
         assert server.pending_handshakes == 0
-        # Still room for `cap` more pending handshakes.
-        pending = connect(server.address, cap + 1)
+        # Room for `cap` more pending handshakes; one more drops the oldest pending only.
+        pending = greeted(server.address, cap + 1)
         socks += pending
-        assert first_bytes(pending) == [b"hi"] * cap + [b""]
+        assert dropped(pending[0]) and all(still_pending(sock) for sock in pending[1:])
+        assert all(still_pending(sock) for sock in socks[: 5 * cap])
     finally:
         close_all(socks)
-    server.wait_ended(6 * cap)
+    server.wait_ended(6 * cap + 1)
 
 
 class OwnPolicy(Greeter):

@@ -14,8 +14,8 @@ import threading
 import time
 from typing import Callable, Dict, Optional, Protocol, Sequence, Set, Tuple, Union
 
-from sparkdl._secure import FrameProtection
-from sparkdl._tcpserver import ThreadedServer, checked_secret
+from sparkdl._secure import FrameProtection, HandshakeFailed, connect_retrying
+from sparkdl._tcpserver import HANDSHAKE_S, ThreadedServer, checked_secret
 from sparkdl._tcpserver import close_quietly as _close_quietly
 from sparkdl.strategies.parameter_server.wire import (
     MAX_ERROR_BYTES,
@@ -35,8 +35,8 @@ from sparkdl.strategies.parameter_server.wire import (
 logger = logging.getLogger("sparkdl.parameter_server")
 
 # An unauthenticated peer gets this long to prove the secret (ThreadedServer caps how many may
-# try at once): a flood of idle connections must not hold threads for the full timeout.
-MAX_HANDSHAKE_S = 30.0
+# try at once, the oldest go first): a flood of idle connections must not hold threads for long.
+MAX_HANDSHAKE_S = HANDSHAKE_S
 
 
 def _configure(sock: socket.socket) -> None:
@@ -133,7 +133,9 @@ class ShardServer(ThreadedServer):
         deadline = time.monotonic() + self._handshake_s
         try:
             conn.settimeout(self._handshake_s)
-            rank, keys = server_handshake(conn, self._secret, self.rank, deadline, self.encrypt)
+            # Its pending-handshake slot is freed before the server proves itself: a worker told
+            # it is in is never then dropped to make room (ThreadedServer caps pending ones).
+            rank, keys = server_handshake(conn, self._secret, self.rank, deadline, self.encrypt, self._authenticated)
         except TimeoutError:
             raise WireError(f"handshake not completed within {self._handshake_s:g}s") from None
         if not 0 <= rank < self.world_size or rank == self.rank:
@@ -151,7 +153,6 @@ class ShardServer(ThreadedServer):
         reason = "connection closed"
         try:
             rank, keys = self._authenticate(conn)
-            self._authenticated()  # frees its pending-handshake slot (ThreadedServer caps them)
             while True:
                 header = read_request_header(conn, self._timeout_s)
                 if header is None:
@@ -212,7 +213,8 @@ class ShardClient:
             secret: the per-job secret.
             rank: this worker's rank.
             server_rank: the rank the server must prove to be.
-            timeout_s: bound on connecting, the handshake and every send; replies get
+            timeout_s: bound on connecting and the handshake (retried while the server sheds
+                connections, e.g. under a flood of idle ones) and on every send; replies get
                 ``timeout_s`` plus a margin, so that a server's own (clearer) timeout error
                 arrives first.
             sent: counts the bytes this worker sends.
@@ -229,16 +231,16 @@ class ShardClient:
         self.reply_timeout_s = timeout_s + max(10.0, 0.1 * timeout_s)
         self.sent = sent if sent is not None else ByteCounter()
         self._closed = False
+        def attempt(sock: socket.socket, deadline: float) -> Tuple[int, FrameProtection]:
+            _configure(sock)
+            return client_handshake(sock, secret, rank, deadline, bool(encrypt))
+
         try:
-            sock = socket.create_connection(tuple(address), timeout=timeout_s)
+            sock, (answered, self._keys) = connect_retrying(address, timeout_s, attempt, f"the parameter server on rank {server_rank}")
+        except (WireError, HandshakeFailed) as exc:
+            raise ParameterServerError(f"rank {rank}: handshake with the parameter server on rank {server_rank} failed: {exc}", server_rank) from exc
         except OSError as exc:
             raise ParameterServerError(f"rank {rank} cannot connect to the parameter server on rank {server_rank} at {address}: {exc}", server_rank) from exc
-        try:
-            _configure(sock)
-            answered, self._keys = client_handshake(sock, secret, rank, time.monotonic() + timeout_s, bool(encrypt))
-        except (WireError, TimeoutError, OSError) as exc:
-            _close_quietly(sock)
-            raise ParameterServerError(f"rank {rank}: handshake with the parameter server on rank {server_rank} failed: {exc}", server_rank) from exc
         if answered != server_rank:
             _close_quietly(sock)
             raise ParameterServerError(f"rank {rank}: expected the parameter server of rank {server_rank}, rank {answered} answered", server_rank)

@@ -68,11 +68,11 @@ import secrets
 import socket
 import struct
 import time
-from typing import Dict, Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
-from sparkdl._secure import TAG_BYTES, FrameAuthError, FrameOpener, FrameProtection, FrameSealer, mismatch_message, mode_byte, mode_from_byte, protection, split_greeting
+from sparkdl._secure import TAG_BYTES, FrameAuthError, FrameOpener, FrameProtection, FrameSealer, Shed, mismatch_message, mode_byte, mode_from_byte, protection, read_greeting, split_greeting
 from sparkdl._tcpserver import recv_exact
 from sparkdl.errors import PeerLostError
 
@@ -292,9 +292,10 @@ def client_handshake(sock: socket.socket, secret: bytes, rank: int, deadline: fl
     Raises:
         WireError: the peer is not a parameter server of this job (bad greeting or proof), or it
             disagrees about ``encrypt`` ("encryption mismatch").
+        Shed: the server hung up (before its greeting, or after our proof): retry.
         TimeoutError, OSError: the handshake did not complete.
     """
-    greeting = split_greeting(recv_exact(sock, GREETING_BYTES, deadline), GREETING, NONCE_BYTES)
+    greeting = split_greeting(read_greeting(sock, GREETING_BYTES, GREETING, deadline), GREETING, NONCE_BYTES)
     if greeting is None:
         raise WireError("the peer is not a sparkdl parameter server (bad greeting)")
     server_mode, server_nonce = greeting
@@ -310,7 +311,7 @@ def client_handshake(sock: socket.socket, secret: bytes, rank: int, deadline: fl
         raise WireError(mismatch_message(encrypt, theirs, "worker", "parameter server"))
     proof = recv_exact(sock, SERVER_PROOF_BYTES, deadline)
     if len(proof) < SERVER_PROOF_BYTES:
-        raise WireError("the server hung up during the handshake (wrong secret?)")
+        raise Shed("the server hung up during the handshake", proved=True)  # a wrong secret, or dropped late
     server_rank_bytes, digest = proof[: _RANK.size], proof[_RANK.size:]
     if not hmac.compare_digest(digest, _mac(secret, _SERVER_LABEL, client_nonce, server_nonce, server_rank_bytes, server_mode)):
         raise WireError("the server failed to prove the job's secret")
@@ -318,8 +319,9 @@ def client_handshake(sock: socket.socket, secret: bytes, rank: int, deadline: fl
     return _RANK.unpack(server_rank_bytes)[0], keys
 
 
-def server_handshake(conn: socket.socket, secret: bytes, rank: int, deadline: float, encrypt: bool = False) -> Tuple[int, FrameProtection]:
-    """Authenticates a fresh connection from the server side.
+def server_handshake(conn: socket.socket, secret: bytes, rank: int, deadline: float, encrypt: bool = False, verified: Callable[[], None] = lambda: None) -> Tuple[int, FrameProtection]:
+    """Authenticates a fresh connection from the server side; calls ``verified()`` once the
+    worker proved the secret, before proving it back.
 
     Returns:
         ``(client_rank, protection)``: the worker's rank and this side's frame protection.
@@ -348,6 +350,7 @@ def server_handshake(conn: socket.socket, secret: bytes, rank: int, deadline: fl
     if theirs != encrypt:
         raise WireError(mismatch_message(encrypt, theirs, "parameter server", f"worker of rank {client_rank}"))
     own = _RANK.pack(rank)
+    verified()
     conn.sendall(own + _mac(secret, _SERVER_LABEL, client_nonce, server_nonce, own, mode))
     keys = protection(secret, KEY_LABEL, server_nonce, client_nonce, encrypt, server=True)
     return client_rank, keys

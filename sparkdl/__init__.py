@@ -19,6 +19,11 @@ __version__ = "0.1.0"
 from typing import TYPE_CHECKING
 
 from sparkdl._lazy import lazy_attributes
+from sparkdl._session import quiet_pandas3_warning
+
+# At import, before the user's own session starts: PySpark warns about pandas 3 the first time it
+# imports its test helpers (getOrCreate, createDataFrame...), which precedes sparkdl's first call.
+quiet_pandas3_warning()
 
 # Each public name and the module that defines it; imported on first use (sparkdl._lazy says why).
 _PUBLIC = {

@@ -18,11 +18,11 @@ Everything that differs between the two lives here, so the launcher, the DataFra
 * **Configuration** is read with ``spark.conf.get``, which both serve.
 * **One PySpark warning is silenced.** PySpark 4.1+ warns "PySpark does not yet fully support
   pandas >= 3.0.0" (a ``FutureWarning`` from ``require_minimum_pandas_version``) the first time a
-  job with Python functions is planned — sparkdl's warm-up, cache and launch (``mapInArrow``) —
-  so every demo, CLI and notebook run began with it, before any line of the user's. sparkdl runs
-  and is tested on pandas 3 (the latest stack); the filter, installed when this module is
-  imported (before sparkdl's first Spark job), hides that one message from pyspark's modules and
-  nothing else.
+  job with Python functions is planned (sparkdl's warm-up, cache and launch: ``mapInArrow``) or
+  its test helpers are imported (a session's first steps), so every demo, CLI and notebook run
+  began with it, before any line of the user's. sparkdl runs and is tested on pandas 3 (the
+  latest stack); the filter, installed by ``import sparkdl``, hides that one message from
+  pyspark's modules and nothing else.
 """
 
 from __future__ import annotations

@@ -112,19 +112,22 @@ def test_files_larger_than_a_row_group_are_rewritten_as_even_row_groups(spark, m
 
 # A driver as a user writes it: fit's data step on a DataFrame, then the script just ends (the
 # session not even stopped). Prints where its copy was while it ran.
-_DRIVER = """
-import json, os, sys
+_SESSION_AND_DATAFRAME = """
+import json, os, sys, time
 sys.path[:0] = [{root!r}]
 from pyspark.sql import SparkSession
-from sparkdl._settings import DataSettings
-from sparkdl.data.prepare import prepare_data
 
 spark = (
-    SparkSession.builder.master("local[1]").appName("sparkdl-cache-exit")
+    SparkSession.builder.master("{master}").appName("sparkdl-cache-driver")
     .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
     .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false").getOrCreate()
 )
 df = spark.createDataFrame([([float(i)], i % 2) for i in range(64)], "features array<double>, label long")
+"""
+_DRIVER = _SESSION_AND_DATAFRAME + """
+from sparkdl._settings import DataSettings
+from sparkdl.data.prepare import prepare_data
+
 dataset, _, _, _ = prepare_data(df, DataSettings(feature_cols=["features"], label_col="label", batch_size=8), num_workers=2, spark=spark)
 path = dataset.url[len("file://"):]
 print(json.dumps({{"pid": os.getpid(), "path": path, "files": sorted(os.listdir(path))}}))
@@ -139,7 +142,7 @@ def test_a_driver_that_exits_leaves_no_copy_behind(tmp_path):
     env = {**os.environ, "TMPDIR": str(temp), "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1", "PYTHONPATH": REPO_ROOT}
     env.pop("PYSPARK_DRIVER_PYTHON", None)
     result = subprocess.run(
-        [sys.executable, "-c", _DRIVER.format(root=REPO_ROOT)], env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", _DRIVER.format(root=REPO_ROOT, master="local[1]")], env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
@@ -152,18 +155,9 @@ def test_a_driver_that_exits_leaves_no_copy_behind(tmp_path):
 
 # A driver stopped mid-fit by SIGTERM (how Airflow, Kubernetes and YARN stop one): rank 0 says
 # when it trains, then trains until stopped (bounded).
-_STOPPED_DRIVER = """
-import os, sys, time
-sys.path[:0] = [{root!r}]
-from pyspark.sql import SparkSession
+_STOPPED_DRIVER = _SESSION_AND_DATAFRAME + """
 import sparkdl
 
-spark = (
-    SparkSession.builder.master("local[2]").appName("sparkdl-cache-sigterm")
-    .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-    .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false").getOrCreate()
-)
-df = spark.createDataFrame([([float(i)], i % 2) for i in range(64)], "features array<double>, label long")
 marker = {marker!r}
 
 def loop(ctx):
@@ -184,7 +178,7 @@ def test_a_driver_stopped_by_sigterm_mid_fit_deletes_the_copy_and_leaves_no_proc
     env = {**os.environ, "TMPDIR": str(temp), "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1", "PYTHONPATH": REPO_ROOT}
     env.pop("PYSPARK_DRIVER_PYTHON", None)
     driver = subprocess.Popen(
-        [sys.executable, "-c", _STOPPED_DRIVER.format(root=REPO_ROOT, marker=str(marker))], env=env, cwd=str(tmp_path),
+        [sys.executable, "-c", _STOPPED_DRIVER.format(root=REPO_ROOT, master="local[2]", marker=str(marker))], env=env, cwd=str(tmp_path),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:

@@ -1,4 +1,4 @@
-"""sparkdl: train PyTorch models across a Spark cluster, on Parquet streamed through Petastorm.
+"""sparkdl: train PyTorch models across a Spark cluster, on Parquet each task streams itself (Arrow or Petastorm).
 
 Public surface::
 

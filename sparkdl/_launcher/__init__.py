@@ -19,6 +19,10 @@ Layout, one concern per module:
   prefixed output, threads, device, rendezvous, the user's function, the report. The stage's
   pickled closure refers to it, so the executors import it; it imports nothing of the driver
   side itself, and this ``__init__`` imports the rest only when asked for it.
+* :mod:`~sparkdl._launcher.environment` — the variables ``torchrun`` sets, for a launched script.
+* :mod:`~sparkdl._launcher.script` — a launch's child process, on the task's side (start, output,
+  exit status, no orphan); :mod:`~sparkdl._launcher.runner` — the child's side (the ``env://``
+  handler that joins sparkdl's store, then the user's script or function).
 
 This package re-exports the names the rest of sparkdl and the tests use.
 """

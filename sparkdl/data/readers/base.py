@@ -8,8 +8,9 @@ knows how columns become arrays), with each row's position in the dataset. Every
 that (shuffle, batches, decoding, transforms, tensors) is :mod:`sparkdl.data.batching`, the same
 for every reader.
 
-A new reader subclasses :class:`DataReader`, sets ``name`` and is registered by being imported
-from :mod:`sparkdl.data.readers`; it joins the reader contract test
+A new reader subclasses :class:`DataReader` and sets ``name``: defining the class registers it
+(``__init_subclass__``), so its module must be imported before ``reader=`` names it (the
+built-in ones are imported on first lookup); it joins the reader contract test
 (``tests/unit/test_reader_contract.py``) by adding its name there.
 """
 

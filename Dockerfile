@@ -24,7 +24,7 @@ COPY pyproject.toml README.md ./
 COPY scripts/stacks ./scripts/stacks
 RUN mkdir -p sparkdl connectors && touch sparkdl/__init__.py connectors/__init__.py \
     && pip install --no-cache-dir ".[connect]" scikit-learn --constraint scripts/stacks/latest.txt \
-    && pip uninstall -y sparkdl
+    && pip uninstall -y sparkdl-torch
 COPY sparkdl ./sparkdl
 COPY connectors ./connectors
 RUN pip install --no-cache-dir --no-deps . && python -c "import sparkdl, torch, pyspark; print('sparkdl', sparkdl.__version__, 'torch', torch.__version__, 'pyspark', pyspark.__version__)"

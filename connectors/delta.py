@@ -58,7 +58,7 @@ class DeltaSource(Source):
         try:
             from deltalake import DeltaTable
         except ImportError as exc:  # pragma: no cover - an optional dependency
-            raise ConfigError("DeltaSource needs the deltalake package: pip install 'sparkdl[delta]'") from exc
+            raise ConfigError("DeltaSource needs the deltalake package: pip install 'sparkdl-torch[delta]'") from exc
         from deltalake.exceptions import TableNotFoundError
 
         try:

@@ -1,8 +1,8 @@
 """Example Airflow 3 DAG: prepare digits (a training and a held-out split) -> train an MLP with
 sparkdl on Spark -> evaluate it on the held-out rows.
 
-Deploy (docs/deploy.md, "Airflow"): install ``sparkdl[airflow]`` on the Airflow worker (or
-``pip install --no-deps sparkdl apache-airflow-providers-apache-spark``: the operators import
+Deploy (docs/deploy.md, "Airflow"): install ``sparkdl-torch[airflow]`` on the Airflow worker (or
+``pip install --no-deps sparkdl-torch apache-airflow-providers-apache-spark``: the operators import
 neither torch nor pyspark), configure Spark once as the ``spark_default`` connection, and copy
 this file, alone, into the DAGs folder. The rest comes from environment variables (or the run's
 ``conf``), where a deployment differs:

@@ -326,7 +326,7 @@ def check_plotting() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:
-        raise ConfigError("the compare plot (compare.png) needs matplotlib: pip install 'sparkdl[plot]' (or pass plot=False / --no-plot)") from exc
+        raise ConfigError("the compare plot (compare.png) needs matplotlib: pip install 'sparkdl-torch[plot]' (or pass plot=False / --no-plot)") from exc
 
 
 def _epochs(epochs: Any) -> str:

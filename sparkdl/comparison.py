@@ -123,7 +123,7 @@ def compare(
             straggler; the table and JSON say it was on).
         slow_s: the slowed rank's sleep per step.
         output_dir: write ``compare.json`` and (with ``plot``) ``compare.png`` there.
-        plot: draw ``compare.png`` into ``output_dir`` (needs matplotlib: ``sparkdl[plot]``).
+        plot: draw ``compare.png`` into ``output_dir`` (needs matplotlib: ``sparkdl-torch[plot]``).
         progress: True prints a line per strategy and the fits' epoch lines; a callable receives
             every epoch record (as TorchEstimator's ``progress``).
         optimizer, loss, feature_cols, inputs, label_col, batch_size, seed, validation, metrics,

@@ -1,6 +1,6 @@
 """Loss and validation metrics per epoch, one line per run: what ``sparkdl inspect --plot`` writes
 and what a notebook shows (``sparkdl.plot_history(model)``). Needs matplotlib
-(``pip install 'sparkdl[plot]'``); nothing else in sparkdl imports it."""
+(``pip install 'sparkdl-torch[plot]'``); nothing else in sparkdl imports it."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def plot_history(runs: Runs, path: Optional[str] = None, title: Optional[str] = 
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
     except ImportError as exc:
-        raise ConfigError("plotting needs matplotlib: pip install 'sparkdl[plot]' (or pip install matplotlib)") from exc
+        raise ConfigError("plotting needs matplotlib: pip install 'sparkdl-torch[plot]' (or pip install matplotlib)") from exc
     labelled = _labelled_histories(runs)
     metrics = [key for key in validation_figures([record for history in labelled.values() for record in history]) if key != "val_loss"]
     figure, axes = plt.subplots(1, 1 + len(metrics), figsize=(5 * (1 + len(metrics)), 3.4), squeeze=False)

@@ -14,7 +14,7 @@
   ``torch.utils.tensorboard`` into ``tensorboard_dir``.
 
 Both run only on the driver: executors need neither package. Install them with
-``pip install 'sparkdl[tracking]'`` (mlflow-skinny and tensorboard, checked against the pinned stack).
+``pip install 'sparkdl-torch[tracking]'`` (mlflow-skinny and tensorboard, checked against the pinned stack).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ logger = logging.getLogger("sparkdl")
 
 _RANK_KEY = re.compile(r"rank(\d+)_(.+)")  # per-rank figures: rank0_samples_per_sec -> rank/0/samples_per_sec
 
-INSTALL_HINT = "pip install 'sparkdl[tracking]' (mlflow-skinny and tensorboard)"
+INSTALL_HINT = "pip install 'sparkdl-torch[tracking]' (mlflow-skinny and tensorboard)"
 
 
 def check_available(mlflow_experiment: Optional[str], tensorboard_dir: Optional[str]) -> None:

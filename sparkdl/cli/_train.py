@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a relaunch that finds fewer free slots than --num-workers continues on as many as are free, down to N (default: --num-workers)",
     )
     recovery.add_argument("--no-resume", dest="resume", action="store_false", help="ignore existing checkpoints and train from scratch")
-    tracking = parser.add_argument_group("tracking (pip install 'sparkdl[tracking]')")
+    tracking = parser.add_argument_group("tracking (pip install 'sparkdl-torch[tracking]')")
     tracking.add_argument("--mlflow-experiment", default=None, help="log params, per-epoch metrics and the model to this MLflow experiment")
     tracking.add_argument("--mlflow-tracking-uri", default=None, help="MLflow store (default: $MLFLOW_TRACKING_URI)")
     tracking.add_argument("--tensorboard-dir", default=None, help="write per-epoch scalars for TensorBoard here")

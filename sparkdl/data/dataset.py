@@ -406,7 +406,7 @@ def _petastorm_schema(url: str, fs: pafs.FileSystem, path: str):
     if problem:
         raise DataError(
             f"dataset {url!r} is a Petastorm dataset (its Unischema says how fields are encoded), and reading it needs "
-            f"Petastorm, but {problem}: pip install 'sparkdl[petastorm]' (PySpark 3.5 or 4.0 with pyarrow 14)"
+            f"Petastorm, but {problem}: pip install 'sparkdl-torch[petastorm]' (PySpark 3.5 or 4.0 with pyarrow 14)"
         )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Petastorm's legacy pyarrow calls warn on every use

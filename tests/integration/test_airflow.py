@@ -206,7 +206,7 @@ def test_the_operators_need_neither_torch_nor_pyspark_and_airflow_lists_the_prov
     code, listed = _airflow(airflow_python, airflow_env, "providers", "list", "--output", "json")
     assert code == 0, listed[-2000:]
     providers = {p["package_name"]: p for p in _json_list(listed)}
-    assert "sparkdl" in providers and "apache-airflow-providers-apache-spark" in providers, sorted(providers)
+    assert "sparkdl-torch" in providers and "apache-airflow-providers-apache-spark" in providers, sorted(providers)
     code, errors = _airflow(airflow_python, airflow_env, "dags", "list-import-errors", "--output", "json")
     assert code == 0 and _json_list(errors) == [], errors[-3000:]  # the DAG file alone parses
 

@@ -104,7 +104,7 @@ def test_sparkdl_zip_on_py_files_trains_on_executors_without_sparkdl(executor_py
 
 
 def test_building_sparkdl_prints_no_warning_of_its_own_packaging(tmp_path):
-    """What `pip install sparkdl` runs (an isolated PEP 517 build), on a copy of the sources so
+    """What `pip install sparkdl-torch` runs (an isolated PEP 517 build), on a copy of the sources so
     nothing is written into the checkout; setuptools' deprecation warnings would show here."""
     import shutil
 
@@ -124,5 +124,5 @@ def test_building_sparkdl_prints_no_warning_of_its_own_packaging(tmp_path):
     assert ours == [], output
     [wheel] = os.listdir(tmp_path / "wheel")
     with zipfile.ZipFile(tmp_path / "wheel" / wheel) as archive:
-        metadata = archive.read(f"sparkdl-{sparkdl.__version__}.dist-info/METADATA").decode()
-    assert "License-Expression: Apache-2.0" in metadata
+        metadata = archive.read(f"sparkdl_torch-{sparkdl.__version__}.dist-info/METADATA").decode()
+    assert "License-Expression: Apache-2.0" in metadata and "\nName: sparkdl-torch\n" in metadata

@@ -126,7 +126,7 @@ def test_missing_tracking_package_fails_at_construction(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_mlflow)
-    with pytest.raises(sparkdl.ConfigError, match=r"sparkdl\[tracking\]"):
+    with pytest.raises(sparkdl.ConfigError, match=r"sparkdl-torch\[tracking\]"):
         sparkdl.TorchEstimator(model=digits_mlp, mlflow_experiment="x")
     with pytest.raises(sparkdl.ConfigError, match="non-empty"):
         sparkdl.TorchEstimator(model=digits_mlp, mlflow_experiment=" ")

@@ -111,9 +111,9 @@ def test_the_plot_names_the_plot_extra_when_matplotlib_is_missing(monkeypatch, t
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without it gives: ImportError
-    with pytest.raises(sparkdl.ConfigError, match=r"pip install 'sparkdl\[plot\]'"):
+    with pytest.raises(sparkdl.ConfigError, match=r"pip install 'sparkdl-torch\[plot\]'"):
         _comparison().plot(str(tmp_path / "x.png"))
-    with pytest.raises(sparkdl.ConfigError, match=r"sparkdl\[plot\]"):  # before anything trains
+    with pytest.raises(sparkdl.ConfigError, match=r"sparkdl-torch\[plot\]"):  # before anything trains
         sparkdl.compare(model=lambda: torch.nn.Linear(2, 2), data="/nowhere", output_dir=str(tmp_path))
     assert not (tmp_path / "x.png").exists()
 

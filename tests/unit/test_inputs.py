@@ -197,7 +197,7 @@ def test_the_petastorm_reader_says_what_to_install_where_it_cannot_run():
 
     problem = petastorm_problem()
     if problem:  # the latest stack: no Petastorm, pyarrow >= 15
-        with pytest.raises(ConfigError, match=r"reader='petastorm' cannot run here: .*pip install 'sparkdl\[petastorm\]'.*reader='arrow'"):
+        with pytest.raises(ConfigError, match=r"reader='petastorm' cannot run here: .*pip install 'sparkdl-torch\[petastorm\]'.*reader='arrow'"):
             reader_from_name("petastorm")
         with pytest.raises(ConfigError, match="reader='petastorm' cannot run here"):
             sparkdl.TorchEstimator(model=lambda: None.__class__, reader="petastorm")

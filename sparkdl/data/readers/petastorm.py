@@ -44,7 +44,7 @@ class PetastormReader(DataReader):
         problem = petastorm_problem()
         if problem:
             raise ConfigError(
-                f"reader='petastorm' cannot run here: {problem}. Install it with pip install 'sparkdl[petastorm]': Petastorm 0.12 "
+                f"reader='petastorm' cannot run here: {problem}. Install it with pip install 'sparkdl-torch[petastorm]': Petastorm 0.12 "
                 f"needs pyarrow's legacy API (pyarrow < 15), so it runs beside PySpark 3.5 or 4.0 with pyarrow 14, numpy 1 "
                 f"and pandas 2. The default reader='arrow' needs none of this and reads the same data"
             )

@@ -43,8 +43,6 @@ def quiet_pandas3_warning() -> None:
     warnings.filterwarnings("ignore", message=PANDAS3_WARNING, category=FutureWarning, module=r"pyspark(\.|$)")
 
 
-quiet_pandas3_warning()
-
 
 def is_connect(spark: Any) -> bool:
     """True for a Spark Connect client session."""

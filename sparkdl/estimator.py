@@ -19,7 +19,6 @@ from sparkdl._progress import ProgressCallback, ProgressDisplay
 from sparkdl._security import check_before_data
 from sparkdl._settings import DataSettings, RunSettings
 from sparkdl._training import FitLoop, LossFn, ModelFactory, OptimizerFactory, default_optimizer, startup_phases
-from sparkdl._validation import named_metrics
 from sparkdl._warmup import warm_up
 from sparkdl.data import elastic
 from sparkdl.data.batching import MetricFn, TransformFn
@@ -155,7 +154,6 @@ class TorchEstimator(Estimator, _TorchParams):
             feature_cols = ("features",)
         if not isinstance(epochs, int) or epochs < 1:
             raise ConfigError(f"epochs={epochs!r} must be a positive integer")
-        metrics = named_metrics(metrics)  # ["accuracy"] -> {"accuracy": fn}: the CLI's --metric names
         #: The validated launch, strategy, checkpoint and data configs (before Param overrides).
         self.settings = RunSettings.from_arguments(locals(), with_data=True)
         self.model_fn = model

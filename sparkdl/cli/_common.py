@@ -25,9 +25,6 @@ def spark_session(app_name: str, master: Optional[str]) -> Any:
     off: sparkdl prints its own progress lines, and the bar would cut into them."""
     from pyspark.sql import SparkSession
 
-    from sparkdl._session import quiet_pandas3_warning
-
-    quiet_pandas3_warning()  # PySpark's pandas-3 FutureWarning would open every run (sparkdl._session)
     builder = SparkSession.builder.appName(app_name)
     if not _under_spark_submit():
         builder = builder.config("spark.ui.showConsoleProgress", "false")

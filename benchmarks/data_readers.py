@@ -2,7 +2,7 @@
 
 What one training task does with its shard, in one process: the reader's chunks, rebatched and
 shuffled by ``sparkdl.data.batching.batches``, turned into tensors as a TrainContext on the CPU
-does (``sparkdl._host_batches``), fed to a tiny model (one linear layer) so that the data path
+does (``sparkdl._runtime.host_batches``), fed to a tiny model (one linear layer) so that the data path
 dominates. The in-memory baseline runs the same training loop over batches sliced from tensors
 already in memory.
 
@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from sparkdl._host_batches import host_batches
+from sparkdl._runtime.host_batches import host_batches
 from sparkdl.data.dataset import inspect_dataset
 from sparkdl.data.batching import DataSpec, batches, steps_per_epoch
 from sparkdl.data.readers import reader_from_name

@@ -6,7 +6,7 @@
 
 Parts:
 
-* **AES-GCM on one core** — sealing and opening one 8 MiB frame with :mod:`sparkdl._secure`,
+* **AES-GCM on one core** — sealing and opening one 8 MiB frame with :mod:`sparkdl._net.frames`,
   in place, as the parameter server does: the ceiling the wire figures are measured against.
 * **parameter server** — the wire part of ``benchmarks/parameter_server.py``: two processes
   each running a real ParameterServer runtime (its server thread plus a worker) on a gloo
@@ -42,8 +42,8 @@ import torch  # noqa: E402
 from parameter_server import MODELS, _free_port, _gather, loopback_bandwidth, mlp  # noqa: E402
 
 import sparkdl  # noqa: E402
-from sparkdl._channel import ChannelClient, ChannelServer, new_secret  # noqa: E402
-from sparkdl._secure import FrameOpener, FrameSealer  # noqa: E402
+from sparkdl._net.channel import ChannelClient, ChannelServer, new_secret  # noqa: E402
+from sparkdl._net.frames import FrameOpener, FrameSealer  # noqa: E402
 from sparkdl.strategies.parameter_server.wire import byte_view  # noqa: E402
 
 STEPS = {"1M": 200, "10M": 30}
@@ -57,7 +57,7 @@ STEPS = {"1M": 200, "10M": 30}
 def crypto_part(repeats: int) -> None:
     payload = torch.randn(2 << 20)  # 8 MiB
     view = byte_view(payload)
-    print("\n## AES-GCM on one core (sparkdl._secure, one 8 MiB frame, in place)\n")
+    print("\n## AES-GCM on one core (sparkdl._net.frames, one 8 MiB frame, in place)\n")
     print("| mode | seal GB/s | open GB/s |")
     print("|---|---|---|")
     for encrypt in (False, True):
@@ -90,7 +90,7 @@ def _ps_worker(rank: int, port: int, jobs: List[Dict[str, Any]], out: Any) -> No
     """``benchmarks/parameter_server.py``'s ``_wire_worker`` for PS jobs, with ``encrypt``."""
     import torch.distributed as dist
 
-    from sparkdl._rendezvous import DistEnv
+    from sparkdl.strategies.base import DistEnv
     from sparkdl.strategies.parameter_server.runtime import ParameterServerRuntime
 
     torch.set_num_threads(1)

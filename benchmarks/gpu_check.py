@@ -44,9 +44,9 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
-from sparkdl._rendezvous import rendezvous, teardown  # noqa: E402
-from sparkdl._training import FitLoop  # noqa: E402
-from sparkdl._host_batches import Prefetcher  # noqa: E402
+from sparkdl._runtime.rendezvous import rendezvous, teardown  # noqa: E402
+from sparkdl._task.fit_loop import FitLoop  # noqa: E402
+from sparkdl._runtime.host_batches import Prefetcher  # noqa: E402
 from sparkdl.context import TrainContext  # noqa: E402
 from sparkdl.data.dataset import inspect_dataset  # noqa: E402
 from sparkdl.data.batching import DataSpec, batches  # noqa: E402

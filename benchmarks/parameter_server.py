@@ -130,7 +130,7 @@ def _gather(message: str) -> List[str]:
 def _wire_worker(rank: int, port: int, jobs: List[Dict[str, Any]], out: Any) -> None:
     import torch.distributed as dist
 
-    from sparkdl._rendezvous import DistEnv
+    from sparkdl.strategies.base import DistEnv
     from sparkdl.strategies.parameter_server.runtime import ParameterServerRuntime as _ParameterServerRuntime
 
     torch.set_num_threads(1)

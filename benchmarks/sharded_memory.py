@@ -66,7 +66,7 @@ def _rank(rank: int, port: int, out_dir: str, side: str, args: argparse.Namespac
     import torch.distributed as dist
 
     import sparkdl
-    from sparkdl._rendezvous import DistEnv
+    from sparkdl.strategies.base import DistEnv
 
     torch.set_num_threads(1)
     if "lo" in {name for _, name in socket.if_nameindex()}:

@@ -59,8 +59,8 @@ def in_memory(make_model: Callable[[], torch.nn.Module], x: torch.Tensor, y: tor
 
 def sparkdl_loop(make_model: Callable[[], torch.nn.Module], env, dataset, spec, steps: int, prefetch_thread: bool) -> Times:
     import sparkdl.context
-    from sparkdl._host_batches import Prefetcher, host_batches
-    from sparkdl._training import FitLoop
+    from sparkdl._runtime.host_batches import Prefetcher, host_batches
+    from sparkdl._task.fit_loop import FitLoop
     from sparkdl.context import TrainContext
     from sparkdl.data.readers import reader_from_name
     from sparkdl.strategies.allreduce import AllReduce
@@ -104,7 +104,7 @@ def measure(rank: int, world_size: int, args: argparse.Namespace, workdir: str, 
     if args.core >= 0:
         os.sched_setaffinity(0, {(args.core + rank) % os.cpu_count()})
     torch.set_num_threads(1)
-    from sparkdl._rendezvous import rendezvous, teardown
+    from sparkdl._runtime.rendezvous import rendezvous, teardown
     from sparkdl.data.batching import DataSpec
     from sparkdl.data.dataset import inspect_dataset
 
@@ -161,8 +161,8 @@ def main() -> None:
     else:
         import multiprocessing
 
-        from sparkdl._channel import new_secret
-        from sparkdl._store import StoreServer
+        from sparkdl._net.channel import new_secret
+        from sparkdl._net.rendezvous_store import StoreServer
 
         secret = new_secret()
         server = StoreServer("127.0.0.1", secret, 60.0)

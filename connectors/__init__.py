@@ -1,22 +1,23 @@
-"""Connectors: where a platform's data becomes the Parquet that sparkdl's readers stream.
+"""The connectors' import path of earlier releases: ``import connectors`` is ``sparkdl.connectors``.
 
-Each connector is a small :class:`Source` that resolves, on the driver, to the Parquet files (and
-so the schema) to train on, without copying when the data can be read in place::
-
-    import connectors, sparkdl
-
-    est.fit(connectors.SparkTable("sales.clicks"))                       # a Spark/Hive table by name
-    est.fit(connectors.DeltaSource("s3://lake/clicks", version=12))     # a Delta table, time travel
-    sparkdl.run(train_fn, data=connectors.ParquetSource("gs://b/data/*.parquet"), ...)
-
-``fit()`` and ``sparkdl.run(data=...)`` accept any object with a ``resolve(spark, columns)``
-method returning :class:`sparkdl.data.dataset.ParquetFiles` (read in place) or a Spark
-DataFrame (materialized once through sparkdl's cache).
+Kept for one release so jobs written against it run unchanged; new code imports
+``from sparkdl import connectors``. Each old submodule (``connectors.delta``...) is the new one.
 """
 
-from connectors.base import Source
-from connectors.delta import DeltaSource
-from connectors.parquet import ParquetSource
-from connectors.spark_table import SparkTable
+import sys
+import warnings
 
-__all__ = ["DeltaSource", "ParquetSource", "Source", "SparkTable"]
+from sparkdl import connectors as _connectors
+from sparkdl.connectors import DeltaSource, ParquetSource, Source, SparkTable, base, delta, parquet, spark_table
+
+for _name, _module in {"base": base, "delta": delta, "parquet": parquet, "spark_table": spark_table}.items():
+    sys.modules[f"{__name__}.{_name}"] = _module
+
+warnings.warn(
+    "the top-level 'connectors' package is now sparkdl.connectors: 'from sparkdl import connectors' "
+    "(the old import path goes in the next release)",
+    DeprecationWarning,
+    stacklevel=2,
+)
+
+__all__ = list(_connectors.__all__)

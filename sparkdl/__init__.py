@@ -14,12 +14,11 @@ Public surface::
     sparkdl.TrainingError, ...                     errors
 """
 
-__version__ = "0.1.0"
-
 from typing import TYPE_CHECKING
 
 from sparkdl._lazy import lazy_attributes
-from sparkdl._session import quiet_pandas3_warning
+from sparkdl._version import __version__
+from sparkdl._spark import quiet_pandas3_warning
 
 # At import, before the user's own session starts: PySpark warns about pandas 3 the first time it
 # imports its test helpers (getOrCreate, createDataFrame...), which precedes sparkdl's first call.
@@ -41,7 +40,7 @@ _PUBLIC = {
     "PeerLostError": "sparkdl.errors",
     "ScriptResult": "sparkdl.launching",
     "Sequence": "sparkdl.data.inputs",
-    "ShardDataset": "sparkdl.data.torch_dataset",
+    "ShardDataset": "sparkdl._runtime.shard_dataset",
     "ShardedDataParallel": "sparkdl.strategies",
     "SparkdlError": "sparkdl.errors",
     "Strategy": "sparkdl.strategies",
@@ -55,19 +54,19 @@ _PUBLIC = {
     "plot_history": "sparkdl.plotting",
     "report": "sparkdl.reporting",
     "run": "sparkdl.custom_loop",
-    "shard_dataset": "sparkdl.data.torch_dataset",
-    "warm_up": "sparkdl._warmup",
+    "shard_dataset": "sparkdl._runtime.shard_dataset",
+    "warm_up": "sparkdl._driver.warmup",
 }
 __getattr__, __dir__ = lazy_attributes(__name__, _PUBLIC)
 
 if TYPE_CHECKING:  # pragma: no cover - what type checkers and IDEs see
-    from sparkdl._warmup import warm_up
+    from sparkdl._driver.warmup import warm_up
     from sparkdl.comparison import Comparison, compare
     from sparkdl.context import TrainContext
     from sparkdl.custom_loop import run
     from sparkdl.data.cache import clear_cache
     from sparkdl.data.inputs import Image, Sequence
-    from sparkdl.data.torch_dataset import ShardDataset, shard_dataset
+    from sparkdl._runtime.shard_dataset import ShardDataset, shard_dataset
     from sparkdl.errors import (
         ConfigError,
         DataError,

@@ -5,15 +5,15 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from sparkdl._launcher import launch
-from sparkdl._progress import ProgressCallback, ProgressDisplay
-from sparkdl._settings import RunSettings
-from sparkdl._warmup import warm_up
+from sparkdl._driver import launch
+from sparkdl._driver.progress import ProgressCallback, ProgressDisplay
+from sparkdl._driver.settings import RunSettings
+from sparkdl._driver.warmup import warm_up
 from sparkdl.context import TrainContext
-from sparkdl.data import elastic
-from sparkdl.data.batching import MetricFn, TransformFn
+from sparkdl.data import reshard
+from sparkdl.data.spec import MetricFn, TransformFn
 from sparkdl.data.dataset import Filters
-from sparkdl.data.prepare import DataSource, prepare_data
+from sparkdl._driver.prepare_data import DataSource, prepare_data
 from sparkdl.data.readers.base import DEFAULT_READER
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.base import Strategy
@@ -132,6 +132,6 @@ def run(
     outcome = launch(
         train_fn, settings.launch, settings.strategy, spark=spark, dataset=dataset, data_spec=spec, reader=data_reader,
         steps_per_epoch=steps, display=display, checkpoint=settings.checkpoint,
-        steps_for=functools.partial(elastic.steps_for, dataset, spec) if dataset is not None else None,
+        steps_for=functools.partial(reshard.steps_for, dataset, spec) if dataset is not None else None,
     )
     return outcome.value

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import traceback
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 
 class SparkdlError(Exception):

@@ -12,18 +12,18 @@ import torch
 from pyspark.ml import Estimator
 from pyspark.ml.param import Param, Params, TypeConverters
 
-from sparkdl import __version__
-from sparkdl._launcher import launch
-from sparkdl._preflight import check_loss, check_optimizer
-from sparkdl._progress import ProgressCallback, ProgressDisplay
-from sparkdl._security import check_before_data
-from sparkdl._settings import DataSettings, RunSettings
-from sparkdl._training import FitLoop, LossFn, ModelFactory, OptimizerFactory, default_optimizer, startup_phases
-from sparkdl._warmup import warm_up
-from sparkdl.data import elastic
-from sparkdl.data.batching import MetricFn, TransformFn
+from sparkdl._version import __version__
+from sparkdl._driver import launch
+from sparkdl._driver.preflight import check_loss, check_optimizer
+from sparkdl._driver.progress import ProgressCallback, ProgressDisplay
+from sparkdl._net.policy import check_before_data
+from sparkdl._driver.settings import DataSettings, RunSettings
+from sparkdl._task.fit_loop import FitLoop, LossFn, ModelFactory, OptimizerFactory, default_optimizer, startup_phases
+from sparkdl._driver.warmup import warm_up
+from sparkdl.data import reshard
+from sparkdl.data.spec import MetricFn, TransformFn
 from sparkdl.data.plan import InputPlan
-from sparkdl.data.prepare import DataSource, prepare_data
+from sparkdl._driver.prepare_data import DataSource, prepare_data
 from sparkdl.data.readers.base import DEFAULT_READER
 from sparkdl.errors import ConfigError
 from sparkdl.model import TorchModel, _FixedModule, _TorchParams  # noqa: F401 - models saved by 0.1 pickled _FixedModule here
@@ -91,7 +91,7 @@ class TorchEstimator(Estimator, _TorchParams):
             ``val_<metric>`` to every epoch of ``history``.
         metrics: ``name -> fn(output, label)`` batch means computed on the validation data, or
             names of built-in metrics (``["accuracy"]``; also ``"mae"``, ``"mse"``: the CLI's
-            ``--metric`` vocabulary, :data:`sparkdl._validation.METRICS`).
+            ``--metric`` vocabulary, :data:`sparkdl._runtime.validation.METRICS`).
         decode_threads: threads per task that decode images and run ``transform_fn`` ahead of
             the training step (default: the task's cores, ``spark.task.cpus``).
         mlflow_experiment: log params, per-epoch metrics and the model to this MLflow
@@ -205,7 +205,7 @@ class TorchEstimator(Estimator, _TorchParams):
             outcome = launch(
                 loop, config, strategy, spark=spark, dataset=info, data_spec=spec, reader=data_reader,
                 steps_per_epoch=steps, display=display, checkpoint=checkpoint,
-                steps_for=functools.partial(elastic.steps_for, info, spec),
+                steps_for=functools.partial(reshard.steps_for, info, spec),
             )
         except BaseException as exc:
             tracker.fail(exc)
@@ -222,7 +222,7 @@ class TorchEstimator(Estimator, _TorchParams):
             "dataset": {"url": info.url, "rows": info.num_rows, "row_groups": info.num_row_groups, "reader": data_settings.reader},
             "startup_seconds": (timing["first_batch"] - launched) if timing.get("first_batch") and not outcome.from_finished_checkpoint else None,
             "prepare_seconds": launched - started,
-            # prepare_seconds + startup_seconds, phase by phase (sparkdl._training.startup_phases)
+            # prepare_seconds + startup_seconds, phase by phase (sparkdl._task.fit_loop.startup_phases)
             "startup": None if outcome.from_finished_checkpoint else startup_phases(launched - started, launched, timing),
             "train_seconds": timing["end"] - timing["start"],
             "steps": result.get("steps"),

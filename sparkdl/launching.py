@@ -1,7 +1,7 @@
 """``sparkdl.launch``: an existing training script or function, unchanged, on barrier tasks.
 
 TorchDistributor's model: each task runs the target in a child process with the environment
-``torchrun`` sets (:mod:`sparkdl._launcher.environment`), so a plain DDP script's
+``torchrun`` sets (:mod:`sparkdl._task.environment`), so a plain DDP script's
 ``dist.init_process_group()`` works; unlike torch's ``env://`` it rendezvouses through sparkdl's
 authenticated store. The data still streams: ``sparkdl.shard_dataset()`` in the child is this
 rank's shard of ``data=``. docs/launch.md has the whole story.
@@ -13,14 +13,14 @@ import os
 import uuid
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from sparkdl._launcher import launch as _launch_stage
-from sparkdl._launcher.script import LaunchTarget, ScriptResult
-from sparkdl._progress import ProgressCallback, ProgressDisplay
-from sparkdl._settings import RunSettings
-from sparkdl._warmup import warm_up
+from sparkdl._driver import launch as _launch_stage
+from sparkdl._task.script import LaunchTarget, ScriptResult
+from sparkdl._driver.progress import ProgressCallback, ProgressDisplay
+from sparkdl._driver.settings import RunSettings
+from sparkdl._driver.warmup import warm_up
 from sparkdl.data.batching import TransformFn
 from sparkdl.data.dataset import Filters
-from sparkdl.data.prepare import DataSource, prepare_data
+from sparkdl._driver.prepare_data import DataSource, prepare_data
 from sparkdl.data.readers.base import DEFAULT_READER
 from sparkdl.errors import ConfigError
 

@@ -13,12 +13,13 @@ import torch
 from pyspark.ml import Model
 from pyspark.ml.param import Param, Params, TypeConverters
 
-from sparkdl import __version__, filesystem
-from sparkdl._session import is_connect
-from sparkdl._training import ModelFactory
+from sparkdl import filesystem
+from sparkdl._version import __version__
+from sparkdl._spark import is_connect
+from sparkdl._task.fit_loop import ModelFactory
 from sparkdl.data.batching import call_model, frame_batch
 from sparkdl.data.plan import InputPlan
-from sparkdl.data.prepare import spark_column_infos
+from sparkdl._driver.prepare_data import spark_column_infos
 from sparkdl.errors import ConfigError
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
-from sparkdl._progress import validation_figures
+from sparkdl._driver.progress import validation_figures
 from sparkdl.errors import ConfigError
 
 History = Sequence[Mapping[str, Any]]

@@ -1,10 +1,10 @@
 """``sparkdl.report``: metrics from anywhere inside a task to the driver's progress display.
 
 Inside a task's own process (a ``sparkdl.run`` function) the task registers itself as the
-*current task* (:func:`current_task`, set and cleared by :mod:`sparkdl._launcher.task`) and a
+*current task* (:func:`current_task`, set and cleared by :mod:`sparkdl._task.entry`) and a
 report goes through its channel client. In a child process of ``sparkdl.launch`` (a script or a
 callable) a report is one JSON line on a pipe the child inherited (``SPARKDL_REPORT_FD``), which
-the task reads and forwards (:mod:`sparkdl._launcher.script`). Either way it counts as progress
+the task reads and forwards (:mod:`sparkdl._task.script`). Either way it counts as progress
 for the hang watchdog. Outside any sparkdl task (the same script under plain ``torchrun``) a
 report is dropped, with one warning, so such scripts run unchanged there too.
 """

@@ -7,7 +7,6 @@ import argparse
 import importlib
 import json
 import os
-import platform
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
@@ -132,29 +131,6 @@ def rank_rates(record: Dict[str, Any]) -> List[float]:
 
 def _config(args: argparse.Namespace) -> Dict[str, Any]:
     return {k: v for k, v in vars(args).items()}
-
-
-def _versions(pyspark_version: str) -> Dict[str, str]:
-    import pyarrow
-    import torch
-
-    import sparkdl
-
-    try:
-        import petastorm
-
-        petastorm_version = petastorm.__version__
-    except ImportError:
-        petastorm_version = "not installed"
-    return {
-        "sparkdl": sparkdl.__version__,
-        "torch": torch.__version__,
-        "pyspark": pyspark_version,
-        "petastorm": petastorm_version,
-        "pyarrow": pyarrow.__version__,
-        "python": platform.python_version(),
-    }
-
 
 
 def _write_metrics(output: str, document: Dict[str, Any]) -> None:

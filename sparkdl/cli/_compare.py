@@ -51,7 +51,7 @@ def compare_main(argv: Optional[List[str]] = None) -> int:
     arguments (``--data`` included: a path that does not exist or lacks the columns is one
     message, before Spark starts)."""
     from sparkdl.comparison import DEFAULT_SLOW_S, CompareSettings, check_data, compare
-    from sparkdl._comparison_result import check_plotting
+    from sparkdl.comparison.result import check_plotting
     from sparkdl.errors import ConfigError, DataError
     from sparkdl.estimator import TorchEstimator
 

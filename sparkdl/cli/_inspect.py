@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
-from sparkdl._progress import validation_figures
+from sparkdl._driver.progress import validation_figures
 from sparkdl.cli._common import UsageError, rank_rates
 
 

@@ -86,7 +86,7 @@ def launch_main(argv: Optional[List[str]] = None) -> int:
         print(f"sparkdl launch: {exc}", file=sys.stderr)
         return 1
     finally:
-        from sparkdl._launcher.cluster import settle
+        from sparkdl._driver.cluster import settle
 
         settle()  # a failed stage's killed tasks end first: stopping under them fails them noisily
         spark.stop()

@@ -1,4 +1,4 @@
-"""``sparkdl package``: zip sparkdl (and connectors) for ``spark-submit --py-files``; no Spark needed."""
+"""``sparkdl package``: zip sparkdl (and the old ``connectors`` import path) for ``spark-submit --py-files``; no Spark needed."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def build_package_parser() -> argparse.ArgumentParser:
         description="Zip the installed sparkdl (and connectors) for spark-submit --py-files, so executors without sparkdl installed can import it.",
     )
     parser.add_argument("--output", default="sparkdl.zip", help="zip file to write (default sparkdl.zip)")
-    parser.add_argument("--no-connectors", dest="connectors", action="store_false", help="leave the connectors package out")
+    parser.add_argument("--no-connectors", dest="connectors", action="store_false", help="leave out the top-level connectors package (the old import path of sparkdl.connectors)")
     return parser
 
 

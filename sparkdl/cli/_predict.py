@@ -10,7 +10,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from sparkdl.cli._common import UsageError, _config, _versions, _write_metrics, load_factory, spark_session
+from sparkdl._version import versions as _versions
+from sparkdl.cli._common import UsageError, _config, _write_metrics, load_factory, spark_session
 
 
 def build_predict_parser() -> argparse.ArgumentParser:

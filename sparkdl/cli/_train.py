@@ -15,10 +15,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from sparkdl._progress import validation_figures
-from sparkdl._validation import METRICS, accuracy, named_metrics, squeezed  # noqa: F401 - accuracy: re-exported where it was
+from sparkdl._driver.progress import validation_figures
+from sparkdl._runtime.validation import METRICS, accuracy, named_metrics, squeezed  # noqa: F401 - accuracy: re-exported where it was
+from sparkdl._version import versions as _versions
 from sparkdl.cli._common import (
-    UsageError, _config, _versions, _write_metrics, add_slot_wait_argument, load_factory, rank_rates, spark_session,
+    UsageError, _config, _write_metrics, add_slot_wait_argument, load_factory, rank_rates, spark_session,
 )
 from sparkdl.data.readers import registered_readers
 

@@ -1,13 +1,14 @@
 """Batches: a rank's shard as an endless stream of fixed-size batches, and the one place where
 rows become model inputs (for training, validation and ``TorchModel.transform`` alike).
 
-Pipeline of a task (readers: :mod:`sparkdl.data.readers`; inputs: :mod:`sparkdl.data.inputs`)::
+Pipeline of a task (readers: :mod:`sparkdl.data.readers`; inputs: :mod:`sparkdl.data.inputs`; what
+to read and how: :class:`~sparkdl.data.spec.DataSpec`)::
 
     reader thread        row groups -> named columns -> InputPlan.extract -> chunk (row-aligned arrays)
     training thread      chunks -> shuffle buffer -> batches of batch_size rows
     decode threads       batch -> InputPlan.finish (decode images, pad sequences) -> transform_fn
     training thread      -> tensors; on CUDA a prefetch thread does this and the cutting
-                         above, pinned, into a bounded queue (sparkdl._host_batches says why)
+                         above, pinned, into a bounded queue (sparkdl._runtime.host_batches says why)
 
 Sharding and balance rules (the same for every reader):
 
@@ -36,7 +37,7 @@ Sharding and balance rules (the same for every reader):
   ran a batch, and a resumed run that skips ``n`` batches skips them undecoded.
 * A checkpoint of N ranks resumed on M finishes the interrupted epoch with exactly the rows the
   N ranks had left (found by replaying their streams, positions only), then continues as an
-  M-rank stream: :mod:`sparkdl.data.elastic`.
+  M-rank stream: :mod:`sparkdl.data.reshard`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -52,99 +53,18 @@ from sparkdl.data.dataset import DatasetInfo
 from sparkdl.data.plan import InputPlan
 from sparkdl.data.readers.base import Chunk, DataReader, chunk_rows
 from sparkdl.data.selection import EpochPasses, shard_rows, shuffled_batches
+
+from sparkdl.data.spec import DataSpec, Inputs, TransformFn
 from sparkdl.errors import ConfigError, DataError
 
-#: Model inputs of a batch: one array (``feature_cols``) or a dict of named arrays (``inputs=``).
-Inputs = Union[np.ndarray, Dict[str, np.ndarray]]
 #: A finished batch: (inputs, labels).
 Batch = Tuple[Inputs, Optional[np.ndarray]]
-#: ``transform_fn(features, labels) -> (features, labels)``: numpy in, numpy out, same row count
-#: (``features`` is the dict of named inputs with ``inputs=``).
-TransformFn = Callable[[Inputs, Optional[np.ndarray]], Tuple[Inputs, Optional[np.ndarray]]]
-#: ``metric(output, label) -> scalar``: the mean over a batch's rows (a tensor or a number).
-MetricFn = Callable[[Any, Any], Any]
 
 
 #: The version of the stream's order (:func:`batches`). A checkpoint records it; its positions
 #: index the rows of the order they were taken in, so a resume under another order ends the
-#: interrupted epoch instead of replaying them (sparkdl._resharding). 2: an epoch is one pass.
+#: interrupted epoch instead of replaying them (sparkdl._runtime.resume). 2: an epoch is one pass.
 STREAM_ORDER = 2
-
-@dataclasses.dataclass(frozen=True)
-class ValidationSpec:
-    """What the per-epoch validation pass reads and computes.
-
-    Args:
-        dataset: a separate validation dataset; None reads the rows ``DataSpec.holdout`` holds
-            out of the training data.
-        metrics: ``(name, fn)`` pairs; each ``fn(output, label)`` is a batch mean, reported as
-            ``val_<name>`` averaged over every validation row of every rank.
-    """
-
-    dataset: Optional[DatasetInfo] = None
-    metrics: Tuple[Tuple[str, MetricFn], ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class DataSpec:
-    """How a task turns its shard into batches.
-
-    Args:
-        batch_size: rows per batch on each rank.
-        shuffle: shuffle row-group order and rows (seeded).
-        seed: base seed; rank ``r`` uses ``seed + r`` for its row shuffle.
-        shuffle_buffer_batches: rows are shuffled within a buffer of this many batches.
-        reader_threads: Petastorm decoding threads per task. One keeps the order of row groups,
-            and so the whole run, reproducible for a fixed seed; more read faster but in an
-            order that varies between runs.
-        filters: rows to keep: pyarrow's DNF list of ``(column, op, value)`` tuples or a
-            ``pyarrow.compute`` expression; row groups whose statistics rule it out are skipped.
-        transform_fn: ``(features, labels) -> (features, labels)`` on numpy arrays (with
-            ``inputs=``, ``features`` is the dict of named inputs), applied to every batch on the
-            executor (on the decode threads); must keep the row count.
-        holdout: fraction of rows held out of training for validation (by row position).
-        part: ``"train"`` reads the rows not held out, ``"holdout"`` only the held-out ones.
-        validation: the validation pass, or None for none.
-        prefetch_row_groups: row groups the Arrow reader reads ahead in the background.
-        decode_threads: threads that finish batches (decode images, apply ``transform_fn``)
-            ahead of the training step; None uses the task's cores (``spark.task.cpus``). Runs
-            without images or ``transform_fn`` finish batches inline: there is nothing to decode.
-        pass_marks: set by :func:`batches` on a shuffled stream: a reader's ``chunks`` also
-            yields ``PASS_END`` after each pass, and every chunk carries its rows' positions
-            (``POSITION_KEY``), so that an epoch is one pass (:func:`cut_stream`).
-    """
-
-    batch_size: int
-    shuffle: bool = True
-    seed: int = 0
-    shuffle_buffer_batches: int = 8
-    reader_threads: int = 1
-    filters: Any = None
-    transform_fn: Optional[TransformFn] = None
-    holdout: float = 0.0
-    part: str = "train"
-    validation: Optional[ValidationSpec] = None
-    prefetch_row_groups: int = 2
-    decode_threads: Optional[int] = None
-    pass_marks: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
-            raise ConfigError(f"batch_size={self.batch_size!r} must be a positive integer")
-        if self.shuffle_buffer_batches < 1:
-            raise ConfigError(f"shuffle_buffer_batches={self.shuffle_buffer_batches!r} must be >= 1")
-        if self.reader_threads < 1:
-            raise ConfigError(f"reader_threads={self.reader_threads!r} must be >= 1")
-        if not 0.0 <= self.holdout < 1.0:
-            raise ConfigError(f"holdout={self.holdout!r} must be a fraction in [0, 1)")
-        if self.part not in ("train", "holdout"):
-            raise ConfigError(f"part={self.part!r} must be 'train' or 'holdout'")
-        if self.transform_fn is not None and not callable(self.transform_fn):
-            raise ConfigError(f"transform_fn={self.transform_fn!r} is not callable")
-        if self.prefetch_row_groups < 1:
-            raise ConfigError(f"prefetch_row_groups={self.prefetch_row_groups!r} must be >= 1")
-        if self.decode_threads is not None and (not isinstance(self.decode_threads, int) or isinstance(self.decode_threads, bool) or self.decode_threads < 1):
-            raise ConfigError(f"decode_threads={self.decode_threads!r} must be a positive integer or None (the task's cores)")
 
 
 def steps_per_epoch(num_rows: int, batch_size: int, world_size: int) -> int:
@@ -210,7 +130,7 @@ def cut_stream(source: Iterator[Chunk], spec: DataSpec, rank: int, epoch_rows: O
     """The training stream's unfinished batches cut from ``source``'s chunks: shuffled in a
     buffer seeded ``spec.seed + rank``. The shuffle depends only on the chunks' row counts and
     positions, so a source of position-only chunks gives each batch's positions
-    (:mod:`sparkdl.data.elastic`).
+    (:mod:`sparkdl.data.reshard`).
 
     ``PASS_END`` in ``source`` ends a pass. With shuffling, rows of two passes never mix, and
     with ``epoch_rows`` an epoch is one pass, remainder rule aside

@@ -96,7 +96,7 @@ def materialize(
 
     root = _private_root(normalize_url(cache_dir or _default_cache_dir(df), "cache_dir"))
     url = f"{root.rstrip('/')}/df-{uuid.uuid4().hex[:12]}"
-    from sparkdl._session import is_connect
+    from sparkdl._spark import is_connect
 
     # A Connect client cannot see the partitioning (no RDD): one file per rank, sharded by row group.
     partitions = num_workers if is_connect(df.sparkSession) else max(1, df.rdd.getNumPartitions())
@@ -249,7 +249,7 @@ def _default_cache_dir(df: "DataFrame") -> str:
     configured = spark.conf.get(CACHE_DIR_CONF, None)
     if configured:
         return configured
-    from sparkdl._session import Session
+    from sparkdl._spark import Session
 
     master = Session(spark).master
     if not master.startswith(("local", "spark://127.", "spark://localhost")):

@@ -1,4 +1,5 @@
-"""Column values as numpy arrays: the conversions behind the input specs' first step.
+"""Column values as numpy arrays: what a column holds (:class:`ColumnInfo`) and the conversions
+behind the input specs' first step.
 
 A chunk's columns arrive as pyarrow arrays (the Arrow reader), numpy arrays (the Petastorm
 reader) or pandas Series/DataFrames (``TorchModel.transform``); every function here takes any of
@@ -6,12 +7,13 @@ them and returns row-aligned numpy arrays, raising :class:`~sparkdl.errors.DataE
 the role, the column and the source for nulls, ragged arrays and values of the wrong type. The
 pixel helpers at the end work on decoded images (:class:`sparkdl.data.inputs.Image`).
 
-Nothing here knows the specs or the plan (:mod:`sparkdl.data.inputs`,
-:mod:`sparkdl.data.plan`), which import it.
+Nothing here knows the specs, the plan or the dataset (:mod:`sparkdl.data.inputs`,
+:mod:`sparkdl.data.plan`, :mod:`sparkdl.data.dataset`), which import it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import typing as t
 
 import numpy as np
@@ -20,10 +22,29 @@ import pyarrow as pa
 from sparkdl.data.tensor_bytes import row_width, tensor_rows, tensor_rows_from_values
 from sparkdl.errors import DataError
 
-if t.TYPE_CHECKING:  # pragma: no cover
-    from sparkdl.data.dataset import ColumnInfo
-
 ColumnData = t.Any  # a pyarrow Array/ChunkedArray, a numpy array, or a pandas Series/DataFrame
+
+
+@dataclasses.dataclass(frozen=True)
+class ColumnInfo:
+    """What one column holds, as the driver read it from the footers or the DataFrame's schema
+    (:func:`sparkdl.data.dataset.inspect_dataset`); the input specs check and convert by it."""
+
+    name: str
+    #: What the values are: "float", "int" or "bool" (numbers; for arrays, of the elements),
+    #: "binary", "string", "image_struct" (Spark's ``format("image")`` struct) or "other".
+    kind: str
+    #: Shape of one value: () for scalars, (n,) for arrays whose length is only known per row
+    #: (``None`` inside), or a fixed shape for Petastorm tensor fields.
+    shape: t.Tuple[t.Optional[int], ...]
+    #: The Petastorm ``UnischemaField`` of a column stored with a codec (e.g. an ndarray as
+    #: bytes), which readers other than Petastorm's decode with it; None for plain columns.
+    codec_field: t.Any = dataclasses.field(default=None, compare=False, repr=False)
+    #: The stored type, for messages (e.g. ``list<item: int64>``).
+    type_name: str = dataclasses.field(default="", compare=False)
+    #: Arrays stored as float32 bytes per row (:mod:`sparkdl.data.tensor_bytes`), the layout
+    #: sparkdl writes for the Arrow reader.
+    packed: bool = False
 
 
 # ---- column conversions (pyarrow from the Arrow reader, numpy from Petastorm, pandas from

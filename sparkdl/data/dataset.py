@@ -10,40 +10,20 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from sparkdl.filesystem import child_url, file_paths, normalize_url, open_url
+from sparkdl.data.columns import ColumnInfo
+from sparkdl.data.plan import InputPlan
 from sparkdl.data.tensor_bytes import packed_columns
 from sparkdl.errors import DataError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from sparkdl.data.plan import InputPlan
+from sparkdl.filesystem import child_url, file_paths, normalize_url, open_url
 
 
 class EmptyDatasetError(DataError):
     """The dataset holds no rows (or no Parquet files at all)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ColumnInfo:
-    name: str
-    #: What the values are: "float", "int" or "bool" (numbers; for arrays, of the elements),
-    #: "binary", "string", "image_struct" (Spark's ``format("image")`` struct) or "other".
-    kind: str
-    #: Shape of one value: () for scalars, (n,) for arrays whose length is only known per row
-    #: (``None`` inside), or a fixed shape for Petastorm tensor fields.
-    shape: Tuple[Optional[int], ...]
-    #: The Petastorm ``UnischemaField`` of a column stored with a codec (e.g. an ndarray as
-    #: bytes), which readers other than Petastorm's decode with it; None for plain columns.
-    codec_field: Any = dataclasses.field(default=None, compare=False, repr=False)
-    #: The stored type, for messages (e.g. ``list<item: int64>``).
-    type_name: str = dataclasses.field(default="", compare=False)
-    #: Arrays stored as float32 bytes per row (:mod:`sparkdl.data.tensor_bytes`), the layout
-    #: sparkdl writes for the Arrow reader.
-    packed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +59,7 @@ class DatasetInfo:
     #: True when the dataset carries a Petastorm Unischema (read with ``make_reader``).
     is_petastorm: bool
     #: How batches are built from the columns (model inputs and label).
-    plan: "InputPlan"
+    plan: InputPlan
     #: Every column the plan reads, by name.
     column_info: Tuple[ColumnInfo, ...]
     #: The Parquet files in reading order (Petastorm's: sorted paths, or a connector's list),
@@ -137,7 +117,7 @@ class DatasetInfo:
         """Which rows the stream's positions index: the files in reading order (named relative to
         the dataset's URL, so a moved copy still matches) and their row groups' row counts. A
         checkpoint records it; a resume on data with another fingerprint does not replay the
-        old positions (sparkdl._resharding). A DataFrame materialized again has new file names
+        old positions (sparkdl._runtime.resume). A DataFrame materialized again has new file names
         (Spark's write job id is in them), so its copy never matches an earlier one: Spark does
         not promise the same rows in the same order twice."""
         digest = hashlib.sha256()
@@ -184,8 +164,6 @@ def inspect_dataset(
             (from the footers' statistics), the filter names an unknown column, or the dataset
             has no rows. The message names the path, file, column and input.
     """
-    from sparkdl.data.plan import InputPlan
-
     import pyarrow.dataset as pads  # here, not at the top: it imports pandas, which tasks never need
 
     plan = feature_cols if isinstance(feature_cols, InputPlan) else InputPlan.from_feature_cols(feature_cols, label_col)
@@ -400,8 +378,6 @@ def _petastorm_schema(url: str, fs: pafs.FileSystem, path: str):
         metadata = pq.read_schema(handle).metadata or {}
     if not any(key.startswith(b"dataset-toolkit.unischema") for key in metadata):
         return None
-    from sparkdl.data.readers.petastorm import petastorm_problem
-
     problem = petastorm_problem()
     if problem:
         raise DataError(
@@ -413,6 +389,18 @@ def _petastorm_schema(url: str, fs: pafs.FileSystem, path: str):
         from petastorm.etl.dataset_metadata import get_schema_from_dataset_url
 
         return get_schema_from_dataset_url(url)
+
+
+def petastorm_problem() -> str:
+    """Why Petastorm cannot run in this environment, or "" when it can."""
+    import importlib.util
+
+    if importlib.util.find_spec("petastorm") is None:
+        return "petastorm is not installed"
+    major = int(pa.__version__.split(".")[0])
+    if major >= 15:
+        return f"pyarrow {pa.__version__} has no legacy ParquetDataset, which Petastorm 0.12 calls"
+    return ""
 
 
 def _unischema_column(unischema, name: str, role: str) -> ColumnInfo:

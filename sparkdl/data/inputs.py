@@ -36,6 +36,7 @@ import numpy as np
 
 from sparkdl.data.columns import (
     ColumnData,
+    ColumnInfo,
     binary_values,
     codec_images,
     convert_channels,
@@ -45,7 +46,6 @@ from sparkdl.data.columns import (
     random_crops,
     spark_image_structs,
 )
-from sparkdl.data.dataset import ColumnInfo
 from sparkdl.errors import ConfigError, DataError
 
 #: Keys of the row-aligned arrays that are not model inputs.

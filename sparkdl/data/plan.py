@@ -16,8 +16,7 @@ import typing as t
 
 import numpy as np
 
-from sparkdl.data.columns import ColumnData
-from sparkdl.data.dataset import ColumnInfo
+from sparkdl.data.columns import ColumnData, ColumnInfo
 from sparkdl.data.inputs import (
     LABEL_KEY,
     POSITION_KEY,

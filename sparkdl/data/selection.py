@@ -29,10 +29,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sparkdl.filesystem import file_paths, filesystem_and_path
 from sparkdl.data.dataset import DatasetInfo, to_expression
 from sparkdl.data.inputs import POSITION_KEY
 from sparkdl.errors import ConfigError, DataError
+from sparkdl.filesystem import file_paths, filesystem_and_path
 
 #: Row-aligned arrays of some rows (:data:`sparkdl.data.readers.base.Chunk`).
 Chunk = Dict[str, np.ndarray]

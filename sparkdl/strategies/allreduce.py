@@ -13,7 +13,7 @@ from sparkdl.errors import ConfigError
 from sparkdl.strategies.base import Strategy, StrategyRuntime, allreduce_bytes_sent
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sparkdl._rendezvous import DistEnv
+    from sparkdl.strategies.base import DistEnv
 
 
 @dataclasses.dataclass(frozen=True)

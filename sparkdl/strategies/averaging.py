@@ -40,7 +40,7 @@ from sparkdl.strategies._tensors import (
 from sparkdl.strategies.base import Strategy, StrategyRuntime, allreduce_bytes_sent, broadcast_bytes_sent
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sparkdl._rendezvous import DistEnv
+    from sparkdl.strategies.base import DistEnv
 
 #: EASGD's recommended moving rate of the center, β = p·α (Zhang et al. 2015, section 5).
 DEFAULT_EASGD_BETA = 0.9

@@ -10,12 +10,36 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, Sequence, Tuple, Type
+from typing import Any, Callable, ClassVar, Dict, Optional, Sequence, Tuple, Type
 
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from sparkdl._rendezvous import DistEnv
+@dataclasses.dataclass(frozen=True)
+class DistEnv:
+    """Where this task sits in the job, and what strategies may use of the barrier stage.
+
+    Attributes:
+        peer_addresses: every task's ``host:port``, by rank (``BarrierTaskContext.getTaskInfos()``);
+            empty outside a barrier task (tests build a DistEnv by hand).
+        all_gather: one string from every rank, in rank order (every rank must call it at the
+            same point), through the rendezvous store (:func:`sparkdl._runtime.rendezvous.store_all_gather`; the barrier's
+            ``allGather`` for launchers without a driver's store); None outside a launch.
+            Strategies use these two instead of importing pyspark.
+        encrypt: whether servers and clients a strategy opens must encrypt their traffic
+            (Spark's own RPC is encrypted: ``spark.network.crypto.enabled`` or ``spark.ssl``);
+            every frame is integrity-checked either way. See :mod:`sparkdl._net.policy`.
+    """
+
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    master_addr: str
+    master_port: int
+    peer_addresses: Tuple[str, ...] = ()
+    all_gather: Optional[Callable[[str], Sequence[str]]] = dataclasses.field(default=None, compare=False, repr=False)
+    encrypt: bool = False
+
 
 _REGISTRY: Dict[str, Type["Strategy"]] = {}
 

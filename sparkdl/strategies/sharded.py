@@ -25,7 +25,7 @@ from sparkdl.errors import ConfigError
 from sparkdl.strategies.base import Strategy, StrategyRuntime
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sparkdl._rendezvous import DistEnv
+    from sparkdl.strategies.base import DistEnv
 
 #: Containers with no forward of their own: FSDP's hooks never run on them, so they are never
 #: shard units themselves (their children can be).

@@ -28,7 +28,7 @@ def what_the_ranks_see(ctx: Any) -> Dict[str, Any]:
     ctx.report(marker="sparkdl-plaintext-marker")  # through the (encrypted) progress channel
     total = torch.ones(1)
     dist.all_reduce(total)
-    return {"encrypt": ctx._env.encrypt, "world": float(total.item())}
+    return {"encrypt": ctx._rank.env.encrypt, "world": float(total.item())}
 
 
 def main(output: str) -> None:

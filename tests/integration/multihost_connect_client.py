@@ -81,7 +81,7 @@ def main() -> int:
 
 
 def sparkdl_channel_host(spark) -> str:
-    from sparkdl._session import Session
+    from sparkdl._spark import Session
 
     return Session(spark).channel_host()
 

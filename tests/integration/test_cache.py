@@ -18,10 +18,10 @@ import torch.distributed as dist
 
 import connectors
 import sparkdl
-from sparkdl._settings import DataSettings
+from sparkdl._driver.settings import DataSettings
 from sparkdl.data import cache
 from sparkdl.data.dataset import inspect_dataset
-from sparkdl.data.prepare import prepare_data
+from sparkdl._driver.prepare_data import prepare_data
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.spark
@@ -47,7 +47,7 @@ def test_a_dataframes_copy_is_equal_files_per_worker_and_clear_cache_deletes_it(
     df = ids.select(F.array(F.col("id").cast("double")).alias("features"), (F.col("id") % 2).alias("label"))
     assert sorted(df.rdd.glom().map(len).collect()) == [10, 10, 200]
 
-    # fit()/run() prepare a DataFrame exactly so (sparkdl/data/prepare.py): this is the copy they train on.
+    # fit()/run() prepare a DataFrame exactly so (sparkdl/_driver/prepare_data.py): this is the copy they train on.
     dataset, _, _, _ = prepare_data(df, DataSettings(feature_cols=["features"], label_col="label", batch_size=8), num_workers=2, spark=spark)
     url = dataset.url
     assert url in cache.cached_urls()
@@ -125,8 +125,8 @@ spark = (
 df = spark.createDataFrame([([float(i)], i % 2) for i in range(64)], "features array<double>, label long")
 """
 _DRIVER = _SESSION_AND_DATAFRAME + """
-from sparkdl._settings import DataSettings
-from sparkdl.data.prepare import prepare_data
+from sparkdl._driver.settings import DataSettings
+from sparkdl._driver.prepare_data import prepare_data
 
 dataset, _, _, _ = prepare_data(df, DataSettings(feature_cols=["features"], label_col="label", batch_size=8), num_workers=2, spark=spark)
 path = dataset.url[len("file://"):]

@@ -88,7 +88,7 @@ def connect_digits(connect, digits_split):
 
 
 def test_the_client_has_no_spark_context(connect):
-    from sparkdl._session import Session
+    from sparkdl._spark import Session
 
     session = Session(connect)
     assert session.connect and session.channel_host() == "127.0.0.1"

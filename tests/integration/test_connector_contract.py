@@ -22,12 +22,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch.distributed as dist
 
-import connectors
+from sparkdl import connectors
 import sparkdl
 from sparkdl.data import cache
 from sparkdl.data.dataset import ParquetFiles
-from sparkdl.data.batching import DataSpec
-from sparkdl.data.prepare import prepare_dataset
+from sparkdl.data.spec import DataSpec
+from sparkdl._driver.prepare_data import prepare_dataset
 from sparkdl.data.readers import reader_from_name
 from tests.models import pairs
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import connectors
+from sparkdl import connectors
 import sparkdl
 from sparkdl.data import cache
 from sparkdl.data.dataset import ParquetFiles

@@ -21,7 +21,7 @@ def test_the_demo_trains_reports_validation_accuracy_and_says_where_the_model_is
     env.pop("PYTHONPATH", None)
     done = subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", "demo")], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    # PySpark's pandas-3 FutureWarning no longer opens the run (filtered in sparkdl._session).
+    # PySpark's pandas-3 FutureWarning no longer opens the run (filtered in sparkdl._spark).
     assert "PySpark does not yet fully support pandas" not in done.stdout + done.stderr
     lines = done.stdout.strip().splitlines()
     epochs = [line for line in lines if line.startswith("[sparkdl] epoch ")]

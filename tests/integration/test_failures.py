@@ -94,8 +94,8 @@ def test_a_rank_whose_process_dies_fails_the_fit_and_names_it(spark):
 
 
 def test_too_few_slots_fails_within_seconds_naming_both_numbers(spark):
-    from sparkdl._launcher import check_slots
-    from sparkdl._launcher.config import LaunchConfig
+    from sparkdl._driver import check_slots
+    from sparkdl._task.config import LaunchConfig
 
     check_slots(spark.sparkContext, 2, wait_s=300)  # returns once both executors have registered
     tracker = spark.sparkContext.statusTracker()
@@ -133,7 +133,7 @@ def test_a_setting_a_rank_refuses_is_a_config_error_on_the_driver_and_not_retrie
 
 
 def test_shard_modules_naming_no_submodule_fails_fit_before_launch(spark, digits_df, monkeypatch):
-    from sparkdl._launcher import driver
+    from sparkdl._driver import driver
 
     launched = []
     monkeypatch.setattr(driver, "_launch_once", lambda *args, **kwargs: launched.append(1))
@@ -242,7 +242,7 @@ def test_a_connection_flood_on_the_driver_channel_neither_breaks_the_fit_nor_lea
     import socket
     import threading
 
-    from sparkdl._launcher import driver
+    from sparkdl._driver import driver
 
     servers = []
 

@@ -69,7 +69,7 @@ def test_a_plain_ddp_script_runs_unchanged(spark, digits_df, tmp_path, capsys):
         assert env["MASTER_ADDR"] and int(env["MASTER_PORT"]) > 0 and env["TORCHELASTIC_RUN_ID"].startswith("sparkdl-")
         assert fact["world"] == 2
         # The secret never reaches the child's command line (nor its environment's fd name).
-        assert fact["argv"][1:3] == ["-m", "sparkdl._launcher.runner"] and len(fact["argv"]) == 4, fact["argv"]
+        assert fact["argv"][1:3] == ["-m", "sparkdl._task.runner"] and len(fact["argv"]) == 4, fact["argv"]
         assert fact["secret_fd"] is None
     assert facts[0]["env"]["TORCHELASTIC_RUN_ID"] == facts[1]["env"]["TORCHELASTIC_RUN_ID"]
     captured = capsys.readouterr()

@@ -1,7 +1,7 @@
 """A host drained: Spark's graceful decommissioning of a worker (SIGPWR to it, as a node's
 shutdown or a Kubernetes pre-stop hook does), or SIGTERM to an executor's JVM under
 spark.executor.decommission.signal=TERM, while a fit runs. The ranks take a checkpoint at once
-(sparkdl._drain), the attempt ends without counting as a failure (max_failures=0), and the run
+(sparkdl._runtime.drain), the attempt ends without counting as a failure (max_failures=0), and the run
 resumes from that very step on the host that is left (min_workers=1). A cluster per test: a
 decommissioned worker stays so. Needs root, as tests/integration/test_multihost.py."""
 

@@ -145,7 +145,7 @@ def test_the_loss_curves_are_drawn_once(executed):
 
 
 def test_no_cell_prints_pysparks_pandas3_warning(executed):
-    # It opened every run (PySpark 4.1+ on pandas 3); sparkdl filters that one message (sparkdl._session).
+    # It opened every run (PySpark 4.1+ on pandas 3); sparkdl filters that one message (sparkdl._spark).
     notebook, _ = executed
     printed = "".join(_text(cell) for cell in notebook.cells if cell.cell_type == "code")
     assert "PySpark does not yet fully support pandas" not in printed

@@ -4,7 +4,7 @@ established workers keep training, and a relaunched attempt gets a new secret an
 
 How the tests learn a server's address and secret: ``ctx`` has no public accessor for them, so the
 training functions read the running server's ``address`` (and, for the relaunch, a SHA-256 of its
-``_secret``) from ``ctx._runtime._server``, read-only, and report them the way user code would:
+``_secret``) from ``ctx._rank.strategy._server``, read-only, and report them the way user code would:
 through ``ctx.logger`` (forwarded to the driver) or a file. Everything else is observed from the
 outside: the attack is made by the driver over the network, and its rejection is proven by the
 server's own warnings (``sparkdl.parameter_server`` logger), seen in the attacked rank's process
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import sparkdl
-from sparkdl._tcpserver import recv_exact
+from sparkdl._net.server import recv_exact
 from sparkdl.strategies.parameter_server.transport import ShardClient
 from sparkdl.strategies.parameter_server.wire import GREETING, ParameterServerError
 from tests.models import accuracy, digits_mlp
@@ -91,7 +91,7 @@ def _attacked_loop(epochs: int, attacks: int, wait_s: float) -> Callable[[Any], 
                     optimizer.step()
                     steps += 1
                     if ctx.rank == 1 and steps == 1:
-                        host, port = ctx._runtime._server.address[:2]
+                        host, port = ctx._rank.strategy._server.address[:2]
                         ctx.logger.info("shard server at %s:%d", host, port)
             final = ctx.final_module(model)
             gathered: List[Any] = [None] * ctx.world_size
@@ -226,7 +226,7 @@ def _relaunched_loop(marker: str, out_dir: str) -> Callable[[Any], int]:
         attempt = 2 if _os.path.exists(marker) else 1
         model = ctx.prepare_model(_torch.nn.Linear(64, 10))
         optimizer = ctx.prepare_optimizer(_torch.optim.SGD(model.parameters(), lr=0.1))
-        server = ctx._runtime._server
+        server = ctx._rank.strategy._server
         facts = {"host": server.address[0], "port": server.address[1], "secret": _hashlib.sha256(server._secret).hexdigest()}
         path = _os.path.join(out_dir, f"attempt{attempt}-rank{ctx.rank}.json")
         with open(path + ".tmp", "w") as out:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import sparkdl
 from sparkdl.data.dataset import inspect_dataset
-from sparkdl.data.batching import DataSpec
+from sparkdl.data.spec import DataSpec
 from sparkdl.data.readers import reader_from_name
 from sparkdl.data.selection import shard_rows
 from tests.models import accuracy, digits_mlp, pairs

@@ -123,7 +123,7 @@ def _probe_rendezvous(address):
     import datetime
     import socket
 
-    from sparkdl._store_wire import GREETING, GREETING_BYTES, Message, Op, encode
+    from sparkdl._net.rendezvous_wire import GREETING, GREETING_BYTES, Message, Op, encode
 
     with socket.create_connection(address, timeout=10) as raw:
         raw.sendall(encode(Message(Op.GET, items=(b"0//cpu//0/0",))) + b"\0" * 68)
@@ -155,7 +155,7 @@ def _refused(address) -> bool:
 
 def test_the_rendezvous_admits_only_the_jobs_ranks_and_closes_with_the_run(spark):
     def train_fn(ctx):
-        address = (ctx._env.master_addr, ctx._env.master_port)
+        address = (ctx._rank.env.master_addr, ctx._rank.env.master_port)
         # A DDP model holds the process group, and so the store, past the loop (what kept
         # torch's own TCPStore listening after fit in a reused worker).
         model = ctx.prepare_model(torch.nn.Linear(4, 2))
@@ -179,7 +179,7 @@ def test_an_allreduce_fit_closes_its_rendezvous_when_it_returns(spark, digits_df
 
     def model_fn():
         # Built on each rank after its rendezvous (and once on the driver, outside any).
-        from sparkdl._rendezvous import active_store
+        from sparkdl._runtime.rendezvous import active_store
 
         if dist.is_initialized() and dist.get_rank() == 0:
             server, client = active_store()

@@ -68,7 +68,7 @@ def test_spark_submit_trains_on_a_standalone_cluster(standalone, tmp_path):
         "--conf", "spark.ui.enabled=false",
         "--conf", "spark.executor.memory=768m",
         # Standalone executors register one by one; this tells sparkdl's slot check to wait for
-        # both instead of failing on the first (docs/deploy.md; _launcher._expected_executors).
+        # both instead of failing on the first (docs/deploy.md; sparkdl._driver.cluster._expected_executors).
         "--conf", "spark.executor.instances=2",
         "--conf", f"spark.sparkdl.cacheDir={tmp_path}/cache",
         "--driver-java-options", f"-Dlog4j.configurationFile=file:{REPO_ROOT}/jobs/log4j2.properties",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import sparkdl
-from sparkdl import _warmup
+from sparkdl._driver import warmup as _warmup
 
 pytestmark = pytest.mark.spark
 
@@ -27,6 +27,6 @@ def test_warm_up_runs_one_job_per_application_and_leaves_workers_with_the_task_s
 
         for _ in batches:
             pass
-        yield pa.RecordBatch.from_pydict({"warm": ["sparkdl._launcher.task" in sys.modules and "torch" in sys.modules]})
+        yield pa.RecordBatch.from_pydict({"warm": ["sparkdl._task.entry" in sys.modules and "torch" in sys.modules]})
 
     assert [row.warm for row in spark.range(0, 2, 1, 2).mapInArrow(imported, "warm boolean").collect()] == [True, True]

@@ -16,12 +16,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.models import pairs
-from sparkdl._validation import validation_source
+from sparkdl._runtime.validation import validation_source
 from sparkdl.data.batching import validation_batches
 from sparkdl.data import selection
 from sparkdl.data.readers.arrow import ArrowReader
 from sparkdl.data.dataset import inspect_dataset
-from sparkdl.data.batching import DataSpec, ValidationSpec, batches
+from sparkdl.data.batching import batches
+from sparkdl.data.spec import DataSpec, ValidationSpec
 from sparkdl.data.readers import reader_from_name
 from sparkdl.data.readers.petastorm import PetastormReader
 from sparkdl.data.selection import holdout_mask, shard_rows

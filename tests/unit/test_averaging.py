@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import sparkdl
-from sparkdl._rendezvous import DistEnv
+from sparkdl.strategies.base import DistEnv
 from sparkdl.errors import ConfigError
 from sparkdl.strategies._tensors import SyncingOptimizer
 from sparkdl.strategies.averaging import ElasticAveraging, ModelAveraging

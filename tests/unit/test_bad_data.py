@@ -11,10 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.models import pairs
-from sparkdl.data.prepare import prepare_data
-from sparkdl._settings import DataSettings
+from sparkdl._driver.prepare_data import prepare_data
+from sparkdl._driver.settings import DataSettings
 from sparkdl.data.dataset import inspect_dataset
-from sparkdl.data.batching import DataSpec
+from sparkdl.data.spec import DataSpec
 from sparkdl.data.readers import reader_from_name
 from sparkdl.errors import ConfigError, DataError
 

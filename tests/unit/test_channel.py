@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from sparkdl._channel import (
+from sparkdl._net.channel import (
     GREETING_BYTES,
     KEY_LABEL,
     MAX_MESSAGE_BYTES,
@@ -23,7 +23,7 @@ from sparkdl._channel import (
     ChannelServer,
     new_secret,
 )
-from sparkdl._secure import TAG_BYTES, protection
+from sparkdl._net.frames import TAG_BYTES, protection
 
 HOST = "127.0.0.1"
 WAIT = 5.0  # upper bound for any callback to arrive; tests normally finish far sooner
@@ -663,7 +663,7 @@ def test_flood_of_unauthenticated_connections_is_bounded_and_summarized(secret, 
     assert summarized + sum(1 for m in counts if not m) == total  # no connection unaccounted for
 
 
-# ---- frame protection (sparkdl._secure; attacks through a tapping proxy: test_secure.py) ----------
+# ---- frame protection (sparkdl._net.frames; attacks through a tapping proxy: test_secure.py) ----------
 
 
 @pytest.mark.parametrize("encrypt", [False, True], ids=["integrity", "encrypt"])

@@ -8,10 +8,10 @@ import threading
 import pytest
 import torch
 
-from sparkdl._checkpoint_writer import CheckpointWriteError, CheckpointWriter, capture, owners, snapshot
-from sparkdl._launcher import Decision, FailurePolicy, LaunchConfig
-from sparkdl._rendezvous import rendezvous, teardown
-from sparkdl._store import StoreClient, StoreServer
+from sparkdl._runtime.checkpoint_writer import CheckpointWriteError, CheckpointWriter, capture, owners, snapshot
+from sparkdl._driver import Decision, FailurePolicy, LaunchConfig
+from sparkdl._runtime.rendezvous import rendezvous, teardown
+from sparkdl._net.rendezvous_store import StoreClient, StoreServer
 from sparkdl.checkpoint import MANIFEST, Checkpoint, CheckpointConfig, open_store, tree_leaves
 from sparkdl.context import TrainContext
 from sparkdl.errors import ConfigError, RankFailure, TrainingError

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sparkdl import checkpoint, filesystem
-from sparkdl._checkpoint_writer import share
+from sparkdl._runtime.checkpoint_writer import share
 from sparkdl.checkpoint import (
     MANIFEST,
     Checkpoint,

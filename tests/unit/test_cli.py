@@ -318,7 +318,7 @@ def test_pyspark_pandas3_warning_is_filtered_once_sparkdl_runs_spark_and_nothing
 
 
 def test_the_estimator_takes_the_metric_names_the_command_line_takes():
-    from sparkdl._validation import METRICS
+    from sparkdl._runtime.validation import METRICS
 
     make = lambda: torch.nn.Linear(64, 10)  # noqa: E731
     parser_choices = next(a.choices for a in cli.build_parser()._actions if a.dest == "metrics")

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import sparkdl
-from sparkdl._comparison_result import Comparison, ComparisonRow, loss_curve, time_to_target
-from sparkdl._comparison_strategies import SlowedModel, default_strategies, labelled_strategies, parse_strategies
+from sparkdl.comparison.result import Comparison, ComparisonRow, loss_curve, time_to_target
+from sparkdl.comparison.strategies import SlowedModel, default_strategies, labelled_strategies, parse_strategies
 from sparkdl.cli import sparkdl_main
 from sparkdl.comparison import CompareSettings
 

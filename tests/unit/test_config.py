@@ -4,8 +4,9 @@ import pytest
 import torch
 
 import sparkdl
-from sparkdl._launcher import LaunchConfig, _failure_from_spark
-from sparkdl.data.batching import DataSpec, steps_per_epoch
+from sparkdl._driver import LaunchConfig, _failure_from_spark
+from sparkdl.data.batching import steps_per_epoch
+from sparkdl.data.spec import DataSpec
 from sparkdl.errors import ConfigError
 from sparkdl.strategies import registered_strategies, strategy_from_name
 
@@ -79,7 +80,7 @@ def test_a_failed_mapinarrow_stage_is_named_by_its_python_error_not_its_sqlstate
 
 
 def test_the_host_timeout_reads_spark_durations_and_refuses_what_a_heartbeat_cannot_meet():
-    from sparkdl._launcher.config import DEFAULT_HOST_TIMEOUT_S, host_timeout_s
+    from sparkdl._task.config import DEFAULT_HOST_TIMEOUT_S, host_timeout_s
 
     assert host_timeout_s(None, 2.0) == DEFAULT_HOST_TIMEOUT_S == 45.0
     assert [host_timeout_s(text, 2.0) for text in ("20s", "20", "1.5min", "2m", "6000ms")] == [20.0, 20.0, 90.0, 120.0, 6.0]

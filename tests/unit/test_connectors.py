@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -11,14 +14,17 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-import connectors
+from sparkdl import connectors
 from tests.models import pairs
-from sparkdl.data.prepare import prepare_data, prepare_dataset
-from sparkdl._settings import DataSettings
+
+from sparkdl._driver.prepare_data import prepare_data, prepare_dataset
+from sparkdl._driver.settings import DataSettings
 from sparkdl.data.dataset import ParquetFiles, inspect_dataset
-from sparkdl.data.batching import DataSpec
+from sparkdl.data.spec import DataSpec
 from sparkdl.data.readers import reader_from_name
 from sparkdl.errors import ConfigError, DataError
+
+REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 
 
 def ids_table(start, count):
@@ -112,7 +118,7 @@ def test_delta_source_through_prepare_data_splits_training_and_validation_rows(d
     """What fit and run do with a Delta source before launch (prepare_data; training on it is
     tests/integration/test_connectors.py), read here as each task would: the ranks' batches of an
     epoch and the validation pass split the version's 150 rows, none in both."""
-    from sparkdl._validation import validation_source
+    from sparkdl._runtime.validation import validation_source
     from sparkdl.data.batching import batches, validation_batches
     from sparkdl.data.selection import shard_rows
 
@@ -166,3 +172,23 @@ def test_petastorm_reads_a_connectors_explicit_file_list_in_its_order(tmp_path):
                                  "label": list(range(10))}), tmp_path / day / "part-0.parquet")
     info = prepare_dataset(connectors.ParquetSource(f"{tmp_path}/2024-01-*/part-*.parquet"), ["features"], num_workers=2, label_col="label")
     assert info.explicit_files and read_ids(info, "petastorm", world_size=2) == read_ids(info, "arrow", world_size=2) == list(range(20))
+
+
+def test_the_old_top_level_import_path_still_works_and_says_where_connectors_went():
+    """`import connectors` (and its submodules) of earlier releases: the same classes, with a
+    DeprecationWarning naming the new path. In a fresh interpreter: the warning is issued once."""
+    code = (
+        "import warnings\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    import connectors, connectors.delta\n"
+        "    from connectors.parquet import ParquetSource\n"
+        "import sparkdl.connectors as new\n"
+        "assert connectors.ParquetSource is new.ParquetSource is ParquetSource\n"
+        "assert connectors.delta is new.delta and connectors.Source is new.Source\n"
+        "messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]\n"
+        "assert any('sparkdl.connectors' in m for m in messages), messages\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 
-from sparkdl._device import (
+from sparkdl._runtime.device import (
     CUDA_VISIBLE_DEVICES,
     DeviceAssignment,
     check_assignments,
@@ -20,9 +20,9 @@ from sparkdl._device import (
     select_device,
     selected,
 )
-from sparkdl._device_feed import DeviceFeed
-from sparkdl._launcher import LaunchConfig
-from sparkdl._host_batches import Prefetcher
+from sparkdl._runtime.device_feed import DeviceFeed
+from sparkdl._driver import LaunchConfig
+from sparkdl._runtime.host_batches import Prefetcher
 from sparkdl.errors import ConfigError
 
 SETTINGS = ("spark.executor.resource.gpu.amount", "spark.task.resource.gpu.amount", "spark.executor.resource.gpu.discoveryScript")

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import sparkdl
-from sparkdl._checkpoint_writer import capture
-from sparkdl._rendezvous import DistEnv
+from sparkdl._runtime.checkpoint_writer import capture
+from sparkdl.strategies.base import DistEnv
 from sparkdl.checkpoint import decode_part, encode_part
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.averaging import ModelAveraging

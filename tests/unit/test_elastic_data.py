@@ -10,8 +10,9 @@ import numpy as np
 import pyarrow.compute as pc
 import pytest
 
-from sparkdl.data import elastic
-from sparkdl.data.batching import DataSpec, batches, steps_per_epoch
+from sparkdl.data import reshard
+from sparkdl.data.batching import batches, steps_per_epoch
+from sparkdl.data.spec import DataSpec
 from sparkdl.data.dataset import inspect_dataset
 from sparkdl.data.readers.arrow import ArrowReader
 from sparkdl.data.selection import shard_rows
@@ -51,7 +52,7 @@ def test_the_position_replay_is_the_real_stream(tmp_path, settings):
     dataset = _dataset(tmp_path, settings.get("filters"))
     spec = DataSpec(batch_size=16, seed=3, **settings)
     for rank in range(2):
-        replay = [b.tolist() for b in elastic.stream_positions(dataset, spec, rank, 2, 5, 40)]
+        replay = [b.tolist() for b in reshard.stream_positions(dataset, spec, rank, 2, 5, 40)]
         assert replay == _real_ids(dataset, spec, rank, 2, 5, 40)  # id == position in these files
 
 
@@ -63,30 +64,30 @@ def test_a_resharded_epoch_reads_each_remaining_row_exactly_once(tmp_path, setti
     old_steps = _steps(dataset, spec, old_world)
     epoch, done = 1, old_steps // 3  # interrupted a third into the second epoch
     start = epoch * old_steps
-    old = [elastic.StreamState(start + done, start, old_steps) for _ in range(old_world)]
+    old = [reshard.StreamState(start + done, start, old_steps) for _ in range(old_world)]
     # What the old ranks would have read in the whole epoch, and what they did read before it stopped.
     whole = collections.Counter(i for r in range(old_world) for b in _real_ids(dataset, spec, r, old_world, start, start + old_steps) for i in b)
     before = collections.Counter(i for r in range(old_world) for b in _real_ids(dataset, spec, r, old_world, start, start + done) for i in b)
     new_steps = _steps(dataset, spec, new_world)
-    plans = [elastic.plan_remainder(dataset, spec, old, j, new_world, new_steps) for j in range(new_world)]
+    plans = [reshard.plan_remainder(dataset, spec, old, j, new_world, new_steps) for j in range(new_world)]
     assert len({p.steps for p in plans}) == 1 and plans[0].steps > 0  # every rank runs the same steps
     assert all(p.next_start == (epoch + 1) * new_steps for p in plans)
     after = collections.Counter()
     for j, plan in enumerate(plans):
-        got = [_ids(b) for b in elastic.remainder_batches(dataset, spec, plan, j)]
+        got = [_ids(b) for b in reshard.remainder_batches(dataset, spec, plan, j)]
         assert len(got) == plan.steps and all(0 < len(b) <= spec.batch_size + 1 for b in got)
         after.update(i for b in got for i in b)
     assert before + after == whole
 
     # A checkpoint taken two steps into the resharded epoch resumes on yet another number of ranks.
     taken = 2
-    states = [elastic.StreamState(p.next_start, None, new_steps, p.share, p.steps, taken) for p in plans]
+    states = [reshard.StreamState(p.next_start, None, new_steps, p.share, p.steps, taken) for p in plans]
     first = collections.Counter(i for p, j in zip(plans, range(new_world)) for b in p.batches()[:taken] for i in b.tolist())
     again = collections.Counter()
     final_steps = _steps(dataset, spec, old_world)
     for j in range(old_world):
-        plan = elastic.plan_remainder(dataset, spec, states, j, old_world, final_steps)
-        again.update(i for b in elastic.remainder_batches(dataset, spec, plan, j) for i in _ids(b))
+        plan = reshard.plan_remainder(dataset, spec, states, j, old_world, final_steps)
+        again.update(i for b in reshard.remainder_batches(dataset, spec, plan, j) for i in _ids(b))
         assert plan.next_start == (epoch + 1) * final_steps
     assert before + first + again == whole
 
@@ -95,11 +96,11 @@ def test_too_few_rows_left_for_the_new_workers_is_a_clear_error(tmp_path):
     dataset = _dataset(tmp_path)
     spec = DataSpec(batch_size=1, shuffle=False)
     steps = _steps(dataset, spec, 1)
-    old = [elastic.StreamState(steps - 1, 0, steps)]  # one row left
+    old = [reshard.StreamState(steps - 1, 0, steps)]  # one row left
     with pytest.raises(ConfigError, match="1 row\\(s\\) left, fewer than num_workers=2"):
-        elastic.plan_remainder(dataset, spec, old, 0, 2, _steps(dataset, spec, 2))
+        reshard.plan_remainder(dataset, spec, old, 0, 2, _steps(dataset, spec, 2))
 
 
 def test_petastorm_refuses_an_elastic_resume():
     with pytest.raises(ConfigError, match="reader='petastorm' cannot resume .* use reader='arrow'"):
-        elastic.check_reader("petastorm")
+        reshard.check_reader("petastorm")

@@ -20,8 +20,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sparkdl.data import elastic
-from sparkdl.data.batching import DataSpec, batches, steps_per_epoch
+from sparkdl.data import reshard
+from sparkdl.data.batching import batches, steps_per_epoch
+from sparkdl.data.spec import DataSpec
 from sparkdl.data.dataset import inspect_dataset
 from sparkdl.data.readers import reader_from_name
 from sparkdl.data.selection import shard_rows
@@ -131,9 +132,9 @@ def test_the_position_replay_is_the_real_stream_over_several_epochs(tmp_path, wo
     steps = steps_per_epoch(sum(shard_rows(dataset, world_size)), BATCH, world_size)
     for rank in range(world_size):
         real = [ids.tolist() for ids in stream_ids("arrow", dataset, spec, rank, world_size, 4 * steps)]
-        replay = [b.tolist() for b in elastic.stream_positions(dataset, spec, rank, world_size, 0, 4 * steps)]
+        replay = [b.tolist() for b in reshard.stream_positions(dataset, spec, rank, world_size, 0, 4 * steps)]
         assert replay == real
-        told = elastic.stream_positions(dataset, spec, rank, world_size, steps, 3 * steps, epoch_rows=steps * BATCH)
+        told = reshard.stream_positions(dataset, spec, rank, world_size, steps, 3 * steps, epoch_rows=steps * BATCH)
         assert [b.tolist() for b in told] == real[steps:3 * steps]
 
 

@@ -91,10 +91,10 @@ def test_a_rank_number_and_host_in_the_headline_do_not_keep_identical_failures_a
 
 
 def test_rank_errors_of_a_public_class_are_raised_as_that_class_and_never_retried():
-    from sparkdl._launcher.config import Decision, FailurePolicy
+    from sparkdl._driver.policy import Decision, FailurePolicy
     from sparkdl.errors import ConfigError, DataError, RankConfigError, RankDataError, raised_from
 
-    from sparkdl._frameworks import ProcessSpawnError
+    from sparkdl._task.frameworks import ProcessSpawnError
     from sparkdl.data.dataset import EmptyDatasetError
 
     spawn = RankFailure.from_exception(0, ProcessSpawnError("nprocs=2 ..."), host="h0")

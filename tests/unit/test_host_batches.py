@@ -1,4 +1,4 @@
-"""Where batches become host tensors (sparkdl._host_batches): the training thread itself on the
+"""Where batches become host tensors (sparkdl._runtime.host_batches): the training thread itself on the
 CPU, a prefetch thread on CUDA; both hand out the same batches."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from sparkdl._host_batches import InlineBatches, Prefetcher, host_batches
+from sparkdl._runtime.host_batches import InlineBatches, Prefetcher, host_batches
 
 
 def _numbered(count: int, seen_by=None):

@@ -11,11 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 
 import sparkdl
-from sparkdl.data.batching import DataSpec, batches, validation_batches
+from sparkdl.data.batching import batches, validation_batches
+from sparkdl.data.spec import DataSpec
 from sparkdl.data.dataset import inspect_dataset
 from sparkdl.data.plan import InputPlan
-from sparkdl.data.prepare import prepare_data
-from sparkdl._settings import DataSettings
+from sparkdl._driver.prepare_data import prepare_data
+from sparkdl._driver.settings import DataSettings
 from sparkdl.data.readers import reader_from_name
 from sparkdl.errors import ConfigError, DataError
 from tests.models import png_bytes
@@ -193,7 +194,8 @@ def test_null_images_and_unconvertible_channel_counts_are_named(tmp_path):
 
 
 def test_the_petastorm_reader_says_what_to_install_where_it_cannot_run():
-    from sparkdl.data.readers.petastorm import PetastormReader, petastorm_problem
+    from sparkdl.data.readers.petastorm import PetastormReader
+    from sparkdl.data.dataset import petastorm_problem
 
     problem = petastorm_problem()
     if problem:  # the latest stack: no Petastorm, pyarrow >= 15

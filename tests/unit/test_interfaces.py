@@ -1,4 +1,4 @@
-"""Which interface a rank's collectives use (sparkdl._interfaces): the choice on described
+"""Which interface a rank's collectives use (sparkdl._net.interfaces): the choice on described
 hosts, the user's variables checked, and this machine's real interfaces read."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from sparkdl._interfaces import Interface, choose_interface, collective_environment, local_interfaces
+from sparkdl._net.interfaces import Interface, choose_interface, collective_environment, local_interfaces
 from sparkdl.errors import ConfigError
 
 LO = Interface("lo", ("127.0.0.1", "::1"), up=True, loopback=True)

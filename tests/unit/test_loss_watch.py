@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparkdl._training import LossWatch
+from sparkdl._task.fit_loop import LossWatch
 from sparkdl.errors import NonFiniteLossError
 
 

@@ -13,9 +13,9 @@ from typing import List
 
 import pytest
 
-from sparkdl._launcher import JobMonitor
-from sparkdl._launcher.monitor import _is_peer_loss
-from sparkdl._progress import ProgressDisplay
+from sparkdl._driver import JobMonitor
+from sparkdl._driver.monitor import _is_peer_loss
+from sparkdl._driver.progress import ProgressDisplay
 from sparkdl.errors import InsufficientSlotsError, PeerLostError, RankFailure, SparkdlError, TrainingError
 from sparkdl.strategies.parameter_server import ParameterServerError
 

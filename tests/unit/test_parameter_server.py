@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import sparkdl
-from sparkdl._rendezvous import DistEnv
+from sparkdl.strategies.base import DistEnv
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.base import strategy_from_name
 from sparkdl.strategies.parameter_server import ParameterServer, ParameterServerError, balanced_layout

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 import sparkdl
-from sparkdl._launcher import LaunchConfig
-from sparkdl._precision import PRECISIONS, Precision, PrecisionRuntime
-from sparkdl._rendezvous import rendezvous, teardown
-from sparkdl._training import FitLoop
+from sparkdl._driver import LaunchConfig
+from sparkdl._runtime.precision import PRECISIONS, Precision, PrecisionRuntime
+from sparkdl._runtime.rendezvous import rendezvous, teardown
+from sparkdl._task.fit_loop import FitLoop
 from sparkdl.context import TrainContext
 from sparkdl.data.dataset import inspect_dataset
-from sparkdl.data.batching import DataSpec
+from sparkdl.data.spec import DataSpec
 from sparkdl.data.readers import reader_from_name
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.allreduce import AllReduce

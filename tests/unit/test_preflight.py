@@ -8,8 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from sparkdl._preflight import check_loss, check_optimizer
-from sparkdl.data.batching import DataSpec
+from sparkdl._driver.preflight import check_loss, check_optimizer
+from sparkdl.data.spec import DataSpec
 from sparkdl.data.dataset import inspect_dataset
 from sparkdl.errors import ConfigError
 

@@ -6,7 +6,7 @@ import os
 import sys
 import threading
 
-from sparkdl._progress import ProgressDisplay, format_epoch
+from sparkdl._driver.progress import ProgressDisplay, format_epoch
 
 
 def test_epoch_lines_name_the_epoch_and_the_figures(capsys):

@@ -22,8 +22,8 @@ from typing import Iterator, Tuple
 import pytest
 import torch
 
-from sparkdl._secure import FrameProtection
-from sparkdl._tcpserver import MAX_PENDING_HANDSHAKES, recv_exact
+from sparkdl._net.frames import FrameProtection
+from sparkdl._net.server import MAX_PENDING_HANDSHAKES, recv_exact
 from sparkdl.strategies.parameter_server.layout import Layout, TableSpec
 from sparkdl.strategies.parameter_server.shard import ServerState, Shard
 from sparkdl.strategies.parameter_server.transport import ShardClient, ShardServer, listen
@@ -441,7 +441,7 @@ def test_close_stops_the_server_and_its_threads():
         socket.create_connection(srv.address, timeout=5).close()
 
 
-# ---- frame protection (sparkdl._secure; attacks through a tapping proxy: test_secure.py) ----------
+# ---- frame protection (sparkdl._net.frames; attacks through a tapping proxy: test_secure.py) ----------
 
 
 def test_an_encrypted_client_pushes_pulls_and_says_bye():

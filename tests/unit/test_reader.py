@@ -8,8 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sparkdl.data.batching import DataSpec, batches
-from sparkdl.data.dataset import ColumnInfo, DatasetInfo, inspect_dataset
+from sparkdl.data.batching import batches
+from sparkdl.data.spec import DataSpec
+from sparkdl.data.dataset import DatasetInfo, inspect_dataset
+from sparkdl.data.columns import ColumnInfo
 from sparkdl.data.plan import InputPlan
 from sparkdl.data.readers import Chunk, DataReader
 from sparkdl.errors import DataError

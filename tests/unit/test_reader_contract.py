@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from sparkdl.data.batching import DataSpec
+from sparkdl.data.spec import DataSpec
 from sparkdl.data.dataset import DatasetInfo, inspect_dataset
 from sparkdl.data.inputs import LABEL_KEY, POSITION_KEY, Image
 from sparkdl.data.plan import InputPlan

@@ -1,4 +1,4 @@
-"""Frame protection (sparkdl._secure) on its own, and on real loopback connections of both of
+"""Frame protection (sparkdl._net.frames) on its own, and on real loopback connections of both of
 sparkdl's servers (progress channel, parameter server) seen through a tapping proxy.
 
 The proxy sits between a real client and a real server, forwards every byte and records it:
@@ -21,9 +21,9 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import pytest
 import torch
 
-from sparkdl._channel import GREETING_BYTES, ChannelClient, ChannelError, ChannelServer, new_secret
+from sparkdl._net.channel import GREETING_BYTES, ChannelClient, ChannelError, ChannelServer, new_secret
 from tests.unit.test_channel import Recorder
-from sparkdl._secure import (
+from sparkdl._net.frames import (
     TAG_BYTES,
     FrameAuthError,
     FrameOpener,
@@ -740,14 +740,14 @@ class _Scripted:
 
 
 def _greeting_attempt(sock: socket.socket, deadline: float) -> bytes:
-    from sparkdl._secure import read_greeting
+    from sparkdl._net.frames import read_greeting
 
     return read_greeting(sock, len(b"MAGIC123") + 4, b"MAGIC123", deadline)
 
 
 @pytest.mark.parametrize("sent, shed", [(None, True), (b"MAG", True), (b"MAGIC123\x01", True), (b"HTTP/1.1 400", False)])
 def test_read_greeting_tells_a_shed_connection_from_a_foreign_server(sent, shed):
-    from sparkdl._secure import Shed
+    from sparkdl._net.frames import Shed
 
     fake = _Scripted(["close" if sent is None else sent])
     try:
@@ -769,7 +769,7 @@ def test_read_greeting_tells_a_shed_connection_from_a_foreign_server(sent, shed)
 
 
 def test_connect_retrying_gets_through_a_server_that_sheds_the_first_connections():
-    from sparkdl._secure import connect_retrying
+    from sparkdl._net.frames import connect_retrying
 
     fake = _Scripted(["close", "close", "close", b"MAGIC1230000"])
     try:
@@ -782,7 +782,7 @@ def test_connect_retrying_gets_through_a_server_that_sheds_the_first_connections
 
 @pytest.mark.parametrize("action, last", [("silent", "no answer"), ("close", "closed the connection before its greeting")])
 def test_connect_retrying_names_the_real_cause_when_it_gives_up(action, last):
-    from sparkdl._secure import HandshakeFailed, connect_retrying
+    from sparkdl._net.frames import HandshakeFailed, connect_retrying
 
     fake = _Scripted([action])
     try:
@@ -800,7 +800,7 @@ def test_connect_retrying_names_the_real_cause_when_it_gives_up(action, last):
 
 
 def test_connect_retrying_gives_up_soon_on_a_server_that_hangs_up_after_the_proof():
-    from sparkdl._secure import HandshakeFailed, Shed, connect_retrying
+    from sparkdl._net.frames import HandshakeFailed, Shed, connect_retrying
 
     def attempt(sock: socket.socket, deadline: float) -> None:
         raise Shed("the server hung up during the handshake", proved=True)  # as with a wrong secret

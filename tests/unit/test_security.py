@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from sparkdl._security import ALLOW_PLAINTEXT_COLLECTIVES, security_policy
+from sparkdl._net.policy import ALLOW_PLAINTEXT_COLLECTIVES, security_policy
 from sparkdl.data import cache
 from sparkdl.errors import ConfigError
 
@@ -114,7 +114,7 @@ def _data_settings():
 
 @pytest.mark.parametrize("setting", ["spark.network.crypto.enabled", "spark.ssl.enabled"])
 def test_spark_encryption_refuses_before_the_dataframe_is_materialized(setting, monkeypatch):
-    from sparkdl.data import prepare
+    from sparkdl._driver import prepare_data as prepare
 
     written = []
 

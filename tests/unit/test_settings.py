@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sparkdl
-from sparkdl._settings import DataSettings, RunSettings
+from sparkdl._driver.settings import DataSettings, RunSettings
 from sparkdl.errors import ConfigError
 
 COMMON = dict(

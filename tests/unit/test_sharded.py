@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import sparkdl
-from sparkdl._rendezvous import DistEnv
+from sparkdl.strategies.base import DistEnv
 from sparkdl.errors import ConfigError
 from tests.gloo import join_group, save_results, spawn_ranks
 
@@ -71,7 +71,7 @@ def _error(fn) -> str:
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    from sparkdl._checkpoint_writer import capture
+    from sparkdl._runtime.checkpoint_writer import capture
     from sparkdl.checkpoint import decode_part, encode_part
 
     join_group(rank, port, WORLD)
@@ -141,7 +141,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     out["units_by_class"] = sorted(name for name, sub in by_class.named_modules() if type(sub).__name__.startswith("FSDP"))
 
     # bf16-mixed: the run's autocast around FSDP's forward; weights and gradients stay float32.
-    from sparkdl._precision import Precision, PrecisionRuntime
+    from sparkdl._runtime.precision import Precision, PrecisionRuntime
 
     amp = PrecisionRuntime(Precision("bf16-mixed"), torch.device("cpu"), WORLD)
     _, model_e, opt_e = _prepared(rank, port)

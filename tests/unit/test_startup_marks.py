@@ -9,13 +9,13 @@ import time
 
 import pytest
 
-from sparkdl._training import startup_phases
+from sparkdl._task.fit_loop import startup_phases
 
 
 def test_a_process_start_time_is_read_to_the_clock_tick():
     before = time.time()
     child = subprocess.run(
-        [sys.executable, "-c", "import json, time; from sparkdl._launcher.task import _process_started; "
+        [sys.executable, "-c", "import json, time; from sparkdl._task.entry import _process_started; "
          "print(json.dumps([_process_started(), time.time()]))"],
         check=True, capture_output=True, text=True,
     )

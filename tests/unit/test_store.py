@@ -1,4 +1,4 @@
-"""sparkdl's rendezvous store (:mod:`sparkdl._store`) and the rendezvous that uses it, on real
+"""sparkdl's rendezvous store (:mod:`sparkdl._net.rendezvous_store`) and the rendezvous that uses it, on real
 sockets: a real two-rank gloo process group (with DDP) started with
 ``torch.multiprocessing.spawn`` rendezvouses through it; torch's own TCPStore client, a raw
 client without the secret and a client with a wrong secret get nothing out of it nor into it;
@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sparkdl._rendezvous import active_store, rendezvous, teardown
-from sparkdl._store import StoreClient, StoreError, StoreServer, StoreTimeoutError, StoreUnavailableError
-from sparkdl._store_wire import GREETING, GREETING_BYTES, MAX_KEY_BYTES, MAX_VALUE_BYTES, NONCE_BYTES, Message, Op, client_handshake, encode, store_key
+from sparkdl._runtime.rendezvous import active_store, rendezvous, teardown
+from sparkdl._net.rendezvous_store import StoreClient, StoreError, StoreServer, StoreTimeoutError, StoreUnavailableError
+from sparkdl._net.rendezvous_wire import GREETING, GREETING_BYTES, MAX_KEY_BYTES, MAX_VALUE_BYTES, NONCE_BYTES, Message, Op, client_handshake, encode, store_key
 from sparkdl.errors import PeerLostError
 
 SECRET = b"s" * 32
@@ -403,7 +403,7 @@ def test_wait_idle_gives_up_on_a_peer_that_stays_connected(server):
 
 
 def test_no_rank_leaves_the_rendezvous_barrier_before_every_rank_joined(server):
-    from sparkdl._rendezvous import _wait_for_every_rank
+    from sparkdl._runtime.rendezvous import _wait_for_every_rank
 
     late, early = _client(server, rank=0), _client(server, rank=1)
     left: List[int] = []

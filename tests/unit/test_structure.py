@@ -1,7 +1,8 @@
-"""The shape of the library: small modules, no import cycles, and a README layout that is true.
+"""The shape of the library: small modules, layers that import only downward, no import circles,
+plug-in bases that own their contracts, and a map of the packages that is true.
 
 Static checks on the source (no imports run): a newcomer should be able to find each concern
-in one file, change it without reading 1,000 lines, and trust the README's map of the tree.
+in one file, change it without reading 1,000 lines, and trust docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
-from typing import Dict, List, Set
+from typing import Dict, List, Set, Tuple
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: "No module in sparkdl/ over ~450 lines" (issue #13).
@@ -27,37 +28,56 @@ def _modules(root: pathlib.Path = ROOT) -> Dict[str, pathlib.Path]:
     return modules
 
 
-def _module_level_imports(tree: ast.Module) -> List[ast.stmt]:
-    """Import statements that run when the module is imported: top level and inside top-level
-    ``try``/``if`` blocks, except ``if TYPE_CHECKING:`` (those never run)."""
-    found: List[ast.stmt] = []
+#: The layers, lowest first: a module imports only modules of its own layer or below, and
+#: nothing in a circle (docs/architecture.md describes them). A module's layer is that of the
+#: longest name here it starts with.
+LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
+    ("foundation", ("sparkdl.errors", "sparkdl._lazy", "sparkdl._version", "sparkdl._spark", "sparkdl.filesystem", "sparkdl.reporting")),
+    ("network", ("sparkdl._net",)),
+    ("plug-in wings", ("sparkdl.checkpoint", "sparkdl.data", "sparkdl.strategies", "sparkdl.connectors")),
+    ("rank runtime", ("sparkdl._runtime",)),
+    ("task context", ("sparkdl.context",)),
+    ("task", ("sparkdl._task",)),
+    ("driver", ("sparkdl._driver",)),
+    ("public entry points", (
+        "sparkdl.estimator", "sparkdl.model", "sparkdl.custom_loop", "sparkdl.launching", "sparkdl.comparison",
+        "sparkdl.tracking", "sparkdl.plotting",
+    )),
+    ("package", ("sparkdl",)),
+    # The command line is a user of the public package (sparkdl.TorchEstimator...), as a script is.
+    ("command line", ("sparkdl.cli",)),
+]
 
-    def visit(statements: List[ast.stmt]) -> None:
-        for node in statements:
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                found.append(node)
-            elif isinstance(node, ast.If):
-                if not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
-                    visit(node.body)
-                visit(node.orelse)
-            elif isinstance(node, ast.Try):
-                visit(node.body)
-                visit(node.orelse)
-                visit(node.finalbody)
-                for handler in node.handlers:
-                    visit(handler.body)
+#: Imports that may run against the layers, each with why. Registries that load an
+#: implementation by name would go here; today none does (each plug-in package's ``__init__``
+#: imports its built-in implementations, below everything that looks them up).
+ALLOWED_UPWARD: Dict[Tuple[str, str], str] = {}
 
-    visit(tree.body)
-    return found
+#: Plug-in points: the base module (the contract) and the built-in implementations its package's
+#: ``__init__`` registers. The base never imports an implementation.
+PLUGINS: Dict[str, Tuple[str, ...]] = {
+    "sparkdl.strategies": ("allreduce", "averaging", "sharded", "parameter_server"),
+    "sparkdl.data.readers": ("arrow", "petastorm"),
+    "sparkdl.checkpoint": ("file_store",),
+    "sparkdl.connectors": ("delta", "parquet", "spark_table"),
+}
+
+
+def _imports(tree: ast.Module) -> List[ast.stmt]:
+    """Every import statement of a module: at the top, inside functions and classes, and under
+    ``if TYPE_CHECKING:`` (a type-only import is still a dependency a reader follows)."""
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
 
 
 def _import_graph(root: pathlib.Path = ROOT) -> Dict[str, Set[str]]:
-    """Module -> the package modules it imports when it is imported."""
+    """Module -> the package modules it names in an import. ``from package import name`` is an
+    edge to ``package.name`` when that is a module, else to the package itself (so
+    ``from sparkdl import __version__`` depends on the whole package)."""
     modules = _modules(root)
     graph: Dict[str, Set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         is_package = path.name == "__init__.py"
-        for node in _module_level_imports(ast.parse(path.read_text())):
+        for node in _imports(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -68,10 +88,21 @@ def _import_graph(root: pathlib.Path = ROOT) -> Dict[str, Set[str]]:
                     base = ".".join(anchor + ([base] if base else []))
                 targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
             for target in targets:
-                # A module's own packages are initialized before it runs: those edges are not cycles.
-                if target in modules and target != name and not name.startswith(target + "."):
+                while target and target not in modules:  # import a.b.c of a non-module c: a.b
+                    target = target.rpartition(".")[0]
+                if target and target != name:
                     graph[name].add(target)
     return graph
+
+
+def _layer(module: str) -> int:
+    best, best_length = None, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_length:
+                best, best_length = index, len(prefix)
+    assert best is not None, f"{module} is in no layer of LAYERS"
+    return best
 
 
 def test_no_module_is_longer_than_the_limit():
@@ -104,46 +135,89 @@ def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
 
 def test_no_import_cycles():
     graph = _import_graph()
-    assert "sparkdl._settings" in graph["sparkdl.estimator"], "the graph should see the estimator's imports"
+    assert "sparkdl._driver.settings" in graph["sparkdl.estimator"], "the graph should see the estimator's imports"
     cycles = _cycles(graph)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_the_import_graph_sees_module_level_imports_only(tmp_path):
-    """The checker itself: what runs at import counts; TYPE_CHECKING and function bodies do not."""
+def test_every_module_is_in_a_layer_and_no_import_runs_upward():
+    graph = _import_graph()
+    upward = sorted(
+        f"{module} ({LAYERS[_layer(module)][0]}) -> {target} ({LAYERS[_layer(target)][0]})"
+        for module, targets in graph.items()
+        for target in targets
+        if _layer(target) > _layer(module) and (module, target) not in ALLOWED_UPWARD
+    )
+    assert not upward, "imports against the layers (move the code down, or pass what it needs):\n" + "\n".join(upward)
+    stale = sorted(pair for pair in ALLOWED_UPWARD if pair[1] not in graph.get(pair[0], ()))
+    assert not stale, f"allowed upward imports that no longer exist: {stale}"
+
+
+def test_plugin_bases_import_no_implementation_and_their_packages_register_them():
+    graph = _import_graph()
+    for package, implementations in PLUGINS.items():
+        names = {f"{package}.{implementation}" for implementation in implementations}
+        base = f"{package}.base"
+        assert base in graph, f"{package} has no base module"
+        reached = _reachable(graph, base)
+        assert not reached & names, f"{base} imports implementations {sorted(reached & names)}"
+        assert names <= graph[package], f"{package}/__init__.py must import its built-ins: {sorted(names - graph[package])}"
+
+
+def _reachable(graph: Dict[str, Set[str]], start: str) -> Set[str]:
+    seen: Set[str] = set()
+    todo = [start]
+    while todo:
+        for target in graph[todo.pop()]:
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_the_import_graph_sees_every_import(tmp_path):
+    """The checker itself: module level, TYPE_CHECKING and function bodies all count, and an
+    import of a package's attribute depends on the package."""
     package = tmp_path / "sparkdl"
     package.mkdir()
-    (package / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("VERSION = 1\n")
     (package / "a.py").write_text("from sparkdl import b\n")
-    (package / "b.py").write_text("from typing import TYPE_CHECKING\nimport sparkdl.a\nif TYPE_CHECKING:\n    import sparkdl.c\n")
+    (package / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import sparkdl.c\n")
     (package / "c.py").write_text("def f():\n    import sparkdl.a\n")
+    (package / "d.py").write_text("from sparkdl import VERSION\nfrom . import a\n")
     graph = _import_graph(tmp_path)
-    assert graph == {"sparkdl": set(), "sparkdl.a": {"sparkdl.b"}, "sparkdl.b": {"sparkdl.a"}, "sparkdl.c": set()}
-    assert _cycles(graph) == [["sparkdl.a", "sparkdl.b", "sparkdl.a"]]
+    assert graph == {"sparkdl": set(), "sparkdl.a": {"sparkdl.b"}, "sparkdl.b": {"sparkdl.c"}, "sparkdl.c": {"sparkdl.a"}, "sparkdl.d": {"sparkdl", "sparkdl.a"}}
+    assert _cycles(graph) == [["sparkdl.a", "sparkdl.b", "sparkdl.c", "sparkdl.a"]]
 
 
-def _readme_layout() -> str:
-    text = (ROOT / "README.md").read_text()
-    match = re.search(r"^## Layout\n(.*?)(?=^## )", text, re.S | re.M)
-    assert match, "README.md needs a '## Layout' section"
-    return match.group(1)
+def test_the_layer_of_a_module_is_its_longest_prefix():
+    assert LAYERS[_layer("sparkdl")][0] == "package" and LAYERS[_layer("sparkdl.cli._train")][0] == "command line"
+    assert LAYERS[_layer("sparkdl._net.server")][0] == "network"
+    assert LAYERS[_layer("sparkdl.strategies.parameter_server.wire")][0] == "plug-in wings"
+    assert _layer("sparkdl.errors") < _layer("sparkdl._runtime.rank") < _layer("sparkdl.context") < _layer("sparkdl._task.entry")
 
 
-def _described(layout: str) -> Set[str]:
-    """The files the layout table describes: a row's own path, and the ``file.py`` names a
-    package row (``sparkdl/cli/``) lists in its text."""
-    described: Set[str] = set()
-    for path, text in re.findall(r"^\| `(sparkdl/[\w/.]*)` \| (.*) \|$", layout, re.M):
-        if path.endswith("/"):
-            described.add(path + "__init__.py")
-            described.update(path + name for name in re.findall(r"`(\w+\.py)`", text))
-        else:
-            described.add(path)
-    return described
+def _architecture_packages() -> Set[str]:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    match = re.search(r"^## Packages\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert match, "docs/architecture.md needs a '## Packages' section"
+    return set(re.findall(r"^\| `(sparkdl[\w.]*)` \|", match.group(1), re.M))
 
 
-def test_the_readme_layout_names_every_module_and_nothing_else():
-    described = _described(_readme_layout())
-    actual = {path.relative_to(ROOT).as_posix() for path in _modules().values()}
-    missing, stale = sorted(actual - described), sorted(described - actual)
-    assert not missing and not stale, f"README layout: not described {missing}; described but absent {stale}"
+def test_the_architecture_page_names_every_package_and_nothing_else():
+    """A newcomer finds a thing from the tree; docs/architecture.md's table says what each
+    package is for. Every package is in it, and every name in it exists."""
+    modules = _modules()
+    packages = {name for name, path in modules.items() if path.name == "__init__.py"}
+    described = _architecture_packages()
+    missing, stale = sorted(packages - described), sorted(described - set(modules))
+    assert not missing and not stale, f"docs/architecture.md: packages not described {missing}; described but absent {stale}"
+
+
+def test_the_top_level_holds_public_modules_and_few_private_ones():
+    """Issue #30: the top level was 37 modules side by side. Private code lives in role packages
+    (_net, _runtime, _task, _driver); the top level keeps the public modules and a few
+    foundation ones."""
+    top = sorted(p.stem for p in (ROOT / "sparkdl").glob("*.py") if p.stem != "__init__")
+    private = [name for name in top if name.startswith("_")]
+    assert len(top) <= 16 and len(private) <= 4, f"top-level modules: {top}"

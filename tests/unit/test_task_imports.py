@@ -1,9 +1,9 @@
 """What an executor imports for a barrier task, and the lazily imported public surface.
 
 A task unpickles the stage's closure, which imports sparkdl's task side; Python runs
-``sparkdl/__init__`` and ``sparkdl/_launcher/__init__`` first. If those imported the whole
+``sparkdl/__init__`` and ``sparkdl/_task/__init__`` first. If those imported the whole
 public surface, every executor's first task would also load pyspark.ml, pandas and the driver's
-launcher (about half a second per worker of a cold fit's start-up: benchmarks/startup.py).
+side of a launch (about half a second per worker of a cold fit's start-up: benchmarks/startup.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import sparkdl
 #: The modules a fit's task payload refers to: the task entry point, the training loop, the
 #: strategies, the Arrow reader, the dataset description and the batching spec.
 TASK_MODULES = (
-    "sparkdl._launcher.task",
-    "sparkdl._launcher.config",
-    "sparkdl._training",
+    "sparkdl._task.entry",
+    "sparkdl._task.config",
+    "sparkdl._task.fit_loop",
     "sparkdl.strategies",
     "sparkdl.data.readers.arrow",
     "sparkdl.data.dataset",
@@ -29,7 +29,7 @@ TASK_MODULES = (
     "sparkdl.data.plan",
 )
 #: Driver-only modules a task must not load.
-DRIVER_ONLY = ("pandas", "pyspark.ml", "pyspark.sql", "matplotlib", "sparkdl.estimator", "sparkdl._launcher.driver", "sparkdl.comparison")
+DRIVER_ONLY = ("pandas", "pyspark.ml", "pyspark.sql", "matplotlib", "sparkdl.estimator", "sparkdl._driver", "sparkdl.comparison")
 
 
 def test_a_task_imports_none_of_the_driver_side():
@@ -54,7 +54,7 @@ def test_after_the_warm_up_a_tasks_first_optimizer_step_does_not_import_torch_dy
     # torch.optim's add_param_group imports torch._dynamo on its first call: 1.5 s of a cold fit.
     code = (
         "import json, sys\n"
-        "from sparkdl._warmup import _import_task_side\n"
+        "from sparkdl._driver.warmup import _import_task_side\n"
         "list(_import_task_side(iter(())))\n"
         f"for name in {TASK_MODULES!r}: __import__(name)\n"
         "before = set(sys.modules)\n"
@@ -79,10 +79,10 @@ def test_after_the_warm_up_the_drivers_first_checks_import_neither_torch_dynamo_
     code = (
         "import json, sys\n"
         "import torch\n"
-        "from sparkdl._warmup import _import_driver_side\n"
+        "from sparkdl._driver.warmup import _import_driver_side\n"
         "_import_driver_side()\n"
         "before = set(sys.modules)\n"
-        "from sparkdl._preflight import check_optimizer\n"
+        "from sparkdl._driver.preflight import check_optimizer\n"
         "from sparkdl.data.dataset import inspect_dataset\n"
         f"inspect_dataset({str(tmp_path)!r}, ['x'], 'label')\n"
         "check_optimizer(lambda params: torch.optim.Adam(params), torch.nn.Linear(1, 2))\n"

@@ -12,7 +12,7 @@ from typing import List
 
 import pytest
 
-from sparkdl._tcpserver import RateLimitedLog, ThreadedServer, format_peer
+from sparkdl._net.server import RateLimitedLog, ThreadedServer, format_peer
 
 HOST = "127.0.0.1"
 WAIT = 5.0  # bound on anything the server does promptly; tests normally finish far sooner

@@ -12,7 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sparkdl.data.batching import DataSpec, batches
+from sparkdl.data.batching import batches
+from sparkdl.data.spec import DataSpec
 from sparkdl.data.dataset import inspect_dataset
 from sparkdl.data.nonfinite import describe_non_finite
 from sparkdl.data.readers import reader_from_name

@@ -1,5 +1,5 @@
 """The launch's child side without Spark: two real child processes rendezvous through env:// into
-sparkdl's authenticated store (sparkdl._launcher.script.run_child + runner), and the torchrun
+sparkdl's authenticated store (sparkdl._task.script.run_child + runner), and the torchrun
 environment is set and restored."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import socket
 import threading
 
 
-from sparkdl._channel import new_secret
-from sparkdl._launcher.environment import environment, torchrun_environment
-from sparkdl._launcher.script import ChildFailure, LaunchTarget, run_child
-from sparkdl._store import StoreServer
+from sparkdl._net.channel import new_secret
+from sparkdl._task.environment import environment, torchrun_environment
+from sparkdl._task.script import ChildFailure, LaunchTarget, run_child
+from sparkdl._net.rendezvous_store import StoreServer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-from typing import TYPE_CHECKING, Deque, Iterable, Iterator, Optional
+from typing import Deque, Iterable, Iterator, Optional
 
 import pyarrow as pa
 
@@ -27,9 +27,7 @@ from sparkdl.data.dataset import DatasetInfo
 from sparkdl.data.inputs import POSITION_KEY
 from sparkdl.data.readers.base import PASS_END, Chunk, DataReader, chunk_rows
 from sparkdl.data.selection import OpenFiles, RowSelector, pass_row_groups
-
-if TYPE_CHECKING:  # pragma: no cover
-    from sparkdl.data.batching import DataSpec
+from sparkdl.data.spec import DataSpec
 
 
 class ArrowReader(DataReader):
@@ -39,12 +37,12 @@ class ArrowReader(DataReader):
     description = "native pyarrow row groups, read ahead in a background thread (the default)"
     reads_tensor_bytes = True
 
-    def read_pass(self, dataset: DatasetInfo, spec: "DataSpec", rank: int, world_size: int, pass_index: int) -> Iterator[Chunk]:
+    def read_pass(self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_index: int) -> Iterator[Chunk]:
         for chunk in self.passes(dataset, spec, rank, world_size, [pass_index]):
             if chunk is not PASS_END:
                 yield chunk
 
-    def passes(self, dataset: DatasetInfo, spec: "DataSpec", rank: int, world_size: int, pass_indexes: Iterable[int]) -> Iterator[Chunk]:
+    def passes(self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_indexes: Iterable[int]) -> Iterator[Chunk]:
         """The passes' row groups in order, each pass followed by ``PASS_END``, with
         ``spec.prefetch_row_groups`` row groups read ahead across the passes' boundaries too:
         the next pass's first row groups are read while this pass's last ones are trained on,

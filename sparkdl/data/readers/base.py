@@ -9,9 +9,13 @@ that (shuffle, batches, decoding, transforms, tensors) is :mod:`sparkdl.data.bat
 for every reader.
 
 A new reader subclasses :class:`DataReader` and sets ``name``: defining the class registers it
-(``__init_subclass__``), so its module must be imported before ``reader=`` names it (the
-built-in ones are imported on first lookup); it joins the reader contract test
-(``tests/unit/test_reader_contract.py``) by adding its name there.
+(``__init_subclass__``), so its module must be imported before ``reader=`` names it; it joins
+the reader contract test (``tests/unit/test_reader_contract.py``) by adding its name there.
+
+This module is the contract only: it imports no reader. The built-in ones are imported, and so
+registered, by the package (:mod:`sparkdl.data.readers`), which also holds the lookup by name
+(:func:`~sparkdl.data.readers.reader_from_name`); the spec a reader reads by is
+:class:`~sparkdl.data.spec.DataSpec`.
 """
 
 from __future__ import annotations
@@ -19,19 +23,19 @@ from __future__ import annotations
 import abc
 import contextlib
 import itertools
-from typing import TYPE_CHECKING, ClassVar, Dict, Iterable, Iterator, List, Type
+from typing import ClassVar, Dict, Iterable, Iterator, Type
 
 import numpy as np
 
 from sparkdl.data.dataset import DatasetInfo
-from sparkdl.errors import ConfigError, DataError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from sparkdl.data.batching import DataSpec
+from sparkdl.data.spec import DataSpec
+from sparkdl.errors import DataError
 
 #: Row-aligned arrays of some rows of a shard, as :meth:`InputPlan.extract` makes them.
 Chunk = Dict[str, np.ndarray]
 
+#: Every defined reader class by name (filled by ``DataReader.__init_subclass__``); looked up
+#: by :func:`sparkdl.data.readers.reader_from_name`.
 _READERS: Dict[str, Type["DataReader"]] = {}
 #: The reader used when none is named (see docs/data.md for the measurements behind it).
 DEFAULT_READER = "arrow"
@@ -58,7 +62,7 @@ class DataReader(abc.ABC):
             _READERS[cls.name] = cls
 
     @abc.abstractmethod
-    def read_pass(self, dataset: DatasetInfo, spec: "DataSpec", rank: int, world_size: int, pass_index: int) -> Iterator[Chunk]:
+    def read_pass(self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_index: int) -> Iterator[Chunk]:
         """One pass over this rank's shard (seeded ``spec.seed + pass_index``), honouring
         ``spec``'s filters and hold-out part. Must close its resources when closed."""
 
@@ -66,7 +70,7 @@ class DataReader(abc.ABC):
         """Raises ConfigError, on the driver before launch, when this reader cannot read what
         the dataset's input plan needs."""
 
-    def chunks(self, dataset: DatasetInfo, spec: "DataSpec", rank: int, world_size: int) -> Iterator[Chunk]:
+    def chunks(self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int) -> Iterator[Chunk]:
         """Endless chunks of this rank's shard: pass 0, 1, 2, ... (:meth:`passes`); a pass that
         gives no rows fails naming the rank. With ``spec.pass_marks``, each pass is followed by
         :data:`PASS_END` (and :meth:`read_pass` should put each row's position under
@@ -84,7 +88,7 @@ class DataReader(abc.ABC):
             rows += chunk_rows(chunk)
             yield chunk
 
-    def passes(self, dataset: DatasetInfo, spec: "DataSpec", rank: int, world_size: int, pass_indexes: Iterable[int]) -> Iterator[Chunk]:
+    def passes(self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_indexes: Iterable[int]) -> Iterator[Chunk]:
         """The chunks of the passes ``pass_indexes``, one pass after the other, each followed by
         :data:`PASS_END`: :meth:`read_pass` per pass. A reader that reads ahead across the
         passes' boundaries overrides it."""
@@ -102,21 +106,3 @@ PASS_END: Chunk = {}
 
 def chunk_rows(chunk: Chunk) -> int:
     return len(next(iter(chunk.values()))) if chunk else 0
-
-
-def registered_readers() -> List[str]:
-    """Names of the readers ``reader=`` accepts."""
-    _register_builtin()
-    return sorted(_READERS)
-
-
-def reader_from_name(name: str) -> DataReader:
-    _register_builtin()
-    try:
-        return _READERS[name]()
-    except KeyError:
-        raise ConfigError(f"reader={name!r} is unknown; valid: {', '.join(sorted(_READERS))}") from None
-
-
-def _register_builtin() -> None:
-    from sparkdl.data.readers import arrow, petastorm  # noqa: F401 - registers "arrow" and "petastorm"

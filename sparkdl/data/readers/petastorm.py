@@ -10,18 +10,16 @@ rows, in the same order, as the Arrow reader; its columns become arrays in
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Dict, Iterator, List
+from typing import Dict, Iterator, List
 
 import numpy as np
 import pyarrow as pa
 
-from sparkdl.data.dataset import DatasetInfo
+from sparkdl.data.dataset import DatasetInfo, petastorm_problem
 from sparkdl.data.inputs import POSITION_KEY
 from sparkdl.data.readers.base import Chunk, DataReader
+from sparkdl.data.spec import DataSpec
 from sparkdl.errors import ConfigError, DataError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from sparkdl.data.batching import DataSpec
 
 
 class PetastormReader(DataReader):
@@ -61,7 +59,7 @@ class PetastormReader(DataReader):
                 f"lengths; use reader='arrow' (the default)"
             )
 
-    def read_pass(self, dataset: DatasetInfo, spec: "DataSpec", rank: int, world_size: int, pass_index: int) -> Iterator[Chunk]:
+    def read_pass(self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_index: int) -> Iterator[Chunk]:
         from sparkdl.data.selection import PositionCursor, RowSelector, pass_row_groups
 
         selector = RowSelector(dataset, spec.holdout, spec.part, spec.filters, rank, world_size)
@@ -111,7 +109,7 @@ class PetastormReader(DataReader):
             reader.join()
 
     @staticmethod
-    def _open(dataset: DatasetInfo, spec: "DataSpec", rank: int, world_size: int, striding: bool, seed: int, columns: List[str]):
+    def _open(dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, striding: bool, seed: int, columns: List[str]):
         with warnings.catch_warnings():
             # Petastorm 0.12 calls pyarrow's legacy API, which warns on every call.
             warnings.simplefilter("ignore", FutureWarning)
@@ -137,18 +135,6 @@ class PetastormReader(DataReader):
                 cur_shard=None if striding else rank,
                 shard_count=None if striding else world_size,
             )
-
-
-def petastorm_problem() -> str:
-    """Why Petastorm cannot run in this environment, or "" when it can."""
-    import importlib.util
-
-    if importlib.util.find_spec("petastorm") is None:
-        return "petastorm is not installed"
-    major = int(pa.__version__.split(".")[0])
-    if major >= 15:
-        return f"pyarrow {pa.__version__} has no legacy ParquetDataset, which Petastorm 0.12 calls"
-    return ""
 
 
 def _legacy_filesystem(url: str):

@@ -28,7 +28,17 @@ Modules, each one concern, none importing this package's ``__init__``:
 * :mod:`~sparkdl.strategies.parameter_server.worker` — the worker's tables and optimizer wrapper;
 * :mod:`~sparkdl.strategies.parameter_server.runtime` — one rank's server, clients and step;
 * :mod:`~sparkdl.strategies.parameter_server.wire` — the wire protocol and its security;
-* :mod:`~sparkdl.strategies.parameter_server.transport` — the server and client connections.
+* :mod:`~sparkdl.strategies.parameter_server.transport` — the server and client connections;
+* :mod:`~sparkdl.strategies.parameter_server.reshard` — shards re-laid out for an elastic resume.
+
+Layers, each importing only the ones before it (also inside functions and under
+``TYPE_CHECKING``)::
+
+    layout, wire < clock, transport, reshard, worker < shard < runtime < config
+
+The runtime reads the strategy's settings through its ``Settings`` protocol and the worker's
+optimizer wrapper calls the runtime through its ``WorkerRuntime`` protocol, so neither imports
+the module above it.
 """
 
 from sparkdl.strategies.parameter_server.clock import SSPClock

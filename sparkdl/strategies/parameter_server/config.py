@@ -14,7 +14,7 @@ from sparkdl.strategies.parameter_server.layout import LAYOUTS
 from sparkdl.strategies.parameter_server.runtime import ParameterServerRuntime
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sparkdl._rendezvous import DistEnv
+    from sparkdl.strategies.base import DistEnv
 
 __all__ = ["LAYOUTS", "ParameterServer"]
 

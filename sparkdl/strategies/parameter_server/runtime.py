@@ -1,5 +1,9 @@
 """One rank's parameter server runtime: its server, its clients to every other rank's server,
 and the worker's push/pull at each optimizer step.
+
+It reads its settings from any object with the fields of :class:`Settings` (the
+:class:`~sparkdl.strategies.parameter_server.config.ParameterServer` strategy, which imports
+this module to start it), and does not import the strategy's module itself.
 """
 
 from __future__ import annotations
@@ -9,7 +13,7 @@ import logging
 import secrets
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,10 +35,9 @@ from sparkdl.strategies.parameter_server.wire import (
 from sparkdl.strategies.parameter_server.worker import ParameterServerOptimizer, WorkerTable
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sparkdl._rendezvous import DistEnv
-    from sparkdl.strategies.parameter_server.config import ParameterServer
+    from sparkdl.strategies.base import DistEnv
 
-__all__ = ["PEER_LOSS_GRACE_S", "ParameterServerRuntime"]
+__all__ = ["PEER_LOSS_GRACE_S", "ParameterServerRuntime", "Settings"]
 
 logger = logging.getLogger("sparkdl.parameter_server")
 
@@ -46,10 +49,24 @@ logger = logging.getLogger("sparkdl.parameter_server")
 PEER_LOSS_GRACE_S = 5.0
 
 
+class Settings(Protocol):
+    """What the runtime reads of its strategy: the checked fields of
+    :class:`~sparkdl.strategies.parameter_server.config.ParameterServer`."""
+
+    @property
+    def max_staleness(self) -> Optional[int]: ...
+
+    @property
+    def timeout_s(self) -> float: ...
+
+    @property
+    def layout(self) -> str: ...
+
+
 class ParameterServerRuntime(StrategyRuntime):
     def __init__(
         self,
-        config: "ParameterServer",
+        config: Settings,
         env: "DistEnv",
         all_gather: Callable[[str], Sequence[str]],
         host: str,
@@ -57,7 +74,9 @@ class ParameterServerRuntime(StrategyRuntime):
         """Starts this rank's server and connects to every other rank's.
 
         Args:
-            config: the strategy.
+            config: the strategy (a :class:`ParameterServer
+                <sparkdl.strategies.parameter_server.config.ParameterServer>`), or anything with its
+                :class:`Settings`.
             env: this rank's place in the process group.
             all_gather: ``env.all_gather`` (through the rendezvous store) or an equivalent in tests:
                 carries each rank's port and rank 0's secret.

@@ -14,9 +14,9 @@ import threading
 import time
 from typing import Callable, Dict, Optional, Protocol, Sequence, Set, Tuple, Union
 
-from sparkdl._secure import FrameProtection, HandshakeFailed, connect_retrying
-from sparkdl._tcpserver import HANDSHAKE_S, ThreadedServer, checked_secret
-from sparkdl._tcpserver import close_quietly as _close_quietly
+from sparkdl._net.frames import FrameProtection, HandshakeFailed, connect_retrying
+from sparkdl._net.server import HANDSHAKE_S, ThreadedServer, checked_secret
+from sparkdl._net.server import close_quietly as _close_quietly
 from sparkdl.strategies.parameter_server.wire import (
     MAX_ERROR_BYTES,
     Header,

@@ -4,7 +4,7 @@ Every barrier task runs one server and its worker holds one client per *other* t
 reaches its own shard in-process); those live in
 :mod:`~sparkdl.strategies.parameter_server.transport`, the frames and the handshake they speak
 here. The servers can be reached by anything on the cluster network, so the protocol is built
-like :mod:`sparkdl._channel`: authenticate before parsing anything, fixed-size headers, exact
+like :mod:`sparkdl._net.channel`: authenticate before parsing anything, fixed-size headers, exact
 sizes known in advance, deadlines on every read, never unpickle, and every frame after the
 handshake integrity-protected (and, with ``encrypt=True``, encrypted).
 
@@ -23,7 +23,7 @@ Handshake, version 2 (integers big-endian; ``H`` = HMAC-SHA256 with the per-job 
 Both sides prove the secret (mutual authentication; the labels keep one side's proof from being
 replayed as the other's), each learns the other's rank, bound into the MAC, and the modes are
 bound into the MACs too. Both then derive the connection's two keys, one per direction
-(:mod:`sparkdl._secure`: HKDF-SHA256 over the secret, salt ``server_nonce + client_nonce``,
+(:mod:`sparkdl._net.frames`: HKDF-SHA256 over the secret, salt ``server_nonce + client_nonce``,
 label ``b"sparkdl-ps v2"`` and the mode), fresh for every connection.
 
 Frames: a :data:`HEADER` (36 bytes, big-endian ``>4sBBHIqqQ``: magic ``SDPS``, kind, dtype code,
@@ -72,8 +72,8 @@ from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
-from sparkdl._secure import TAG_BYTES, FrameAuthError, FrameOpener, FrameProtection, FrameSealer, Shed, mismatch_message, mode_byte, mode_from_byte, protection, read_greeting, split_greeting
-from sparkdl._tcpserver import recv_exact
+from sparkdl._net.frames import TAG_BYTES, FrameAuthError, FrameOpener, FrameProtection, FrameSealer, Shed, mismatch_message, mode_byte, mode_from_byte, protection, read_greeting, split_greeting
+from sparkdl._net.server import recv_exact
 from sparkdl.errors import PeerLostError
 
 GREETING = b"SPKDLPS\x02"
@@ -86,9 +86,9 @@ _RANK = struct.Struct(">I")
 GREETING_BYTES = len(GREETING) + 1 + NONCE_BYTES
 CLIENT_PROOF_BYTES = _RANK.size + NONCE_BYTES + 1 + DIGEST_BYTES
 SERVER_PROOF_BYTES = _RANK.size + DIGEST_BYTES
-#: Protocol label of the frame keys (sparkdl._secure).
+#: Protocol label of the frame keys (sparkdl._net.frames).
 KEY_LABEL = b"sparkdl-ps v2"
-#: Payload pieces larger than this are sealed and sent in chunks of sparkdl._secure's size.
+#: Payload pieces larger than this are sealed and sent in chunks of sparkdl._net.frames's size.
 _SMALL_PIECE = 4096
 MAX_ERROR_BYTES = 4096
 #: Largest table id, rank and learning-rate count the header can carry.
@@ -118,7 +118,7 @@ class WireError(Exception):
 
 
 class IntegrityError(WireError):
-    """A frame failed its integrity check (see :class:`sparkdl._secure.FrameAuthError`)."""
+    """A frame failed its integrity check (see :class:`sparkdl._net.frames.FrameAuthError`)."""
 
 
 class ParameterServerError(PeerLostError, RuntimeError):

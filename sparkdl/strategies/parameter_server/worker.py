@@ -1,23 +1,24 @@
 """The worker side of one prepared optimizer: its parameters as flat, wire-ordered buffers, and
 the optimizer wrapper whose ``step()`` pushes gradients and pulls fresh values instead of
 stepping locally.
+
+The push and pull themselves are the rank's runtime's
+(:mod:`~sparkdl.strategies.parameter_server.runtime`, which imports this module): the wrapper
+calls it through :class:`WorkerRuntime` and does not import it.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Protocol
 
 import torch
 
 from sparkdl.strategies._tensors import SyncingOptimizer
 from sparkdl.strategies.parameter_server.layout import TableSpec
 
-if TYPE_CHECKING:  # pragma: no cover
-    from sparkdl.strategies.parameter_server.runtime import ParameterServerRuntime
-
-__all__ = ["ParameterServerOptimizer", "WorkerTable"]
+__all__ = ["ParameterServerOptimizer", "WorkerRuntime", "WorkerTable"]
 
 
 class WorkerTable:
@@ -64,6 +65,17 @@ class WorkerTable:
         return torch.tensor(rates, dtype=torch.float64)
 
 
+class WorkerRuntime(Protocol):
+    """What the optimizer wrapper calls on its rank's runtime
+    (:class:`~sparkdl.strategies.parameter_server.runtime.ParameterServerRuntime`)."""
+
+    def _step(self, tables: List[WorkerTable]) -> None:
+        """One push of ``tables``' gradients to every shard and the pull of the fresh values."""
+
+    def epoch_metrics(self) -> Dict[str, float]:
+        """``staleness`` and ``updates_per_sec`` since the previous call."""
+
+
 class ParameterServerOptimizer(SyncingOptimizer):
     """What ``ctx.prepare_optimizer`` returns under :class:`~sparkdl.strategies.parameter_server.ParameterServer`.
 
@@ -75,7 +87,7 @@ class ParameterServerOptimizer(SyncingOptimizer):
     :meth:`~sparkdl.strategies.base.StrategyRuntime.state_dict`).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, runtime: "ParameterServerRuntime", tables: List[WorkerTable]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, runtime: WorkerRuntime, tables: List[WorkerTable]) -> None:
         super().__init__(optimizer, _no_after_step)
         self.__dict__["_runtime"] = runtime
         self.__dict__["_tables"] = tables

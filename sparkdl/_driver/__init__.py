@@ -1,0 +1,48 @@
+"""The driver side of a launch: runs a training function on N Spark barrier tasks and brings
+back rank 0's result.
+
+One concern per module:
+
+* :mod:`.settings` — every setting of a run, validated once; :mod:`.prepare_data` — the data a
+  run reads, checked and described before launch; :mod:`.preflight` — what would fail the same
+  way on every rank, found on the driver.
+* :mod:`.cluster` — what the driver asks Spark's scheduler: free task slots (:func:`check_slots`,
+  the relaunch's bounded wait for slots other jobs hold) and its task-failure logging.
+* :mod:`.policy` — whether a failed attempt is relaunched (:class:`FailurePolicy`) and on how many
+  workers an attempt runs (:class:`~sparkdl._driver.policy.ScalingPolicy`): decisions, no Spark.
+* :mod:`.launch` — :func:`launch` and one attempt of it: open the progress channel and the
+  rendezvous store, run the barrier stage, turn what went wrong into one
+  :class:`~sparkdl.errors.TrainingError`; :class:`LaunchOutcome` is what it returns.
+* :mod:`.monitor` — :class:`JobMonitor`, the state of a running job (the channel's messages and
+  disconnects, the watchdog, the slot watch, when to cancel). No Spark: unit-tested alone.
+* :mod:`.progress` — the live progress line or notebook widget; :mod:`.warmup` — executors that
+  import torch before the first launch needs them.
+
+What a task runs is in :mod:`sparkdl._task`; the tasks never import this package.
+"""
+
+from typing import TYPE_CHECKING
+
+from sparkdl._lazy import lazy_attributes
+
+# Imported on first use: ``import sparkdl`` must stay cheap (pyspark.sql, pandas); sparkdl._lazy says why.
+_NAMES = {
+    "Decision": "sparkdl._driver.policy",
+    "FailurePolicy": "sparkdl._driver.policy",
+    "LaunchConfig": "sparkdl._task.config",
+    "LaunchOutcome": "sparkdl._driver.launch",
+    "JobMonitor": "sparkdl._driver.monitor",
+    "_expected_executors": "sparkdl._driver.cluster",
+    "_failure_from_spark": "sparkdl._driver.launch",
+    "check_slots": "sparkdl._driver.cluster",
+    "launch": "sparkdl._driver.launch",
+}
+__getattr__, __dir__ = lazy_attributes(__name__, _NAMES)
+__all__ = sorted(_NAMES)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sparkdl._driver.policy import Decision, FailurePolicy
+    from sparkdl._task.config import LaunchConfig
+    from sparkdl._driver.cluster import _expected_executors, check_slots
+    from sparkdl._driver.launch import LaunchOutcome, _failure_from_spark, launch
+    from sparkdl._driver.monitor import JobMonitor

@@ -1,0 +1,106 @@
+"""Checks on the driver, before any Spark job, of what would fail the same way on every rank.
+
+A factory that returns the wrong thing, or a loss that does not fit the model's output, fails on
+every rank at the first step and on every relaunch: it is worth one small batch on the driver
+(CPU, no Spark job) to say so at once, naming the argument at fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+
+from sparkdl.data.batching import DataSpec, batch_rows, call_model, to_tensors, validation_batches
+from sparkdl.data.dataset import DatasetInfo
+from sparkdl.data.readers import reader_from_name
+from sparkdl.data.readers.base import DEFAULT_READER, DataReader
+from sparkdl.errors import ConfigError
+
+logger = logging.getLogger("sparkdl.preflight")
+
+#: Rows of the probe batch: enough for a label out of range to show, small enough for any model.
+PROBE_ROWS = 32
+
+
+def check_optimizer(optimizer_fn: Callable[[Any], Any], module: torch.nn.Module) -> None:
+    """``optimizer_fn(module.parameters())`` must build a ``torch.optim.Optimizer``."""
+    built = optimizer_fn(module.parameters())
+    if not isinstance(built, torch.optim.Optimizer):
+        raise ConfigError(
+            f"optimizer={_name(optimizer_fn)} returned {type(built).__name__}, not a torch.optim.Optimizer: "
+            f"pass a function params -> optimizer, e.g. lambda params: torch.optim.Adam(params, lr=1e-3)"
+        )
+
+
+def check_loss(module: torch.nn.Module, loss_fn: Callable[..., Any], dataset: DatasetInfo, spec: DataSpec, reader: Optional[DataReader] = None) -> None:
+    """Runs the model and ``loss_fn`` on the first rows of the data (read with the run's
+    ``reader``, default the Arrow reader), on the driver's CPU.
+
+    A forward pass that fails here may only run on the executors (a GPU-only model): that is
+    logged and left to the run. A loss that fails on the model's own output, or that is not a
+    scalar, would fail every rank the same way: that raises.
+    """
+    probe_spec = dataclasses.replace(spec, batch_size=min(PROBE_ROWS, spec.batch_size), shuffle=False, decode_threads=1, validation=None)
+    stream = validation_batches(reader or reader_from_name(DEFAULT_READER), dataset, probe_spec, 0, 1)
+    try:
+        batch = next(stream, None)
+    finally:
+        stream.close()
+    if batch is None:
+        return
+    inputs, labels = to_tensors(batch)
+    # Train mode, as the loop runs it (some models return something else in eval mode); the
+    # buffers it touches (batch-norm statistics) are replaced by the trained weights later.
+    was_training = module.training
+    module.train()
+    try:
+        with torch.no_grad():
+            try:
+                output = call_model(module, inputs)
+            except Exception as exc:  # noqa: BLE001 - the executors' device may be what it needs
+                logger.info("could not run the model on the driver's CPU to check the loss (%s: %s)", type(exc).__name__, exc)
+                return
+            try:
+                loss = loss_fn(output, labels)
+            except Exception as exc:  # noqa: BLE001 - whatever it raised, it raises on every rank
+                raise ConfigError(
+                    f"loss={_name(loss_fn)}: loss(output {_shape(output)}, label {_shape(labels)}) raised "
+                    f"{type(exc).__name__}: {_first_line(exc)} — {_hint(exc)}"
+                ) from exc
+    finally:
+        module.train(was_training)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ConfigError(
+            f"loss={_name(loss_fn)} returned {_shape(loss) if isinstance(loss, torch.Tensor) else type(loss).__name__} for a batch of "
+            f"{batch_rows(inputs)} rows; it must return one number (a scalar tensor): reduce it, e.g. with .mean()"
+        )
+
+
+def _hint(exc: BaseException) -> str:
+    text = str(exc)
+    if "out of bounds" in text or isinstance(exc, IndexError):
+        return "does the model's output size match the number of classes?"
+    if "size" in text or "shape" in text:
+        return "does the model's output shape match the label's (label_col)?"
+    if "dtype" in text or "type" in text:
+        return "does the label's type suit this loss (class ids for cross entropy, floats for regression)?"
+    return "check that the loss fits the model's output and the label column"
+
+
+def _shape(value: Optional[Any]) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, torch.Tensor):
+        return f"[{', '.join(map(str, value.shape))}]"
+    return type(value).__name__
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0]
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__

@@ -1,0 +1,101 @@
+"""What a launch is configured with: :class:`LaunchConfig`, which travels to the tasks in their
+payload, and the lost-host timeout every rank's heartbeat is measured against.
+
+Plain data, no Spark: the task side imports it, so it lives here and the driver imports it upward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Optional
+
+from sparkdl._runtime.precision import Precision
+from sparkdl.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """How the barrier stage runs.
+
+    Args:
+        num_workers: number of barrier tasks (ranks); each needs one task slot.
+        timeout_s: bound on rendezvous and on every collective; a rank stuck longer fails the run.
+        slot_wait_s: how long to wait for task slots before failing: for executors to register
+            (classic sessions), or for all the barrier stage's tasks to start (Spark Connect,
+            where the driver cannot ask the scheduler).
+        use_gpu: True to require GPUs, False for CPU, None to use GPUs when Spark gives tasks some
+            (see :mod:`sparkdl._runtime.device`).
+        precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"`` (see :mod:`sparkdl._runtime.precision`).
+        progress: print (or display in a notebook) per-epoch progress on the driver.
+        max_failures: relaunch the stage up to this many times after a failure, resuming from
+            the newest checkpoint when there is a checkpoint directory.
+        watchdog_timeout_s: fail the run when a rank makes no progress (no batch, no phase
+            change) for this long; None disables the watchdog.
+        min_workers: a launch (the first one too) that finds fewer free task slots than
+            ``num_workers`` within ``slot_wait_s`` runs on as many as are free, down to this many
+            (a relaunch resumes the checkpoint on the new number of workers); None means
+            ``num_workers``: no shrinking.
+    """
+
+    num_workers: int
+    timeout_s: float = 600.0
+    slot_wait_s: float = 30.0
+    use_gpu: Optional[bool] = None
+    progress: bool = True
+    precision: str = "32"
+    max_failures: int = 0
+    watchdog_timeout_s: Optional[float] = 600.0
+    min_workers: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_workers, int) or isinstance(self.num_workers, bool) or self.num_workers < 1:
+            raise ConfigError(f"num_workers={self.num_workers!r} must be a positive integer")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"timeout_s={self.timeout_s!r} must be > 0 seconds")
+        if self.use_gpu is not None and not isinstance(self.use_gpu, bool):
+            raise ConfigError(f"use_gpu={self.use_gpu!r} must be True, False or None (use GPUs when Spark assigns them)")
+        object.__setattr__(self, "precision", Precision(self.precision).value)  # normalized: 32 -> "32"
+        if not isinstance(self.slot_wait_s, (int, float)) or isinstance(self.slot_wait_s, bool) or self.slot_wait_s < 0:
+            raise ConfigError(f"slot_wait_s={self.slot_wait_s!r} must be >= 0 seconds")
+        if not isinstance(self.max_failures, int) or isinstance(self.max_failures, bool) or self.max_failures < 0:
+            raise ConfigError(f"max_failures={self.max_failures!r} must be an integer >= 0")
+        if self.watchdog_timeout_s is not None and not self.watchdog_timeout_s > 0:
+            raise ConfigError(f"watchdog_timeout_s={self.watchdog_timeout_s!r} must be > 0 seconds, or None to disable it")
+        if self.min_workers is not None and (
+            not isinstance(self.min_workers, int) or isinstance(self.min_workers, bool) or not 1 <= self.min_workers <= self.num_workers
+        ):
+            raise ConfigError(
+                f"min_workers={self.min_workers!r} must be an integer with 1 <= min_workers <= num_workers={self.num_workers}, "
+                f"or None (= num_workers: never train on fewer)"
+            )
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """Often enough that the watchdog sees a stall within a fifth of its timeout."""
+        return min(2.0, self.watchdog_timeout_s / 5) if self.watchdog_timeout_s else 2.0
+
+
+#: How long a rank may go unheard (no heartbeat, no message) before its host counts as lost.
+HOST_TIMEOUT_CONF = "spark.sparkdl.hostTimeout"
+DEFAULT_HOST_TIMEOUT_S = 45.0
+
+
+def host_timeout_s(value: Optional[str], heartbeat_interval_s: float) -> Optional[float]:
+    """``spark.sparkdl.hostTimeout`` in seconds: ``45s``, ``45``, ``2min``; ``0`` or ``off``
+    disables the check (a lost host then waits for the watchdog or Spark's own timeouts)."""
+    if value is None or str(value).strip() == "":
+        return DEFAULT_HOST_TIMEOUT_S
+    text = str(value).strip().lower()
+    if text in ("0", "off", "false", "none"):
+        return None
+    units = {"ms": 0.001, "s": 1.0, "min": 60.0, "m": 60.0, "h": 3600.0}
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(ms|s|min|m|h)?", text)
+    seconds = float(match.group(1)) * units[match.group(2) or "s"] if match else None
+    # Three heartbeats must fit in it: one late heartbeat is no lost host.
+    if seconds is None or seconds < 3 * heartbeat_interval_s:
+        raise ConfigError(
+            f"{HOST_TIMEOUT_CONF}={value!r} must be a duration of at least {3 * heartbeat_interval_s:g}s (three heartbeats), "
+            f"such as 45s or 2min, or 0 to turn the check off"
+        )
+    return seconds

@@ -73,8 +73,10 @@ WORKERS = 2
 def make_mlp() -> torch.nn.Module:
     """Compute-bound: two hidden layers of 256."""
     return torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(),
-        torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
+        torch.nn.Linear(FEATURES, HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.ReLU(),
         torch.nn.Linear(HIDDEN, CLASSES),
     )
 
@@ -129,7 +131,7 @@ def _train_ddp(model_fn, x, y, steps: int, batch: int, epochs: int, rank: int, w
         if first_batch is None:
             first_batch = start
         for step in range(steps):
-            index = order[step * batch:(step + 1) * batch]
+            index = order[step * batch : (step + 1) * batch]
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x[index]), y[index]).backward()
             optimizer.step()
@@ -139,6 +141,7 @@ def _train_ddp(model_fn, x, y, steps: int, batch: int, epochs: int, rank: int, w
 
 
 # --- plain DDP, in-memory tensors ----------------------------------------------------------------
+
 
 def _ddp_worker(rank: int, world: int, port: int, model_fn, features, labels, batch: int, epochs: int, out):
     import torch.distributed as dist
@@ -173,7 +176,10 @@ def run_ddp(model_fn, features, labels, batch: int, epochs: int) -> Dict:
     queue = context.SimpleQueue()
     called = time.time()
     mp.start_processes(
-        _ddp_worker, args=(WORKERS, port, model_fn, features, labels, batch, epochs, queue), nprocs=WORKERS, start_method="spawn",
+        _ddp_worker,
+        args=(WORKERS, port, model_fn, features, labels, batch, epochs, queue),
+        nprocs=WORKERS,
+        start_method="spawn",
     )
     whole = time.time() - called
     result = queue.get()
@@ -184,8 +190,8 @@ def _plain_in_executor(model_name: str, rows: int, batch: int, epochs: int, ctx)
     """The DDP side's loop, run by ``sparkdl.run`` inside the executors' tasks on sparkdl's
     process group: each rank rebuilds the same synthetic rows and keeps its shard in memory."""
     features, labels = synthetic(rows)
-    x = torch.from_numpy(np.ascontiguousarray(features[ctx.rank::ctx.world_size]))
-    y = torch.from_numpy(labels[ctx.rank::ctx.world_size].copy())
+    x = torch.from_numpy(np.ascontiguousarray(features[ctx.rank :: ctx.world_size]))
+    y = torch.from_numpy(labels[ctx.rank :: ctx.world_size].copy())
     steps = rows // (batch * ctx.world_size)
     rates, first_batch = _train_ddp(MODELS[model_name], x, y, steps, batch, epochs, ctx.rank, ctx.world_size)
     return {"rates": rates, "first_batch": first_batch}
@@ -195,11 +201,17 @@ def run_plain_in_executors(spark, model_name: str, rows: int, batch: int, epochs
     import sparkdl
 
     called = time.time()
-    result = sparkdl.run(functools.partial(_plain_in_executor, model_name, rows, batch, epochs), num_workers=WORKERS, spark=spark, progress=False)
+    result = sparkdl.run(
+        functools.partial(_plain_in_executor, model_name, rows, batch, epochs),
+        num_workers=WORKERS,
+        spark=spark,
+        progress=False,
+    )
     return {**result, "startup": result["first_batch"] - called, "whole": time.time() - called}
 
 
 # --- TorchDistributor: pyarrow shard in memory + DDP ---------------------------------------------
+
 
 def _distributor_train(path: str, model_fn, batch: int, epochs: int):
     """Run by torchrun on each executor (cloudpickled by value, as this module is ``__main__``):
@@ -230,7 +242,9 @@ def _distributor_train(path: str, model_fn, batch: int, epochs: int):
                 first = offset if first is None else first
                 pieces.append((f, group))
             offset += size
-    table = pa.concat_tables([f.read_row_group(group, columns=["features", "label"]) for f, group in pieces]).slice(low - first, high - low)
+    table = pa.concat_tables([f.read_row_group(group, columns=["features", "label"]) for f, group in pieces]).slice(
+        low - first, high - low
+    )
     column = table.column("features").combine_chunks()
     x = torch.from_numpy(column.flatten().to_numpy().reshape(len(table), -1).copy())
     y = torch.from_numpy(table.column("label").to_numpy().astype(np.int64))
@@ -240,7 +254,13 @@ def _distributor_train(path: str, model_fn, batch: int, epochs: int):
     rates, first_batch = _train_ddp(model_fn, x, y, steps, batch, epochs, rank, world)
     dist.destroy_process_group()
     if rank == 0:
-        return {"rates": rates, "first_batch": first_batch, "entered": entered, "load_seconds": loaded - started, "steps": steps}
+        return {
+            "rates": rates,
+            "first_batch": first_batch,
+            "entered": entered,
+            "load_seconds": loaded - started,
+            "steps": steps,
+        }
     return None
 
 
@@ -259,18 +279,26 @@ def run_distributor(path: str, model_fn, batch: int, epochs: int) -> Dict:
 
 # --- sparkdl AllReduce ---------------------------------------------------------------------------
 
+
 def run_sparkdl(spark, data, model_fn, batch: int, epochs: int, reader: str) -> Dict:
     import sparkdl
 
     estimator = sparkdl.TorchEstimator(
-        model=model_fn, optimizer=make_optimizer, num_workers=WORKERS, batch_size=batch, epochs=epochs, progress=False, reader=reader,
+        model=model_fn,
+        optimizer=make_optimizer,
+        num_workers=WORKERS,
+        batch_size=batch,
+        epochs=epochs,
+        progress=False,
+        reader=reader,
     )
     called = time.time()
     model = estimator.fit(data)
     whole = time.time() - called
     info = model.run_info
     return {
-        "rates": [r["samples_per_sec"] for r in model.history], "whole": whole,
+        "rates": [r["samples_per_sec"] for r in model.history],
+        "whole": whole,
         "startup": info["prepare_seconds"] + (info["startup_seconds"] or 0.0),
     }
 
@@ -285,7 +313,9 @@ def _figures(runs: List[Dict], ddp_runs: List[Dict]) -> Dict[str, float]:
     ratios = [steady(run["rates"]) / steady(ddp["rates"]) for run, ddp in zip(runs, ddp_runs)]
     return {
         "rate": float(np.median([steady(run["rates"]) for run in runs])),
-        "ratio": float(np.median(ratios)), "low": min(ratios), "high": max(ratios),
+        "ratio": float(np.median(ratios)),
+        "low": min(ratios),
+        "high": max(ratios),
         "whole": float(np.median([run["whole"] for run in runs])),
         "startup": float(np.median([run["startup"] for run in runs])),
     }
@@ -296,24 +326,34 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64, help="per worker")
-    parser.add_argument("--model", choices=sorted(MODELS), default="mlp", help="mlp: compute-bound (default); linear: data-bound Linear(64, 10)")
     parser.add_argument(
-        "--readers", default="arrow,petastorm",
+        "--model",
+        choices=sorted(MODELS),
+        default="mlp",
+        help="mlp: compute-bound (default); linear: data-bound Linear(64, 10)",
+    )
+    parser.add_argument(
+        "--readers",
+        default="arrow,petastorm",
         help="sparkdl readers, comma-separated ('' for none); with --dataframe, READER@path reads the benchmark's "
         "Parquet in place (Spark's list<float>) instead of the DataFrame's copy, e.g. petastorm@path",
     )
     parser.add_argument("--skip-distributor", action="store_true", help="leave out the TorchDistributor side")
     parser.add_argument(
-        "--dataframe", action="store_true",
+        "--dataframe",
+        action="store_true",
         help="sparkdl fits spark.read.parquet(path), a DataFrame it materializes in its reader's layout, instead of the path",
     )
     parser.add_argument(
-        "--plain-in-executors", action="store_true",
+        "--plain-in-executors",
+        action="store_true",
         help="also run the DDP side's loop inside the executors (launched by sparkdl.run, shard in memory): "
         "the Spark environment without sparkdl's data path and training loop",
     )
     parser.add_argument(
-        "--repeats", type=int, default=1,
+        "--repeats",
+        type=int,
+        default=1,
         help="run every side this many times, alternated (DDP, the DDP loop in the executors if asked, each sparkdl reader, "
         "TorchDistributor); "
         "the table gives medians and the range of each side's ratio to the DDP run of the same repeat",
@@ -328,7 +368,9 @@ def main() -> None:
         if reader.split("@")[0] not in ("arrow", "petastorm") or reader.partition("@")[2] not in ("", "path"):
             parser.error(f"unknown reader {reader!r}: arrow or petastorm, optionally @path")
     if any(r.startswith("petastorm") for r in readers) and importlib.util.find_spec("petastorm") is None:
-        print(f"note: petastorm cannot be imported by {sys.executable}; the petastorm reader is skipped (it runs in .venv-petastorm)")
+        print(
+            f"note: petastorm cannot be imported by {sys.executable}; the petastorm reader is skipped (it runs in .venv-petastorm)"
+        )
         readers = [r for r in readers if not r.startswith("petastorm")]
 
     features, labels = synthetic(args.rows)
@@ -365,7 +407,9 @@ def main() -> None:
             for _ in range(args.repeats):
                 ddp_runs.append(run_ddp(model_fn, features, labels, args.batch_size, args.epochs))
                 if args.plain_in_executors:
-                    in_executor_runs.append(run_plain_in_executors(spark, args.model, args.rows, args.batch_size, args.epochs))
+                    in_executor_runs.append(
+                        run_plain_in_executors(spark, args.model, args.rows, args.batch_size, args.epochs)
+                    )
                 for reader in readers:
                     sparkdl_runs[reader].append(fit(reader, args.epochs))
                 if not args.skip_distributor:
@@ -390,9 +434,13 @@ def main() -> None:
     def ratio(figures: Dict[str, float]) -> str:
         return f"{figures['ratio']:.2f}" + (f" ({figures['low']:.2f}–{figures['high']:.2f})" if spread else "")
 
-    print(f"| side | steady samples/s | ratio to DDP{' (range)' if spread else ''} | whole call (s) | start-up (s, called → first batch) |")
+    print(
+        f"| side | steady samples/s | ratio to DDP{' (range)' if spread else ''} | whole call (s) | start-up (s, called → first batch) |"
+    )
     print("|---|---:|---:|---:|---:|")
-    print(f"| plain DDP, in-memory tensors (torch.multiprocessing) | {ddp['rate']:,.0f} | 1.00 | {ddp['whole']:.1f} | {ddp['startup']:.1f} |")
+    print(
+        f"| plain DDP, in-memory tensors (torch.multiprocessing) | {ddp['rate']:,.0f} | 1.00 | {ddp['whole']:.1f} | {ddp['startup']:.1f} |"
+    )
     if in_executor_runs:
         figures = _figures(in_executor_runs, ddp_runs)
         print(

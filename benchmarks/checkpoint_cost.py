@@ -33,7 +33,13 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from allreduce_vs_ddp import FEATURES, synthetic, write_parquet  # noqa: E402
 
-MODES = (("none", False, None), ("every epoch", None, True), ("every epoch", None, False), ("every 20 steps", 20, True), ("every 20 steps", 20, False))
+MODES = (
+    ("none", False, None),
+    ("every epoch", None, True),
+    ("every epoch", None, False),
+    ("every 20 steps", 20, True),
+    ("every 20 steps", 20, False),
+)
 
 
 class MLP:
@@ -44,8 +50,10 @@ class MLP:
 
     def __call__(self) -> torch.nn.Module:
         return torch.nn.Sequential(
-            torch.nn.Linear(FEATURES, self.hidden), torch.nn.ReLU(),
-            torch.nn.Linear(self.hidden, self.hidden), torch.nn.ReLU(),
+            torch.nn.Linear(FEATURES, self.hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(self.hidden, self.hidden),
+            torch.nn.ReLU(),
             torch.nn.Linear(self.hidden, 10),
         )
 
@@ -54,9 +62,15 @@ def _fit(data: str, factory: MLP, args: argparse.Namespace, checkpoint_dir, ever
     import sparkdl
 
     estimator = sparkdl.TorchEstimator(
-        model=factory, optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), num_workers=2,
-        batch_size=args.batch_size, epochs=args.epochs, progress=False,
-        checkpoint_dir=checkpoint_dir, checkpoint_every=every or None, checkpoint_async=async_write,
+        model=factory,
+        optimizer=lambda p: torch.optim.Adam(p, lr=1e-3),
+        num_workers=2,
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        progress=False,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=every or None,
+        checkpoint_async=async_write,
     )
     return estimator.fit(data)
 
@@ -76,7 +90,9 @@ def main() -> None:
     args = parser.parse_args()
     from _spark import local_cluster
 
-    spark = local_cluster("sparkdl-benchmark-checkpoints", executor_memory_mb=2048, pythonpath=(ROOT, os.path.join(ROOT, "benchmarks")))
+    spark = local_cluster(
+        "sparkdl-benchmark-checkpoints", executor_memory_mb=2048, pythonpath=(ROOT, os.path.join(ROOT, "benchmarks"))
+    )
     workdir = tempfile.mkdtemp(prefix="sparkdl-ckpt-bench-")
     rows = []
     try:
@@ -91,7 +107,11 @@ def main() -> None:
             for label, every, async_write in MODES:
                 checkpoint_dir = None if every is False else os.path.join(workdir, f"ckpt-{hidden}-{len(measured)}")
                 model = _fit(data, factory, args, checkpoint_dir, every, async_write)
-                row = {"params": params, "label": label, "epoch": float(np.mean([r["seconds"] for r in model.history[1:]]))}
+                row = {
+                    "params": params,
+                    "label": label,
+                    "epoch": float(np.mean([r["seconds"] for r in model.history[1:]])),
+                }
                 if checkpoint_dir is not None:
                     stats = model.run_info["checkpoints"]
                     row.update(
@@ -111,12 +131,23 @@ def main() -> None:
     finally:
         spark.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    print(f"\nrows={args.rows} workers=2 batch/worker={args.batch_size} steps/epoch={args.rows // (2 * args.batch_size)}")
-    print("| model params | checkpoints | write | epoch seconds | checkpoints/epoch | stall per checkpoint | background write per checkpoint | stall vs sync | epoch slowdown | checkpoint size |")
+    print(
+        f"\nrows={args.rows} workers=2 batch/worker={args.batch_size} steps/epoch={args.rows // (2 * args.batch_size)}"
+    )
+    print(
+        "| model params | checkpoints | write | epoch seconds | checkpoints/epoch | stall per checkpoint | background write per checkpoint | stall vs sync | epoch slowdown | checkpoint size |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
-        cells = [_cell(row, "stall", "{:.3f} s"), _cell(row, "write", "{:.3f} s"), _cell(row, "share", "{:.0%}"), _cell(row, "slowdown", "{:+.0%}")]
-        print(f"| {row['params']} | {row['label']} | {row.get('mode', '–')} | {row['epoch']:.2f} | {row.get('per_epoch', 0)} | {' | '.join(cells)} | {row.get('size', '')} |")
+        cells = [
+            _cell(row, "stall", "{:.3f} s"),
+            _cell(row, "write", "{:.3f} s"),
+            _cell(row, "share", "{:.0%}"),
+            _cell(row, "slowdown", "{:+.0%}"),
+        ]
+        print(
+            f"| {row['params']} | {row['label']} | {row.get('mode', '–')} | {row['epoch']:.2f} | {row.get('per_epoch', 0)} | {' | '.join(cells)} | {row.get('size', '')} |"
+        )
 
 
 def _cell(row, key, form):

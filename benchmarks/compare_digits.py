@@ -38,9 +38,18 @@ def main() -> None:
     try:
         train, _ = write_split(tempfile.mkdtemp())
         result = sparkdl.compare(
-            model=mlp, data=train, feature_cols=["features"], label_col="label", epochs=5, batch_size=32,
-            optimizer=lambda params: torch.optim.Adam(params, lr=3e-3), loss=torch.nn.functional.cross_entropy,
-            validation=0.2, metrics={"accuracy": accuracy}, target_loss=0.3, output_dir="/tmp/sparkdl-compare-digits",
+            model=mlp,
+            data=train,
+            feature_cols=["features"],
+            label_col="label",
+            epochs=5,
+            batch_size=32,
+            optimizer=lambda params: torch.optim.Adam(params, lr=3e-3),
+            loss=torch.nn.functional.cross_entropy,
+            validation=0.2,
+            metrics={"accuracy": accuracy},
+            target_loss=0.3,
+            output_dir="/tmp/sparkdl-compare-digits",
         )
         print(result.table("markdown"))
     finally:

@@ -30,8 +30,8 @@ import pyarrow.parquet as pq
 import torch
 
 from sparkdl._runtime.host_batches import host_batches
-from sparkdl.data.dataset import inspect_dataset
 from sparkdl.data.batching import DataSpec, batches, steps_per_epoch
+from sparkdl.data.dataset import inspect_dataset
 from sparkdl.data.readers import reader_from_name
 
 FEATURES = 64  # --width sets it
@@ -51,7 +51,9 @@ def write_dataset(path: str, rows: int, files: int, row_group_rows: int, layout:
     for index in range(files):
         features = rng.standard_normal((per_file, FEATURES), dtype=np.float32)
         labels = rng.integers(0, CLASSES, per_file)
-        column = pa.ListArray.from_arrays(pa.array(np.arange(0, per_file * FEATURES + 1, FEATURES, dtype=np.int32)), pa.array(features.ravel()))
+        column = pa.ListArray.from_arrays(
+            pa.array(np.arange(0, per_file * FEATURES + 1, FEATURES, dtype=np.int32)), pa.array(features.ravel())
+        )
         table = pa.table({"features": column, "label": pa.array(labels)})
         dictionary = True
         if layout == "packed":
@@ -59,7 +61,10 @@ def write_dataset(path: str, rows: int, files: int, row_group_rows: int, layout:
             table = table.replace_schema_metadata(spark_footer_metadata(table.schema, ["features"]))
             dictionary = ["label"]
         pq.write_table(
-            table, os.path.join(path, f"part-{index:05d}.parquet"), row_group_size=row_group_rows, compression="snappy",
+            table,
+            os.path.join(path, f"part-{index:05d}.parquet"),
+            row_group_size=row_group_rows,
+            compression="snappy",
             use_dictionary=dictionary,
         )
     return path
@@ -112,7 +117,9 @@ LAYOUT_LABELS = {"list": "list<float>", "packed": "float32 bytes (sparkdl cache)
 def run_in_memory(url: str, batch_size: int, epochs: int, model_step: bool) -> Dict[str, float]:
     started = time.perf_counter()
     table = pq.read_table(url)
-    features = torch.from_numpy(table.column("features").combine_chunks().flatten().to_numpy().reshape(-1, FEATURES).copy())
+    features = torch.from_numpy(
+        table.column("features").combine_chunks().flatten().to_numpy().reshape(-1, FEATURES).copy()
+    )
     labels = torch.from_numpy(table.column("label").to_numpy().copy())
     load_s = time.perf_counter() - started
     steps = len(labels) // batch_size
@@ -124,7 +131,7 @@ def run_in_memory(url: str, batch_size: int, epochs: int, model_step: bool) -> D
         if state["step"] == steps:
             state["order"] = torch.randperm(len(labels), generator=generator)
             state["step"] = 0
-        index = state["order"][state["step"] * batch_size:(state["step"] + 1) * batch_size]
+        index = state["order"][state["step"] * batch_size : (state["step"] + 1) * batch_size]
         state["step"] += 1
         return features[index], labels[index]
 
@@ -136,7 +143,9 @@ def run_model_alone(url: str, batch_size: int, epochs: int, model_step: bool) ->
     """The ceiling: the model stepping on one batch made beforehand, so no data path at all. No
     reader can feed the model faster than this, which bounds what "N× Petastorm" can show."""
     table = pq.read_table(url).slice(0, batch_size)
-    features = torch.from_numpy(table.column("features").combine_chunks().flatten().to_numpy().reshape(-1, FEATURES).copy())
+    features = torch.from_numpy(
+        table.column("features").combine_chunks().flatten().to_numpy().reshape(-1, FEATURES).copy()
+    )
     labels = torch.from_numpy(table.column("label").to_numpy().copy())
     steps = sum(pq.ParquetFile(os.path.join(url, name)).metadata.num_rows for name in os.listdir(url)) // batch_size
     first, steady, samples, cpu = train(lambda: (features, labels), steps, epochs, model_step)
@@ -159,7 +168,9 @@ def main(argv: List[str] = None) -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a task gets spark.task.cpus)")
     parser.add_argument("--readers", default="petastorm,arrow", help="the readers (each reads every layout)")
-    parser.add_argument("--layouts", default="list,packed", help="list: Spark's list<float>; packed: float32 bytes, what sparkdl writes")
+    parser.add_argument(
+        "--layouts", default="list,packed", help="list: Spark's list<float>; packed: float32 bytes, what sparkdl writes"
+    )
     args = parser.parse_args(argv)
     global FEATURES
     FEATURES = args.width
@@ -176,7 +187,11 @@ def main(argv: List[str] = None) -> None:
         )
         paths = {"in-memory tensors": (run_in_memory, url)}
         for layout in args.layouts.split(","):
-            layout_url = url if layout == "list" else write_dataset(os.path.join(tmp, layout), args.rows, args.files, args.row_group_rows, layout)
+            layout_url = (
+                url
+                if layout == "list"
+                else write_dataset(os.path.join(tmp, layout), args.rows, args.files, args.row_group_rows, layout)
+            )
             for name in readers:
                 paths[f"{name} reader, {LAYOUT_LABELS[layout]}"] = (run_reader, name, layout_url)
         alone, model = {}, {}
@@ -186,14 +201,18 @@ def main(argv: List[str] = None) -> None:
         ceiling = best_of(args.repeats, run_model_alone, url, args.batch_size, args.epochs, True)
     baseline = model["in-memory tensors"]["samples_per_s"]
     print()
-    print("| data path | data path alone, samples/s | CPU µs/sample (alone) | into the model, samples/s | vs in-memory | CPU µs/sample (model) | time to first batch |")
+    print(
+        "| data path | data path alone, samples/s | CPU µs/sample (alone) | into the model, samples/s | vs in-memory | CPU µs/sample (model) | time to first batch |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for label in paths:
         print(
             f"| {label} | {alone[label]['samples_per_s']:,.0f} | {alone[label]['cpu_us']:.2f} | {model[label]['samples_per_s']:,.0f} | "
             f"{model[label]['samples_per_s'] / baseline:.2f} | {model[label]['cpu_us']:.2f} | {model[label]['first_batch_s']:.3f} s |"
         )
-    print(f"| the model alone (one batch made beforehand: the ceiling) | – | – | {ceiling['samples_per_s']:,.0f} | {ceiling['samples_per_s'] / baseline:.2f} | {ceiling['cpu_us']:.2f} | – |")
+    print(
+        f"| the model alone (one batch made beforehand: the ceiling) | – | – | {ceiling['samples_per_s']:,.0f} | {ceiling['samples_per_s'] / baseline:.2f} | {ceiling['cpu_us']:.2f} | – |"
+    )
     petastorm = f"petastorm reader, {LAYOUT_LABELS['list']}"  # Petastorm on the lists Spark writes
     if petastorm in paths:
         print(

@@ -68,7 +68,7 @@ def crypto_part(repeats: int) -> None:
             started = time.perf_counter()
             frame = sealer.begin(b"header")
             for start in range(0, len(view), len(scratch)):
-                frame.update(view[start: start + len(scratch)], scratch)
+                frame.update(view[start : start + len(scratch)], scratch)
             frame.finalize()
             seal_rates.append(len(view) / (time.perf_counter() - started))
             # Opening: the receive side's pass over a body already in its buffer (decrypted or
@@ -94,14 +94,18 @@ def _ps_worker(rank: int, port: int, jobs: List[Dict[str, Any]], out: Any) -> No
     from sparkdl.strategies.parameter_server.runtime import ParameterServerRuntime
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300)
+    )
     try:
         for job in jobs:
             env = DistEnv(rank, 2, torch.device("cpu"), "gloo", "127.0.0.1", port, encrypt=job["encrypt"])
             torch.manual_seed(0)
             model = mlp(MODELS[job["model"]])
             grads = [torch.randn_like(p) * 1e-3 for p in model.parameters()]
-            runtime = ParameterServerRuntime(sparkdl.ParameterServer(max_staleness=None, layout="balanced"), env, _gather, "127.0.0.1")
+            runtime = ParameterServerRuntime(
+                sparkdl.ParameterServer(max_staleness=None, layout="balanced"), env, _gather, "127.0.0.1"
+            )
             try:
                 model = runtime.prepare_model(model)
                 optimizer = runtime.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=1e-4))
@@ -120,7 +124,9 @@ def _ps_worker(rank: int, port: int, jobs: List[Dict[str, Any]], out: Any) -> No
                 sent = runtime.comm_bytes - bytes_before
                 dist.barrier()
                 runtime.final_module(model)
-                out.put({**job, "rank": rank, "steps_per_sec": job["steps"] / seconds, "bytes": sent, "seconds": seconds})
+                out.put(
+                    {**job, "rank": rank, "steps_per_sec": job["steps"] / seconds, "bytes": sent, "seconds": seconds}
+                )
             finally:
                 runtime.close()
     finally:
@@ -135,16 +141,26 @@ def ps_part(repeats: int) -> None:
     for repeat in range(repeats):
         two_way.append(loopback_bandwidth(both_ways=True, total_bytes=1 << 30))
         order = (False, True) if repeat % 2 == 0 else (True, False)
-        jobs = [{"model": name, "encrypt": encrypt, "steps": STEPS[name], "repeat": repeat} for name in MODELS for encrypt in order]
+        jobs = [
+            {"model": name, "encrypt": encrypt, "steps": STEPS[name], "repeat": repeat}
+            for name in MODELS
+            for encrypt in order
+        ]
         queue = ctx.SimpleQueue()
-        torch.multiprocessing.start_processes(_ps_worker, args=(_free_port(), jobs, queue), nprocs=2, join=True, start_method="spawn")
+        torch.multiprocessing.start_processes(
+            _ps_worker, args=(_free_port(), jobs, queue), nprocs=2, join=True, start_method="spawn"
+        )
         while not queue.empty():
             result = queue.get()
             runs.setdefault((result["model"], result["encrypt"], result["repeat"]), []).append(result)
     print(f"\n## Parameter server on loopback (2 ranks, SGD, balanced layout; median of {repeats} repeats)\n")
-    print(f"Two-way loopback bandwidth (plain sendall loops, measured before each repeat): "
-          f"{statistics.median(two_way) / 1e9:.2f} GB/s ({', '.join(f'{b / 1e9:.2f}' for b in two_way)}).\n")
-    print("| model | params | integrity only: steps/s | MB/s | encrypted: steps/s | MB/s | encrypted / integrity (MB/s) |")
+    print(
+        f"Two-way loopback bandwidth (plain sendall loops, measured before each repeat): "
+        f"{statistics.median(two_way) / 1e9:.2f} GB/s ({', '.join(f'{b / 1e9:.2f}' for b in two_way)}).\n"
+    )
+    print(
+        "| model | params | integrity only: steps/s | MB/s | encrypted: steps/s | MB/s | encrypted / integrity (MB/s) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name in MODELS:
         params = sum(p.numel() for p in mlp(MODELS[name]).parameters())
@@ -156,11 +172,14 @@ def ps_part(repeats: int) -> None:
             cells[encrypt] = (steps, rate)
         # The ratio per repeat (both modes ran back to back), then its median.
         ratios = [
-            sum(x["bytes"] / x["seconds"] for x in runs[(name, True, r)]) / sum(x["bytes"] / x["seconds"] for x in runs[(name, False, r)])
+            sum(x["bytes"] / x["seconds"] for x in runs[(name, True, r)])
+            / sum(x["bytes"] / x["seconds"] for x in runs[(name, False, r)])
             for r in range(repeats)
         ]
         (s0, r0), (s1, r1) = cells[False], cells[True]
-        print(f"| {name} | {params / 1e6:.2f}M | {s0:.1f} | {r0 / 1e6:.0f} | {s1:.1f} | {r1 / 1e6:.0f} | {statistics.median(ratios):.2f} |")
+        print(
+            f"| {name} | {params / 1e6:.2f}M | {s0:.1f} | {r0 / 1e6:.0f} | {s1:.1f} | {r1 / 1e6:.0f} | {statistics.median(ratios):.2f} |"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,7 +214,13 @@ def _channel_rate(encrypt: bool, message: Dict[str, Any], count: int) -> float:
 
 def channel_part(repeats: int, messages: int) -> None:
     shapes = {
-        "progress (~100 B)": {"kind": "progress", "epoch": 3, "step": 1234, "loss": 0.123456789, "samples_per_sec": 4567.8},
+        "progress (~100 B)": {
+            "kind": "progress",
+            "epoch": 3,
+            "step": 1234,
+            "loss": 0.123456789,
+            "samples_per_sec": 4567.8,
+        },
         "log line (4 KiB)": {"kind": "log", "line": "x" * 4096},
     }
     print(f"\n## Progress channel on loopback (one client, {messages} messages; median of {repeats})\n")
@@ -204,7 +229,7 @@ def channel_part(repeats: int, messages: int) -> None:
     for label, message in shapes.items():
         rates: Dict[bool, List[float]] = {False: [], True: []}
         for repeat in range(repeats):
-            for encrypt in ((False, True) if repeat % 2 == 0 else (True, False)):
+            for encrypt in (False, True) if repeat % 2 == 0 else (True, False):
                 rates[encrypt].append(_channel_rate(encrypt, message, messages))
         plain, enc = statistics.median(rates[False]), statistics.median(rates[True])
         print(f"| {label} | {plain:,.0f} | {enc:,.0f} | {enc / plain:.2f} |")
@@ -218,8 +243,10 @@ def main(argv: Sequence[str] = ()) -> None:
     args = parser.parse_args(list(argv))
     import cryptography
 
-    print(f"# Encryption cost ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"cryptography {cryptography.__version__})")
+    print(
+        f"# Encryption cost ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"cryptography {cryptography.__version__})"
+    )
     if args.part in ("all", "crypto"):
         crypto_part(args.repeats)
     if args.part in ("all", "ps"):

@@ -44,19 +44,21 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
+from sparkdl._runtime.host_batches import Prefetcher  # noqa: E402
 from sparkdl._runtime.rendezvous import rendezvous, teardown  # noqa: E402
 from sparkdl._task.fit_loop import FitLoop  # noqa: E402
-from sparkdl._runtime.host_batches import Prefetcher  # noqa: E402
 from sparkdl.context import TrainContext  # noqa: E402
-from sparkdl.data.dataset import inspect_dataset  # noqa: E402
 from sparkdl.data.batching import DataSpec, batches  # noqa: E402
+from sparkdl.data.dataset import inspect_dataset  # noqa: E402
 from sparkdl.data.readers import reader_from_name  # noqa: E402
 from sparkdl.strategies.allreduce import AllReduce  # noqa: E402
 
 SIZES = {
     # A wide MLP: ~42M parameters, 4 KiB of features per row; large enough that a modern GPU
     # needs a fast loader to stay busy, small enough to fit any GPU.
-    "default": dict(rows=200_000, features=1024, hidden=4096, layers=4, classes=1000, batch_size=512, steps=200, warmup=20),
+    "default": dict(
+        rows=200_000, features=1024, hidden=4096, layers=4, classes=1000, batch_size=512, steps=200, warmup=20
+    ),
     "tiny": dict(rows=8192, features=64, hidden=128, layers=2, classes=10, batch_size=64, steps=40, warmup=5),
 }
 
@@ -126,7 +128,7 @@ class StepTimer:
     def summary(self) -> Dict[str, float]:
         if self.cuda:
             torch.cuda.synchronize()
-        starts, ends = self.starts[self.skip:], self.ends[self.skip:len(self.starts)]
+        starts, ends = self.starts[self.skip :], self.ends[self.skip : len(self.starts)]
         # Skipped steps count in the span (as idle) but not as busy; "skipped" says how many.
         done = [(s, e) for s, e in zip(starts, ends) if e is not None]
         last = done[-1][1]
@@ -137,7 +139,10 @@ class StepTimer:
             busy = sum(e - s for s, e in done)
             span = last - starts[0]
         return {
-            "steps": len(starts), "skipped": len(starts) - len(done), "busy_s": busy, "span_s": span,
+            "steps": len(starts),
+            "skipped": len(starts) - len(done),
+            "busy_s": busy,
+            "span_s": span,
         }
 
 
@@ -195,7 +200,9 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> Dict
     return out
 
 
-def loader_rate(dataset: Any, spec: DataSpec, reader_name: str, device: torch.device, seconds: float = 2.0) -> Dict[str, float]:
+def loader_rate(
+    dataset: Any, spec: DataSpec, reader_name: str, device: torch.device, seconds: float = 2.0
+) -> Dict[str, float]:
     """What the reader plus the prefetch thread deliver with nothing training (pinned on CUDA),
     read for at least ``seconds`` (the stream cycles over the data forever)."""
     source = batches(reader_from_name(reader_name), dataset, spec, 0, 1)
@@ -216,7 +223,13 @@ def loader_rate(dataset: Any, spec: DataSpec, reader_name: str, device: torch.de
 
 
 def train(
-    dataset: Any, spec: DataSpec, reader_name: str, device: torch.device, precision: str, sizes: Dict[str, int], seed: int
+    dataset: Any,
+    spec: DataSpec,
+    reader_name: str,
+    device: torch.device,
+    precision: str,
+    sizes: Dict[str, int],
+    seed: int,
 ) -> Dict[str, Any]:
     """One task's FitLoop for ``warmup + steps`` steps (one epoch) on a one-rank process group."""
     timer = StepTimer(device, skip=sizes["warmup"])
@@ -235,8 +248,14 @@ def train(
     records: List[Dict[str, Any]] = []
     runtime = AllReduce().create_runtime(env)
     ctx = TrainContext(
-        env, runtime, records.append, dataset=dataset, data_spec=spec, reader=reader_from_name(reader_name),
-        steps_per_epoch=sizes["warmup"] + sizes["steps"], precision=precision,
+        env,
+        runtime,
+        records.append,
+        dataset=dataset,
+        data_spec=spec,
+        reader=reader_from_name(reader_name),
+        steps_per_epoch=sizes["warmup"] + sizes["steps"],
+        precision=precision,
     )
     loop = FitLoop(model=model_fn, optimizer=optimizer_fn, loss=torch.nn.functional.cross_entropy, epochs=1, seed=seed)
     try:
@@ -270,7 +289,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--data", default=None, help="directory for the synthetic Parquet (default: a temp dir)")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (a Spark task uses spark.task.cpus)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (a Spark task uses spark.task.cpus)"
+    )
     for name in SIZES["default"]:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     args = parser.parse_args(argv)
@@ -281,7 +302,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch has no CUDA here; use --device cpu")
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    precisions = args.precisions.split(",") if args.precisions else ["32", "bf16-mixed"] + (["16-mixed"] if device.type == "cuda" else [])
+    precisions = (
+        args.precisions.split(",")
+        if args.precisions
+        else ["32", "bf16-mixed"] + (["16-mixed"] if device.type == "cuda" else [])
+    )
 
     data_dir = args.data or os.path.join(tempfile.gettempdir(), "sparkdl-gpu-check")
     started = time.perf_counter()
@@ -301,7 +326,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "sizes": sizes,
-        "parameters": sum(p.numel() for p in make_model(sizes["features"], sizes["hidden"], sizes["layers"], sizes["classes"]).parameters()),
+        "parameters": sum(
+            p.numel()
+            for p in make_model(sizes["features"], sizes["hidden"], sizes["layers"], sizes["classes"]).parameters()
+        ),
         "reader": args.reader,
         "data_write_s": write_s,
         "h2d": bandwidth,
@@ -317,7 +345,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
 def print_report(report: Dict[str, Any]) -> None:
     sizes, loader, h2d = report["sizes"], report["loader"], report["h2d"]
-    print(f"device {report['device']} ({report['device_name']}), torch {report['torch']}, {report['threads']} CPU threads")
+    print(
+        f"device {report['device']} ({report['device_name']}), torch {report['torch']}, {report['threads']} CPU threads"
+    )
     print(
         f"model: MLP {sizes['features']}->{sizes['hidden']}x{sizes['layers'] - 1}->{sizes['classes']} "
         f"({report['parameters']:,} parameters), batch {sizes['batch_size']}, {sizes['steps']} steps after "
@@ -326,14 +356,22 @@ def print_report(report: Dict[str, Any]) -> None:
     pinned = f"{h2d['pinned_gbps']:.1f} GB/s" if h2d["pinned_gbps"] else "n/a (no GPU)"
     pageable = f"{h2d['pageable_gbps']:.1f} GB/s" if h2d["pageable_gbps"] else "n/a"
     print(f"host->device copy: pinned {pinned}, pageable {pageable}")
-    print(f"loader alone (reader + prefetch thread{', pinned' if h2d['pinned_gbps'] else ''}): {loader['samples_per_s']:,.0f} samples/s = {loader['mb_per_s']:,.1f} MB/s")
+    print(
+        f"loader alone (reader + prefetch thread{', pinned' if h2d['pinned_gbps'] else ''}): {loader['samples_per_s']:,.0f} samples/s = {loader['mb_per_s']:,.1f} MB/s"
+    )
     print()
-    print("| precision | samples/s | busy fraction | busy ms/step | NVML util % | consumed MB/s | loader headroom | copy share of step | loss |")
+    print(
+        "| precision | samples/s | busy fraction | busy ms/step | NVML util % | consumed MB/s | loader headroom | copy share of step | loss |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for run in report["runs"]:
         consumed = run["samples_per_s"] * loader["row_bytes"] / 1e6
         headroom = loader["samples_per_s"] / run["samples_per_s"]
-        copy_ms = sizes["batch_size"] * loader["row_bytes"] / (h2d["pinned_gbps"] * 1e9) * 1000 if h2d["pinned_gbps"] else None
+        copy_ms = (
+            sizes["batch_size"] * loader["row_bytes"] / (h2d["pinned_gbps"] * 1e9) * 1000
+            if h2d["pinned_gbps"]
+            else None
+        )
         copy_share = f"{copy_ms / run['step_ms']:.0%}" if copy_ms and run["step_ms"] > 0 else "n/a"
         util = f"{run['nvml_utilization']:.0f}" if run["nvml_utilization"] is not None else "n/a"
         label = run["precision"] + (f" ({run['skipped']} skipped)" if run["skipped"] else "")
@@ -347,14 +385,18 @@ def print_report(report: Dict[str, Any]) -> None:
             print(f"{run['precision']} vs 32: {run['samples_per_s'] / fp32['samples_per_s']:.2f}x samples/s")
     slowest = min(report["runs"], key=lambda r: loader["samples_per_s"] / r["samples_per_s"])
     if loader["samples_per_s"] < 1.2 * slowest["samples_per_s"]:
-        print(f"verdict: the loader is the bottleneck ({slowest['precision']} consumes {slowest['samples_per_s']:,.0f} of the "
-              f"{loader['samples_per_s']:,.0f} samples/s it delivers): more reader threads/processes or a cheaper format")
+        print(
+            f"verdict: the loader is the bottleneck ({slowest['precision']} consumes {slowest['samples_per_s']:,.0f} of the "
+            f"{loader['samples_per_s']:,.0f} samples/s it delivers): more reader threads/processes or a cheaper format"
+        )
     elif min(r["busy_fraction"] for r in report["runs"]) >= 0.9:
         print("verdict: the loader keeps up and the device is busy >= 90% of the time in every precision")
     else:
         idle = min(report["runs"], key=lambda r: r["busy_fraction"])
-        print(f"verdict: the loader keeps up, but {idle['precision']} leaves the device idle {1 - idle['busy_fraction']:.0%} of "
-              f"the time between steps: per-step host overhead (Python, kernel launches, syncs), not data")
+        print(
+            f"verdict: the loader keeps up, but {idle['precision']} leaves the device idle {1 - idle['busy_fraction']:.0%} of "
+            f"the time between steps: per-step host overhead (Python, kernel launches, syncs), not data"
+        )
 
 
 if __name__ == "__main__":

@@ -105,7 +105,9 @@ class ResidualBlock(nn.Module):
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.body = nn.Sequential(
-            *_conv_bn_relu(channels, channels, 1), nn.Conv2d(channels, channels, 3, 1, 1, bias=False), nn.BatchNorm2d(channels)
+            *_conv_bn_relu(channels, channels, 1),
+            nn.Conv2d(channels, channels, 3, 1, 1, bias=False),
+            nn.BatchNorm2d(channels),
         )
         self.relu = nn.ReLU(inplace=True)
 
@@ -203,7 +205,9 @@ class SparkdlRunner:
             self.last_job_end = time.time()
 
 
-def run_sparkdl(spark: Any, reader: str, parquet: str, args: argparse.Namespace, model_step: bool, steps: Optional[int] = None) -> Dict[str, Any]:
+def run_sparkdl(
+    spark: Any, reader: str, parquet: str, args: argparse.Namespace, model_step: bool, steps: Optional[int] = None
+) -> Dict[str, Any]:
     import sparkdl
 
     steps, size, width = steps or args.images // args.batch_size, args.size, args.width
@@ -356,7 +360,11 @@ def run_torch(folder: str, args: argparse.Namespace, model_step: bool) -> Dict[s
     else:
         dataset = PillowImageFolder(folder)
     loader = torch.utils.data.DataLoader(
-        dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.cores, drop_last=True,
+        dataset,
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.cores,
+        drop_last=True,
         generator=torch.Generator().manual_seed(0),
     )
 
@@ -393,7 +401,7 @@ def run_memory(parquet: str, args: argparse.Namespace, model_step: bool, pool: i
         while True:
             order = torch.randperm(len(labels), generator=generator)
             for start in range(0, len(order) - args.batch_size + 1, args.batch_size):
-                index = order[start:start + args.batch_size]
+                index = order[start : start + args.batch_size]
                 yield images[index], labels[index]
 
     result = timed_loop(batches(), args.images // args.batch_size, args.size, model, optimizer)
@@ -428,12 +436,18 @@ def decoder_figures(parquet: str, count: int, repeats: int) -> Dict[str, Any]:
 
     cases["Pillow: open + np.asarray (no convert; these are RGB already) -> uint8 HWC"] = pillow_plain
     cases["Pillow: open + convert('RGB') -> uint8 HWC (ImageFolder's loader)"] = pillow_uint8
-    cases["Pillow + float CHW / 255 (ToTensor's arithmetic)"] = lambda b: torch.from_numpy(pillow_uint8(b)).permute(2, 0, 1).float().div(255)
+    cases["Pillow + float CHW / 255 (ToTensor's arithmetic)"] = lambda b: (
+        torch.from_numpy(pillow_uint8(b)).permute(2, 0, 1).float().div(255)
+    )
     if torchvision is not None:
         from torchvision.io import ImageReadMode, decode_jpeg
 
-        cases["torchvision.io.decode_jpeg -> uint8 CHW"] = lambda b: decode_jpeg(torch.frombuffer(b, dtype=torch.uint8), mode=ImageReadMode.RGB)
-        cases["decode_jpeg + float / 255"] = lambda b: decode_jpeg(torch.frombuffer(b, dtype=torch.uint8), mode=ImageReadMode.RGB).float().div(255)
+        cases["torchvision.io.decode_jpeg -> uint8 CHW"] = lambda b: decode_jpeg(
+            torch.frombuffer(b, dtype=torch.uint8), mode=ImageReadMode.RGB
+        )
+        cases["decode_jpeg + float / 255"] = lambda b: (
+            decode_jpeg(torch.frombuffer(b, dtype=torch.uint8), mode=ImageReadMode.RGB).float().div(255)
+        )
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     figures: Dict[str, float] = {}
@@ -463,16 +477,26 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--images", type=int, default=8_000, help="images per measurement (per row and mode)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="best of N")
-    parser.add_argument("--cores", type=int, default=2, help="cores every pipeline gets (decode threads/workers, torch threads)")
+    parser.add_argument(
+        "--cores", type=int, default=2, help="cores every pipeline gets (decode threads/workers, torch threads)"
+    )
     parser.add_argument("--count", type=int, default=20_000, help="images generated")
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--data", default=None, help="where the images are (generated there if missing)")
     parser.add_argument("--width", type=int, default=16, help="the CNN's first conv channels (then 2x, 4x)")
     parser.add_argument("--pipelines", default=",".join(PIPELINES), help=f"comma-separated, of: {', '.join(PIPELINES)}")
-    parser.add_argument("--petastorm-shuffle-queue", type=int, default=0, help="petastorm.pytorch.DataLoader shuffling_queue_capacity")
-    parser.add_argument("--folder-dataset", choices=("auto", "pillow"), default="auto",
-                        help="auto: torchvision's ImageFolder when importable; pillow: the stand-in")
-    parser.add_argument("--decode-images", type=int, default=2_000, help="images in the single-thread decoder comparison (0: skip)")
+    parser.add_argument(
+        "--petastorm-shuffle-queue", type=int, default=0, help="petastorm.pytorch.DataLoader shuffling_queue_capacity"
+    )
+    parser.add_argument(
+        "--folder-dataset",
+        choices=("auto", "pillow"),
+        default="auto",
+        help="auto: torchvision's ImageFolder when importable; pillow: the stand-in",
+    )
+    parser.add_argument(
+        "--decode-images", type=int, default=2_000, help="images in the single-thread decoder comparison (0: skip)"
+    )
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.pipelines.split(",") if n.strip()]
     unknown = [n for n in names if n not in PIPELINES]
@@ -487,15 +511,21 @@ def main(argv: Optional[List[str]] = None) -> None:
     torch.set_num_threads(args.cores)
     torchvision, tv_error = torchvision_or_error()
     if args.folder_dataset == "pillow" or torchvision is None:
-        PIPELINES["torch"] = "torch DataLoader + Pillow folder dataset" + ("" if args.folder_dataset == "pillow" else " (no torchvision)")
+        PIPELINES["torch"] = "torch DataLoader + Pillow folder dataset" + (
+            "" if args.folder_dataset == "pillow" else " (no torchvision)"
+        )
 
     spark = None
     if any(n.startswith("sparkdl") for n in names):
         from _spark import local_cluster
 
         spark = local_cluster(
-            "sparkdl-benchmark-images", executor_memory_mb=2048, pythonpath=(ROOT, BENCH),
-            workers=1, cores_per_worker=args.cores, task_cpus=args.cores,
+            "sparkdl-benchmark-images",
+            executor_memory_mb=2048,
+            pythonpath=(ROOT, BENCH),
+            workers=1,
+            cores_per_worker=args.cores,
+            task_cpus=args.cores,
         )
     sparkdl_runner = SparkdlRunner(spark, parquet, args)
     runners = {
@@ -522,7 +552,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                 try:
                     figure = runners[name](model_step)
                 except Exception as exc:  # noqa: BLE001 - report the row as failed, measure the others
-                    errors[name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                    errors[name] = (
+                        f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                    )
                     if os.environ.get("SPARKDL_BENCH_TRACEBACK"):
                         traceback.print_exc()
                     print(f"  {PIPELINES[name]}: FAILED ({errors[name][:300]})", flush=True)
@@ -541,8 +573,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         if not runs:
             return None
         top = max(runs, key=lambda r: r["images_per_s"])
-        return {**top, "first_batch_s": min(r["first_batch_s"] for r in runs),
-                "first_batch_in_task_s": min((r.get("first_batch_in_task_s") or 0.0) for r in runs)}
+        return {
+            **top,
+            "first_batch_s": min(r["first_batch_s"] for r in runs),
+            "first_batch_in_task_s": min((r.get("first_batch_in_task_s") or 0.0) for r in runs),
+        }
 
     def ratio(value: Optional[Dict[str, Any]], base: Optional[Dict[str, Any]]) -> str:
         return f"{value['images_per_s'] / base['images_per_s']:.2f}" if value and base else "—"
@@ -550,8 +585,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     base_model, base_alone = best("torch", True), best("torch", False)
     peta_model, peta_alone = best("petastorm", True), best("petastorm", False)
     print()
-    print("| pipeline | into the model, images/s | vs torch DataLoader | vs Petastorm loop | data path alone, images/s "
-          "| vs torch DataLoader | vs Petastorm loop | time to first batch |")
+    print(
+        "| pipeline | into the model, images/s | vs torch DataLoader | vs Petastorm loop | data path alone, images/s "
+        "| vs torch DataLoader | vs Petastorm loop | time to first batch |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name in names:
         model, alone = best(name, True), best(name, False)
@@ -564,18 +601,27 @@ def main(argv: Optional[List[str]] = None) -> None:
             f"| {PIPELINES[name]} | {model['images_per_s']:,.0f} | {ratio(model, base_model)} | {ratio(model, peta_model)} "
             f"| {alone['images_per_s']:,.0f} | {'—' if reference else ratio(alone, base_alone)} "
             f"| {'—' if reference else ratio(alone, peta_alone)} | {'—' if reference else f'{first:.2f} s'} |"
-            if model and alone else f"| {PIPELINES[name]} | partial: {errors.get(name, '?')[:200]} | | | | | | |"
+            if model and alone
+            else f"| {PIPELINES[name]} | partial: {errors.get(name, '?')[:200]} | | | | | | |"
         )
     print()
     for name in names:
         model = best(name, True)
         if model and model.get("loss") and model["loss"][0] is not None:
-            extra = f"; first batch {model['first_batch_in_task_s']:.2f} s after train_fn started in the task" if name.startswith("sparkdl") else ""
-            print(f"{PIPELINES[name]}: torch threads {model['torch_threads']}, loss {model['loss'][0]:.3f} -> {model['loss'][1]:.3f} "
-                  f"(first/last 10 steps){extra}")
+            extra = (
+                f"; first batch {model['first_batch_in_task_s']:.2f} s after train_fn started in the task"
+                if name.startswith("sparkdl")
+                else ""
+            )
+            print(
+                f"{PIPELINES[name]}: torch threads {model['torch_threads']}, loss {model['loss'][0]:.3f} -> {model['loss'][1]:.3f} "
+                f"(first/last 10 steps){extra}"
+            )
     if sparkdl_runner.cold_first_batch_s is not None:
-        print(f"sparkdl: the session's first sparkdl.run (cold executor Python worker) took {sparkdl_runner.cold_first_batch_s:.2f} s "
-              f"to its first batch; the rows above ran after warm-up jobs")
+        print(
+            f"sparkdl: the session's first sparkdl.run (cold executor Python worker) took {sparkdl_runner.cold_first_batch_s:.2f} s "
+            f"to its first batch; the rows above ran after warm-up jobs"
+        )
     if tv_error:
         print(f"torchvision not importable ({tv_error[:160]}): row 4 used the Pillow stand-in, no decode_jpeg figures")
 

@@ -112,8 +112,14 @@ def generate(
     import pyarrow.parquet as pq
 
     params = {
-        "format": FORMAT_VERSION, "count": count, "size": size, "seed": seed, "quality": quality,
-        "rows_per_file": rows_per_file, "row_group_rows": row_group_rows, "classes": CLASSES,
+        "format": FORMAT_VERSION,
+        "count": count,
+        "size": size,
+        "seed": seed,
+        "quality": quality,
+        "rows_per_file": rows_per_file,
+        "row_group_rows": row_group_rows,
+        "classes": CLASSES,
     }
     marker = os.path.join(out, "manifest.json")
     parquet_dir, folder_dir = os.path.join(out, "parquet"), os.path.join(out, "folder")
@@ -138,11 +144,18 @@ def generate(
 
     def flush() -> None:
         nonlocal files
-        table = pa.table({
-            "image": pa.array([r[1] for r in rows], type=pa.binary()),
-            "label": pa.array([r[2] for r in rows], type=pa.int64()),
-        })
-        pq.write_table(table, os.path.join(parquet_dir, f"part-{files:05d}.parquet"), row_group_size=row_group_rows, compression="snappy")
+        table = pa.table(
+            {
+                "image": pa.array([r[1] for r in rows], type=pa.binary()),
+                "label": pa.array([r[2] for r in rows], type=pa.int64()),
+            }
+        )
+        pq.write_table(
+            table,
+            os.path.join(parquet_dir, f"part-{files:05d}.parquet"),
+            row_group_size=row_group_rows,
+            compression="snappy",
+        )
         files += 1
         rows.clear()
 
@@ -168,8 +181,10 @@ def generate(
         json.dump(manifest, f, indent=2)
     os.replace(marker + ".tmp", marker)
     if verbose:
-        print(f"wrote {count:,} JPEGs of {size}x{size} (mean {manifest['mean_jpeg_bytes'] / 1024:.1f} KiB) to {out}: "
-              f"{files} Parquet files, row groups of {row_group_rows:,}, and an ImageFolder tree")
+        print(
+            f"wrote {count:,} JPEGs of {size}x{size} (mean {manifest['mean_jpeg_bytes'] / 1024:.1f} KiB) to {out}: "
+            f"{files} Parquet files, row groups of {row_group_rows:,}, and an ImageFolder tree"
+        )
     return manifest
 
 
@@ -184,8 +199,13 @@ def main(argv=None) -> None:
     parser.add_argument("--row-group-rows", type=int, default=1_000)
     args = parser.parse_args(argv)
     generate(
-        args.out or default_out(args.count, args.size), args.count, args.size, args.seed, args.quality,
-        args.rows_per_file, args.row_group_rows,
+        args.out or default_out(args.count, args.size),
+        args.count,
+        args.size,
+        args.seed,
+        args.quality,
+        args.rows_per_file,
+        args.row_group_rows,
     )
 
 

@@ -86,29 +86,47 @@ WORLD = 2  # ranks: one per worker host
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke run: hidden 1024, 512 rows x 2 epochs, rates none,100mbit")
-    p.add_argument("--rates", default=None, help="comma-separated tc rates, 'none' = unshaped (default none,1gbit,100mbit)")
-    p.add_argument("--strategies", default="allreduce,ma,diloco,elastic,ps,sharded",
-                   help=f"comma-separated, from {','.join(STRATEGY_KEYS)} (ma = one row per --taus)")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: hidden 1024, 512 rows x 2 epochs, rates none,100mbit"
+    )
+    p.add_argument(
+        "--rates", default=None, help="comma-separated tc rates, 'none' = unshaped (default none,1gbit,100mbit)"
+    )
+    p.add_argument(
+        "--strategies",
+        default="allreduce,ma,diloco,elastic,ps,sharded",
+        help=f"comma-separated, from {','.join(STRATEGY_KEYS)} (ma = one row per --taus)",
+    )
     p.add_argument("--taus", default="4,16,64", help="ModelAveraging sync_every values")
     p.add_argument("--diloco-tau", type=int, default=16, help="DiLoCo's sync_every")
     p.add_argument("--elastic-tau", type=int, default=4, help="ElasticAveraging's sync_every")
     p.add_argument("--features", type=int, default=256)
-    p.add_argument("--hidden", type=int, default=None, help="hidden width (default 2112: 5.03 M parameters; --quick 1024)")
+    p.add_argument(
+        "--hidden", type=int, default=None, help="hidden width (default 2112: 5.03 M parameters; --quick 1024)"
+    )
     p.add_argument("--rows", type=int, default=None, help="Parquet rows = samples per epoch (default 512)")
     p.add_argument("--epochs", type=int, default=None, help="epochs per fit (default 8; --quick 2)")
     p.add_argument("--batch-size", type=int, default=32, help="rows per batch per worker")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (inner optimizer)")
     p.add_argument("--separation", type=float, default=0.1, help="class centroids: N(0, separation^2) per feature")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout-s", type=float, default=240.0, help="the estimator's timeout_s (rendezvous, each collective)")
+    p.add_argument(
+        "--timeout-s", type=float, default=240.0, help="the estimator's timeout_s (rendezvous, each collective)"
+    )
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up fit")
-    p.add_argument("--interleave", action="store_true",
-                   help="run each strategy at every rate back to back (reshaping between fits) instead of every strategy at one "
-                        "rate, then the next: 'kept vs unshaped' then compares fits seconds apart, 'x AllReduce' fits minutes apart")
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="run each strategy at every rate back to back (reshaping between fits) instead of every strategy at one "
+        "rate, then the next: 'kept vs unshaped' then compares fits seconds apart, 'x AllReduce' fits minutes apart",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="also save the results as JSON")
     p.add_argument("--cluster-name", default="sdb", help="netcluster --name (namespace prefix)")
-    p.add_argument("--cluster-dir", default=os.path.join(REPO_ROOT, ".sparkdl-netcluster-bench"), help="netcluster --dir (state, logs, data)")
+    p.add_argument(
+        "--cluster-dir",
+        default=os.path.join(REPO_ROOT, ".sparkdl-netcluster-bench"),
+        help="netcluster --dir (state, logs, data)",
+    )
     p.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # internal: the driver inside h0
     p.add_argument("--results", default=None, help=argparse.SUPPRESS)  # internal: where the driver writes
     return p
@@ -171,7 +189,9 @@ def add_noise(features, labels):
 def centroids(args: argparse.Namespace):
     import numpy as np
 
-    return (np.random.default_rng(args.seed + 1000).standard_normal((10, args.features)) * args.separation).astype(np.float32)
+    return (np.random.default_rng(args.seed + 1000).standard_normal((10, args.features)) * args.separation).astype(
+        np.float32
+    )
 
 
 def write_dataset(args: argparse.Namespace, path: str) -> str:
@@ -182,7 +202,12 @@ def write_dataset(args: argparse.Namespace, path: str) -> str:
 
     mu = centroids(args)
     labels = np.random.default_rng(args.seed + 2000).integers(0, 10, args.rows)
-    table = pa.table({"features": pa.array(list(mu[labels]), type=pa.list_(pa.float32())), "label": pa.array(labels.astype(np.int64))})
+    table = pa.table(
+        {
+            "features": pa.array(list(mu[labels]), type=pa.list_(pa.float32())),
+            "label": pa.array(labels.astype(np.int64)),
+        }
+    )
     os.makedirs(path, exist_ok=True)
     for name in os.listdir(path):
         os.remove(os.path.join(path, name))
@@ -221,9 +246,21 @@ def strategies(args: argparse.Namespace) -> List[Tuple[str, str, Any]]:
             rows += [(f"ma{t}", f"ModelAveraging τ={t}", sparkdl.ModelAveraging(sync_every=t)) for t in args.tau_list]
         elif key == "diloco":
             outer = sparkdl.OuterSGD(lr=0.7, momentum=0.9, nesterov=True)
-            rows.append(("diloco", f"DiLoCo τ={args.diloco_tau}", sparkdl.ModelAveraging(sync_every=args.diloco_tau, outer_optimizer=outer)))
+            rows.append(
+                (
+                    "diloco",
+                    f"DiLoCo τ={args.diloco_tau}",
+                    sparkdl.ModelAveraging(sync_every=args.diloco_tau, outer_optimizer=outer),
+                )
+            )
         elif key == "elastic":
-            rows.append(("elastic", f"ElasticAveraging τ={args.elastic_tau}", sparkdl.ElasticAveraging(sync_every=args.elastic_tau)))
+            rows.append(
+                (
+                    "elastic",
+                    f"ElasticAveraging τ={args.elastic_tau}",
+                    sparkdl.ElasticAveraging(sync_every=args.elastic_tau),
+                )
+            )
         elif key == "ps":
             rows.append(("ps", "ParameterServer", sparkdl.ParameterServer()))
         elif key == "sharded":
@@ -278,7 +315,9 @@ class WireSampler:
             now = time.time()
             read = {host: proc_counters(pid) for host, pid in self.pids.items()}
             if all(v is not None for v in read.values()):
-                counts = {f"{host} {kind}": value for host, pair in read.items() for kind, value in zip(("rx", "tx"), pair)}
+                counts = {
+                    f"{host} {kind}": value for host, pair in read.items() for kind, value in zip(("rx", "tx"), pair)
+                }
                 with self._lock:
                     self.samples.append((now, counts))
             self._stop.wait(self.interval)
@@ -300,8 +339,11 @@ class WireSampler:
 
 
 def netcluster(args: argparse.Namespace, *command: str) -> None:
-    subprocess.run([sys.executable, NETCLUSTER, "--name", args.cluster_name, "--dir", args.cluster_dir, *command],
-                   check=True, stdin=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, NETCLUSTER, "--name", args.cluster_name, "--dir", args.cluster_dir, *command],
+        check=True,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def fit_one(args, spark_data: str, strategy, epochs: int):
@@ -310,9 +352,18 @@ def fit_one(args, spark_data: str, strategy, epochs: int):
     import sparkdl
 
     return sparkdl.TorchEstimator(
-        model=functools.partial(make_mlp, widths(args)), optimizer=functools.partial(torch.optim.Adam, lr=args.lr),
-        feature_cols=["features"], label_col="label", strategy=strategy, num_workers=WORLD, batch_size=args.batch_size,
-        epochs=epochs, seed=args.seed, progress=False, transform_fn=add_noise, timeout_s=args.timeout_s,
+        model=functools.partial(make_mlp, widths(args)),
+        optimizer=functools.partial(torch.optim.Adam, lr=args.lr),
+        feature_cols=["features"],
+        label_col="label",
+        strategy=strategy,
+        num_workers=WORLD,
+        batch_size=args.batch_size,
+        epochs=epochs,
+        seed=args.seed,
+        progress=False,
+        transform_fn=add_noise,
+        timeout_s=args.timeout_s,
     ).fit(spark_data)
 
 
@@ -322,8 +373,13 @@ def measure(args, data: str, sampler: WireSampler, rate: str, key: str, label: s
     try:
         model = fit_one(args, data, strategy, args.epochs)
     except Exception as exc:  # noqa: BLE001 - reported in the table, verbatim
-        record.update(ok=False, error_type=type(exc).__name__, error=str(exc)[:4000], traceback=traceback.format_exc()[-3000:],
-                      fit_seconds=time.time() - called)
+        record.update(
+            ok=False,
+            error_type=type(exc).__name__,
+            error=str(exc)[:4000],
+            traceback=traceback.format_exc()[-3000:],
+            fit_seconds=time.time() - called,
+        )
         return record
     info, history = model.run_info, model.history
     samples = sum(h["samples"] for h in history)
@@ -337,7 +393,9 @@ def measure(args, data: str, sampler: WireSampler, rate: str, key: str, label: s
         epoch_seconds=seconds,
         samples_per_sec=samples / seconds if seconds > 0 else None,
         comm_bytes=sum(h["comm_bytes"] for h in history) * WORLD,
-        history=[{k: h[k] for k in ("epoch", "loss", "samples", "seconds", "samples_per_sec", "comm_bytes")} for h in history],
+        history=[
+            {k: h[k] for k in ("epoch", "loss", "samples", "seconds", "samples_per_sec", "comm_bytes")} for h in history
+        ],
         final_heldout_loss=heldout_loss(model.module, held),
         described=info.get("strategy"),
         steps=info.get("steps"),
@@ -365,10 +423,14 @@ def driver_main(args: argparse.Namespace) -> int:
 
     address = state["cluster_addresses"][0]
     spark = (
-        SparkSession.builder.master(state["master_url"]).appName("sparkdl-benchmark-network")
-        .config("spark.driver.host", address).config("spark.driver.bindAddress", address)
-        .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-        .config("spark.executor.instances", str(state["hosts"] - 1)).config("spark.executor.memory", "768m")
+        SparkSession.builder.master(state["master_url"])
+        .appName("sparkdl-benchmark-network")
+        .config("spark.driver.host", address)
+        .config("spark.driver.bindAddress", address)
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.executor.instances", str(state["hosts"] - 1))
+        .config("spark.executor.memory", "768m")
         .config("spark.pyspark.python", sys.executable)
         .config("spark.executorEnv.PYTHONPATH", REPO_ROOT)
         .config("spark.sparkdl.cacheDir", os.path.join(args.cluster_dir, "cache"))
@@ -408,12 +470,19 @@ def driver_main(args: argparse.Namespace) -> int:
             results["records"].append(record)
             if record["ok"]:
                 wire = record.get("wire_bytes")
-                print(f"[network] {rate_label(rate)} {label}: {record['samples_per_sec']:.0f} samples/s, "
-                      f"wire {wire / record['samples'] / 1e6 if wire else float('nan'):.3f} MB/sample, "
-                      f"loss {record['history'][-1]['loss']:.3f}, fit {record['fit_seconds']:.1f}s", file=sys.stderr, flush=True)
+                print(
+                    f"[network] {rate_label(rate)} {label}: {record['samples_per_sec']:.0f} samples/s, "
+                    f"wire {wire / record['samples'] / 1e6 if wire else float('nan'):.3f} MB/sample, "
+                    f"loss {record['history'][-1]['loss']:.3f}, fit {record['fit_seconds']:.1f}s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             else:
-                print(f"[network] {rate_label(rate)} {label}: FAILED {record['error_type']}: {record['error'][:300]}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[network] {rate_label(rate)} {label}: FAILED {record['error_type']}: {record['error'][:300]}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             with open(args.results, "w") as handle:  # partial results survive a later crash
                 json.dump(results, handle)
     finally:
@@ -486,8 +555,10 @@ def tables(results: Dict[str, Any], args: argparse.Namespace) -> str:
     ]
     odd = [t for t in args.tau_list + ([args.diloco_tau] if "diloco" in args.strategy_list else []) if steps % t]
     if odd:
-        lines.append(f"note: τ={'/'.join(map(str, odd))} does not divide the {steps} steps: the final average after the epochs "
-                     "is in wire MB/sample but not in samples/s (nor in sparkdl MB/sample)")
+        lines.append(
+            f"note: τ={'/'.join(map(str, odd))} does not divide the {steps} steps: the final average after the epochs "
+            "is in wire MB/sample but not in samples/s (nor in sparkdl MB/sample)"
+        )
     errors = []
     for rate in args.rate_list:
         rows = [r for r in results["records"] if r["rate"] == rate]
@@ -495,9 +566,13 @@ def tables(results: Dict[str, Any], args: argparse.Namespace) -> str:
             continue
         done = [r for r in rows if r["ok"]]
         when = f", T = {done[0]['equal_time_s']:.1f}s ({done[0]['equal_time_of']})" if done else ""
-        lines += ["", f"### {rate_label(rate)}{when}", "",
-                  "| strategy | samples/s | x AllReduce | kept vs unshaped | wire MB/sample | sparkdl MB/sample | loss @ equal samples | loss @ equal time | final held-out |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"### {rate_label(rate)}{when}",
+            "",
+            "| strategy | samples/s | x AllReduce | kept vs unshaped | wire MB/sample | sparkdl MB/sample | loss @ equal samples | loss @ equal time | final held-out |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in rows:
             if not r["ok"]:
                 lines.append(f"| {r['strategy']} | FAILED ({r['error_type']}) | | | | | | | |")
@@ -541,7 +616,13 @@ def premise(by: Dict[Tuple[str, str], Dict[str, Any]], args: argparse.Namespace)
         for tau in args.tau_list:
             ma, base = by.get((rate, f"ma{tau}")), by.get(("none", f"ma{tau}"))
             if ma and ma.get("ok") and base and base.get("ok"):
-                taus.append((tau, ma["samples_per_sec"] / base["samples_per_sec"], ma["samples_per_sec"] / ar["samples_per_sec"]))
+                taus.append(
+                    (
+                        tau,
+                        ma["samples_per_sec"] / base["samples_per_sec"],
+                        ma["samples_per_sec"] / ar["samples_per_sec"],
+                    )
+                )
         if not taus:
             lines.append(f"{rate}: not tested, every ModelAveraging fit failed")
             continue
@@ -564,7 +645,10 @@ def premise(by: Dict[Tuple[str, str], Dict[str, Any]], args: argparse.Namespace)
             f"{best['loss_equal_time']:.3f} vs AllReduce's {ar['loss_equal_time']:.3f} (at equal samples {best['loss_equal_samples']:.3f} "
             f"vs {ar['loss_equal_samples']:.3f})"
         )
-    return f"Verdict on SparkNet's premise (averaging every τ steps keeps throughput when allreduce is bandwidth-bound) at {lines[-1]}", lines[:-1]
+    return (
+        f"Verdict on SparkNet's premise (averaging every τ steps keeps throughput when allreduce is bandwidth-bound) at {lines[-1]}",
+        lines[:-1],
+    )
 
 
 # ---------------------------------------------------------------------------- outer process (root namespace)
@@ -574,7 +658,12 @@ def outer_main(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if os.geteuid() != 0:
         raise SystemExit("benchmarks/network.py needs root (scripts/netcluster creates network namespaces)")
     base = [sys.executable, NETCLUSTER, "--name", args.cluster_name, "--dir", args.cluster_dir]
-    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, SPARKDL_NETCLUSTER_NAME=args.cluster_name, SPARKDL_NETCLUSTER_DIR=args.cluster_dir)
+    env = dict(
+        os.environ,
+        PYSPARK_PYTHON=sys.executable,
+        SPARKDL_NETCLUSTER_NAME=args.cluster_name,
+        SPARKDL_NETCLUSTER_DIR=args.cluster_dir,
+    )
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     results_path = os.path.join(args.cluster_dir, "bench-results.json")
     started = time.time()
@@ -584,14 +673,34 @@ def outer_main(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     signal.signal(signal.SIGTERM, terminated)
     try:
-        subprocess.run([*base, "up", "--hosts", "3", "--cores", "1", "--memory", "1g"], check=True, env=env,
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [*base, "up", "--hosts", "3", "--cores", "1", "--memory", "1g"],
+            check=True,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
         write_dataset(args, os.path.join(args.cluster_dir, "bench-data"))
         if os.path.exists(results_path):
             os.remove(results_path)
         print(f"[network] cluster up in {time.time() - started:.0f}s; driver in h0", file=sys.stderr, flush=True)
-        done = subprocess.run([*base, "exec", "h0", "--", sys.executable, os.path.abspath(__file__), *argv, "--driver",
-                               "--results", results_path], env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            [
+                *base,
+                "exec",
+                "h0",
+                "--",
+                sys.executable,
+                os.path.abspath(__file__),
+                *argv,
+                "--driver",
+                "--results",
+                results_path,
+            ],
+            env=env,
+            cwd=REPO_ROOT,
+            stdin=subprocess.DEVNULL,
+        )
         if not os.path.exists(results_path):
             print(f"[network] the driver wrote no results (exit {done.returncode})", file=sys.stderr)
             return 1

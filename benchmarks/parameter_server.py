@@ -134,7 +134,9 @@ def _wire_worker(rank: int, port: int, jobs: List[Dict[str, Any]], out: Any) -> 
     from sparkdl.strategies.parameter_server.runtime import ParameterServerRuntime as _ParameterServerRuntime
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300)
+    )
     env = DistEnv(rank, 2, torch.device("cpu"), "gloo", "127.0.0.1", port)
     try:
         for job in jobs:
@@ -150,13 +152,26 @@ def _wire_worker(rank: int, port: int, jobs: List[Dict[str, Any]], out: Any) -> 
                 for _ in range(job["steps"]):
                     dist.all_reduce(flat)
                 seconds = time.perf_counter() - started
-                out.put({**job, "rank": rank, "steps_per_sec": job["steps"] / seconds, "bytes": flat.numel() * 4 * job["steps"], "seconds": seconds, "updates": job["steps"]})
+                out.put(
+                    {
+                        **job,
+                        "rank": rank,
+                        "steps_per_sec": job["steps"] / seconds,
+                        "bytes": flat.numel() * 4 * job["steps"],
+                        "seconds": seconds,
+                        "updates": job["steps"],
+                    }
+                )
                 continue
             strategy = sparkdl.ParameterServer(max_staleness=None, layout=job["layout"])
             runtime = _ParameterServerRuntime(strategy, env, _gather, "127.0.0.1")
             try:
                 model = runtime.prepare_model(model)
-                user = torch.optim.Adam(model.parameters(), lr=1e-4) if job["optimizer"] == "adam" else torch.optim.SGD(model.parameters(), lr=1e-4)
+                user = (
+                    torch.optim.Adam(model.parameters(), lr=1e-4)
+                    if job["optimizer"] == "adam"
+                    else torch.optim.SGD(model.parameters(), lr=1e-4)
+                )
                 optimizer = runtime.prepare_optimizer(user)
                 for p, g in zip(model.parameters(), grads):
                     p.grad = g
@@ -177,7 +192,16 @@ def _wire_worker(rank: int, port: int, jobs: List[Dict[str, Any]], out: Any) -> 
                 sent = runtime.comm_bytes - bytes_before
                 dist.barrier()
                 runtime.final_module(model)
-                out.put({**job, "rank": rank, "steps_per_sec": job["steps"] / seconds, "bytes": sent, "seconds": seconds, "updates": updates})
+                out.put(
+                    {
+                        **job,
+                        "rank": rank,
+                        "steps_per_sec": job["steps"] / seconds,
+                        "bytes": sent,
+                        "seconds": seconds,
+                        "updates": updates,
+                    }
+                )
             finally:
                 runtime.close()
     finally:
@@ -201,21 +225,27 @@ def wire_part(repeats: int) -> None:
     rows: Dict[Tuple, List[Dict[str, Any]]] = {}
     one_way: List[float] = []
     two_way: List[float] = []
-    for repeat in range(repeats):
+    for _ in range(repeats):
         # Measured right before each repeat: the machine is shared, so its bandwidth drifts.
         one_way.append(loopback_bandwidth(both_ways=False))
         two_way.append(loopback_bandwidth(both_ways=True))
         queue = ctx.SimpleQueue()
-        torch.multiprocessing.start_processes(_wire_worker, args=(_free_port(), jobs, queue), nprocs=2, join=True, start_method="spawn")
+        torch.multiprocessing.start_processes(
+            _wire_worker, args=(_free_port(), jobs, queue), nprocs=2, join=True, start_method="spawn"
+        )
         while not queue.empty():
             result = queue.get()
             result["loopback"] = two_way[-1]
             rows.setdefault((result["kind"], result["model"], result["optimizer"], result["layout"]), []).append(result)
-    print(f"\nLoopback bandwidth, plain sendall loops between two processes on 127.0.0.1 (median of {repeats}, "
-          f"measured before each repeat): one stream {statistics.median(one_way) / 1e9:.2f} GB/s "
-          f"({', '.join(f'{b / 1e9:.2f}' for b in one_way)}); one stream each way at once "
-          f"{statistics.median(two_way) / 1e9:.2f} GB/s in total ({', '.join(f'{b / 1e9:.2f}' for b in two_way)}).\n")
-    print("| model | params | run | layout | worker steps/s (per rank) | model updates/s (servers) | wire MB/s (both ranks) | of two-way loopback |")
+    print(
+        f"\nLoopback bandwidth, plain sendall loops between two processes on 127.0.0.1 (median of {repeats}, "
+        f"measured before each repeat): one stream {statistics.median(one_way) / 1e9:.2f} GB/s "
+        f"({', '.join(f'{b / 1e9:.2f}' for b in one_way)}); one stream each way at once "
+        f"{statistics.median(two_way) / 1e9:.2f} GB/s in total ({', '.join(f'{b / 1e9:.2f}' for b in two_way)}).\n"
+    )
+    print(
+        "| model | params | run | layout | worker steps/s (per rank) | model updates/s (servers) | wire MB/s (both ranks) | of two-way loopback |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for job in jobs:
         key = (job["kind"], job["model"], job["optimizer"], job["layout"])
@@ -235,7 +265,9 @@ def wire_part(repeats: int) -> None:
             # Each shard applies every worker's push; averaging the two shards' rates gives the
             # model updates per second of the whole job.
             updates = statistics.median(sum(r["updates"] / r["seconds"] for r in pair) / 2 for pair in pairs)
-        print(f"| {job['model']} | {params / 1e6:.2f}M | {label} | {job['layout']} | {steps:.1f} | {updates:.1f} | {wire / 1e6:.0f} | {ratio:.0%} |")
+        print(
+            f"| {job['model']} | {params / 1e6:.2f}M | {label} | {job['layout']} | {steps:.1f} | {updates:.1f} | {wire / 1e6:.0f} | {ratio:.0%} |"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,9 +281,15 @@ def layout_models() -> Dict[str, torch.nn.Module]:
         "MLP 1M": mlp(MODELS["1M"]),
         "MLP 10M": mlp(MODELS["10M"]),
         "small CNN": torch.nn.Sequential(
-            torch.nn.Conv2d(3, 32, 3), torch.nn.Conv2d(32, 64, 3), torch.nn.Conv2d(64, 128, 3), torch.nn.Flatten(), torch.nn.Linear(128 * 26 * 26, 10)
+            torch.nn.Conv2d(3, 32, 3),
+            torch.nn.Conv2d(32, 64, 3),
+            torch.nn.Conv2d(64, 128, 3),
+            torch.nn.Flatten(),
+            torch.nn.Linear(128 * 26 * 26, 10),
         ),
-        "Transformer (4 layers, d=256)": torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(256, 4, 1024), 4, enable_nested_tensor=False),
+        "Transformer (4 layers, d=256)": torch.nn.TransformerEncoder(
+            torch.nn.TransformerEncoderLayer(256, 4, 1024), 4, enable_nested_tensor=False
+        ),
         "embedding 50k x 128 + head": torch.nn.Sequential(torch.nn.EmbeddingBag(50_000, 128), torch.nn.Linear(128, 2)),
     }
 
@@ -260,12 +298,20 @@ def busiest_server_ms(model: torch.nn.Module, ranks: int, layout: str, repeats: 
     """Milliseconds the busiest of ``ranks`` servers needs to apply one Adam update to its shard
     (the real ``_Shard.push``, one thread, no network): the pace-setter of every step. Each
     shard's time is the minimum over ``repeats`` updates, which filters out other jobs' noise."""
-    from sparkdl.strategies.parameter_server.layout import TableSpec as _TableSpec, make_layout
+    from sparkdl.strategies.parameter_server.layout import TableSpec as _TableSpec
+    from sparkdl.strategies.parameter_server.layout import make_layout
     from sparkdl.strategies.parameter_server.shard import Shard as _Shard
 
     params = list(model.parameters())
     sizes = [p.numel() for p in params]
-    spec = _TableSpec(0, torch.float32, tuple(tuple(p.shape) for p in params), (0,) * len(params), 1, make_layout(layout, sizes, ranks))
+    spec = _TableSpec(
+        0,
+        torch.float32,
+        tuple(tuple(p.shape) for p in params),
+        (0,) * len(params),
+        1,
+        make_layout(layout, sizes, ranks),
+    )
     wire_order = torch.cat([params[i].detach().reshape(-1) for i in spec.layout.order])
     template = torch.optim.Adam(params, lr=1e-4)
     busiest = 0.0
@@ -297,13 +343,18 @@ def layout_part(repeats: int = 15) -> None:
         sizes = [p.numel() for p in model.parameters()]
         cells = []
         for ranks in (2, 4, 8):
-            cells.append(f"{balanced_layout(sizes, ranks).imbalance():.2f} / {tensor_layout(sizes, ranks).imbalance():.2f}")
+            cells.append(
+                f"{balanced_layout(sizes, ranks).imbalance():.2f} / {tensor_layout(sizes, ranks).imbalance():.2f}"
+            )
         print(f"| {name} | {sum(sizes) / 1e6:.2f}M | {len(sizes)} | " + " | ".join(cells) + " |")
     print(f"\nThe busiest server's time for one Adam update of its shard, ms (min of {repeats}, one thread):\n")
     print("| model | 2 ranks: balanced / tensors | 4 ranks | 8 ranks |")
     print("|---|---|---|---|")
     for name in ("MLP 1M", "MLP 10M", "small CNN", "embedding 50k x 128 + head"):
-        cells = [f"{busiest_server_ms(models[name], r, 'balanced', repeats):.1f} / {busiest_server_ms(models[name], r, 'tensors', repeats):.1f}" for r in (2, 4, 8)]
+        cells = [
+            f"{busiest_server_ms(models[name], r, 'balanced', repeats):.1f} / {busiest_server_ms(models[name], r, 'tensors', repeats):.1f}"
+            for r in (2, 4, 8)
+        ]
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
@@ -364,7 +415,12 @@ def _digits_loop(epochs: int, lr: float, slow_step_s: float, test_x: np.ndarray,
         facts = (steps / train_seconds, max(staleness) if staleness else None)
         gathered = [None] * ctx.world_size
         _dist.all_gather_object(gathered, facts)
-        return {"curve": curve, "final_accuracy": final_accuracy, "steps_per_sec": [g[0] for g in gathered], "staleness": max((g[1] or 0) for g in gathered) if staleness else None}
+        return {
+            "curve": curve,
+            "final_accuracy": final_accuracy,
+            "steps_per_sec": [g[0] for g in gathered],
+            "staleness": max((g[1] or 0) for g in gathered) if staleness else None,
+        }
 
     return train
 
@@ -375,12 +431,21 @@ def digits_part(epochs: int, target: float, lr: float, slow_step_s: float, repea
     spark = local_cluster("sparkdl-benchmark-parameter-server")
     try:
         (train_x, train_y), (test_x, test_y) = split_digits()
-        df = spark.createDataFrame([(f.astype(float).tolist(), int(y)) for f, y in zip(train_x, train_y)], "features array<double>, label long")
+        df = spark.createDataFrame(
+            [(f.astype(float).tolist(), int(y)) for f, y in zip(train_x, train_y)], "features array<double>, label long"
+        )
 
         def run(strategy: sparkdl.Strategy, slow: float) -> Dict[str, Any]:
             return sparkdl.run(
-                _digits_loop(epochs, lr, slow, test_x, test_y), num_workers=2, strategy=strategy, data=df,
-                feature_cols=["features"], label_col="label", batch_size=32, seed=0, progress=False,
+                _digits_loop(epochs, lr, slow, test_x, test_y),
+                num_workers=2,
+                strategy=strategy,
+                data=df,
+                feature_cols=["features"],
+                label_col="label",
+                batch_size=32,
+                seed=0,
+                progress=False,
             )
 
         run(sparkdl.AllReduce(), 0.0)  # untimed: materializes the DataFrame, starts the Python workers
@@ -389,21 +454,33 @@ def digits_part(epochs: int, target: float, lr: float, slow_step_s: float, repea
         ]
         for slow in (0.0, slow_step_s):
             title = "equal workers" if not slow else f"rank 1 sleeps {slow * 1000:.0f} ms every step"
-            print(f"\nDigits, 2 workers, batch 32 per worker, Adam lr={lr}, {epochs} epochs, {title}; "
-                  f"target test accuracy {target:.2f} (median of {repeats} run(s)):\n")
-            print("| strategy | s to target (rank 0) | epochs to target | final acc (servers' model) | steps/s rank 0 / rank 1 | max staleness |")
+            print(
+                f"\nDigits, 2 workers, batch 32 per worker, Adam lr={lr}, {epochs} epochs, {title}; "
+                f"target test accuracy {target:.2f} (median of {repeats} run(s)):\n"
+            )
+            print(
+                "| strategy | s to target (rank 0) | epochs to target | final acc (servers' model) | steps/s rank 0 / rank 1 | max staleness |"
+            )
             print("|---|---|---|---|---|---|")
             for name, strategy in configs:
                 results = [run(strategy, slow) for _ in range(repeats)]
-                reached = [next(((t, e + 1) for e, (t, a) in enumerate(r["curve"]) if a >= target), None) for r in results]
+                reached = [
+                    next(((t, e + 1) for e, (t, a) in enumerate(r["curve"]) if a >= target), None) for r in results
+                ]
                 times = [x[0] for x in reached if x is not None]
                 epochs_needed = [x[1] for x in reached if x is not None]
-                to_target = f"{statistics.median(times):.2f}" if len(times) == len(results) else f"not reached in {len([x for x in reached if x is None])}/{len(results)}"
+                to_target = (
+                    f"{statistics.median(times):.2f}"
+                    if len(times) == len(results)
+                    else f"not reached in {len([x for x in reached if x is None])}/{len(results)}"
+                )
                 epochs_cell = f"{statistics.median(epochs_needed):g}" if len(epochs_needed) == len(results) else "-"
                 accuracy = statistics.median(r["final_accuracy"] for r in results)
                 rates = [statistics.median(r["steps_per_sec"][k] for r in results) for k in range(2)]
                 stale = results[0]["staleness"]
-                print(f"| {name} | {to_target} | {epochs_cell} | {accuracy:.3f} | {rates[0]:.0f} / {rates[1]:.0f} | {'-' if stale is None else max(r['staleness'] for r in results)} |")
+                print(
+                    f"| {name} | {to_target} | {epochs_cell} | {accuracy:.3f} | {rates[0]:.0f} / {rates[1]:.0f} | {'-' if stale is None else max(r['staleness'] for r in results)} |"
+                )
     finally:
         spark.stop()
 
@@ -418,7 +495,9 @@ def main(argv: Sequence[str] = ()) -> None:
     parser.add_argument("--slow-step-s", type=float, default=0.02)
     parser.add_argument("--digits-repeats", type=int, default=1)
     args = parser.parse_args(list(argv))
-    print(f"# ParameterServer benchmark ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, torch {torch.__version__})")
+    print(
+        f"# ParameterServer benchmark ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, torch {torch.__version__})"
+    )
     if args.part in ("all", "layout"):
         layout_part()
     if args.part in ("all", "wire"):

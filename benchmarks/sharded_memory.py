@@ -54,9 +54,12 @@ def _mlp(width: int):
 
     half = width // 2
     return torch.nn.Sequential(
-        torch.nn.Linear(half, width), torch.nn.ReLU(),
-        torch.nn.Linear(width, width), torch.nn.ReLU(),
-        torch.nn.Linear(width, width), torch.nn.ReLU(),
+        torch.nn.Linear(half, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, width),
+        torch.nn.ReLU(),
         torch.nn.Linear(width, half),
     )
 
@@ -75,8 +78,19 @@ def _rank(rank: int, port: int, out_dir: str, side: str, args: argparse.Namespac
     store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
     baseline = _status_mib("VmRSS")
-    strategy = sparkdl.AllReduce() if side == "allreduce" else sparkdl.ShardedDataParallel(reshard_after_forward=side == "sharded")
-    env = DistEnv(rank=rank, world_size=WORLD, device=torch.device("cpu"), backend="gloo", master_addr="127.0.0.1", master_port=port)
+    strategy = (
+        sparkdl.AllReduce()
+        if side == "allreduce"
+        else sparkdl.ShardedDataParallel(reshard_after_forward=side == "sharded")
+    )
+    env = DistEnv(
+        rank=rank,
+        world_size=WORLD,
+        device=torch.device("cpu"),
+        backend="gloo",
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
     runtime = strategy.create_runtime(env)
     torch.manual_seed(0)
     model = runtime.prepare_model(_mlp(args.width))
@@ -125,7 +139,9 @@ def _run_side(side: str, args: argparse.Namespace) -> List[Dict[str, Any]]:
     import torch.multiprocessing as mp
 
     out_dir = tempfile.mkdtemp(prefix=f"sharded-bench-{side}-")
-    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=600))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=600)
+    )
     mp.spawn(_worker, args=(store.port, out_dir, side, args), nprocs=WORLD, join=True)
     del store
     return [torch.load(os.path.join(out_dir, f"{side}-{r}.pt")) for r in range(WORLD)]
@@ -145,10 +161,16 @@ def main() -> None:
     }
     results = {side: _run_side(side, args) for side in sides}
     params = results["allreduce"][0]["params"]
-    print(f"# {datetime.date.today()} — MLP of {params / 1e6:.1f}M float32 parameters, Adam, 2 gloo ranks x 1 thread, "
-          f"batch {args.batch_size}/rank, {args.warmup} warm-up + {args.steps} timed steps")
-    print(f"# model {params * 4 / 2**20:.0f} MiB; + grads + Adam's 2 moments = {params * 16 / 2**20:.0f} MiB unsharded\n")
-    print("| strategy | baseline MiB | train peak MiB | above baseline | ratio to DDP | with result MiB | samples/s | ratio | comm MB/step |")
+    print(
+        f"# {datetime.date.today()} — MLP of {params / 1e6:.1f}M float32 parameters, Adam, 2 gloo ranks x 1 thread, "
+        f"batch {args.batch_size}/rank, {args.warmup} warm-up + {args.steps} timed steps"
+    )
+    print(
+        f"# model {params * 4 / 2**20:.0f} MiB; + grads + Adam's 2 moments = {params * 16 / 2**20:.0f} MiB unsharded\n"
+    )
+    print(
+        "| strategy | baseline MiB | train peak MiB | above baseline | ratio to DDP | with result MiB | samples/s | ratio | comm MB/step |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     ddp = results["allreduce"]
     ddp_above = max(r["train_peak"] - r["baseline"] for r in ddp)

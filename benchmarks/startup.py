@@ -73,7 +73,12 @@ def _fits(rows: int, workdir: str, fits: int, kind: str) -> Dict[str, Any]:
         for _ in range(fits):
             called = time.time()
             model = sparkdl.TorchEstimator(
-                model=make_mlp, optimizer=make_optimizer, num_workers=2, batch_size=64, epochs=1, progress=False,
+                model=make_mlp,
+                optimizer=make_optimizer,
+                num_workers=2,
+                batch_size=64,
+                epochs=1,
+                progress=False,
             ).fit(path)
             info = model.run_info
             out.append({**info["startup"], "launch": info["startup_seconds"], "whole": time.time() - called})
@@ -91,7 +96,16 @@ APPLICATIONS = {
 
 def _application(kind: str, rows: int, fits: int) -> Dict[str, Any]:
     """One application in a fresh Python process: its figures as JSON."""
-    command = [sys.executable, os.path.abspath(__file__), "--application", kind, "--rows", str(rows), "--fits", str(fits)]
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--application",
+        kind,
+        "--rows",
+        str(rows),
+        "--fits",
+        str(fits),
+    ]
     done = subprocess.run(command, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -122,9 +136,13 @@ def main() -> None:
                 "reused" if fit[name] is None else f"{fit[name]:.2f} s"
                 for name in ("prepare", "schedule", "worker_imports", "rendezvous", "first_step")
             )
-            print(f"| {label} | {index}{' (first)' if index == 1 else ''} | {phases} | {fit['prepare'] + fit['launch']:.2f} s |")
+            print(
+                f"| {label} | {index}{' (first)' if index == 1 else ''} | {phases} | {fit['prepare'] + fit['launch']:.2f} s |"
+            )
     print(f"\nthe application's first Spark job (no Python) took {runs[APPLICATIONS['spark-job']]['first_job']:.1f} s")
-    print(f"sparkdl.warm_up itself took {runs[APPLICATIONS['warm-up']]['warm_up']:.1f} s (in the background of the user's code; waited for here)")
+    print(
+        f"sparkdl.warm_up itself took {runs[APPLICATIONS['warm-up']]['warm_up']:.1f} s (in the background of the user's code; waited for here)"
+    )
 
 
 if __name__ == "__main__":

@@ -37,27 +37,30 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
 from allreduce_vs_ddp import MODELS, make_optimizer, synthetic, write_parquet  # noqa: E402
 
 Times = Tuple[float, float]  # (CPU seconds, wall seconds)
 
 
-def in_memory(make_model: Callable[[], torch.nn.Module], x: torch.Tensor, y: torch.Tensor, batch: int, steps: int) -> Times:
+def in_memory(
+    make_model: Callable[[], torch.nn.Module], x: torch.Tensor, y: torch.Tensor, batch: int, steps: int
+) -> Times:
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(make_model())
     optimizer = make_optimizer(model.parameters())
     order = torch.randperm(len(x))
     start, wall = time.process_time(), time.perf_counter()
     for step in range(steps):
-        index = order[step * batch:(step + 1) * batch]
+        index = order[step * batch : (step + 1) * batch]
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(x[index]), y[index]).backward()
         optimizer.step()
     return time.process_time() - start, time.perf_counter() - wall
 
 
-def sparkdl_loop(make_model: Callable[[], torch.nn.Module], env, dataset, spec, steps: int, prefetch_thread: bool) -> Times:
+def sparkdl_loop(
+    make_model: Callable[[], torch.nn.Module], env, dataset, spec, steps: int, prefetch_thread: bool
+) -> Times:
     import sparkdl.context
     from sparkdl._runtime.host_batches import Prefetcher, host_batches
     from sparkdl._task.fit_loop import FitLoop
@@ -66,7 +69,15 @@ def sparkdl_loop(make_model: Callable[[], torch.nn.Module], env, dataset, spec, 
     from sparkdl.strategies.allreduce import AllReduce
 
     runtime = AllReduce().create_runtime(env)
-    ctx = TrainContext(env, runtime, lambda record: None, dataset=dataset, data_spec=spec, reader=reader_from_name("arrow"), steps_per_epoch=steps)
+    ctx = TrainContext(
+        env,
+        runtime,
+        lambda record: None,
+        dataset=dataset,
+        data_spec=spec,
+        reader=reader_from_name("arrow"),
+        steps_per_epoch=steps,
+    )
     loop = FitLoop(model=make_model, optimizer=make_optimizer, loss=torch.nn.functional.cross_entropy, epochs=1, seed=0)
     if prefetch_thread:
         sparkdl.context.host_batches = lambda source, device: Prefetcher(source, pin=False, device=device)
@@ -98,7 +109,9 @@ def _pack(workdir: str) -> None:
 SIDES = ("in memory (plain DDP)", "sparkdl FitLoop, Arrow reader", "sparkdl FitLoop, Arrow reader, prefetch thread")
 
 
-def measure(rank: int, world_size: int, args: argparse.Namespace, workdir: str, store: Optional[Tuple[Tuple[str, int], bytes]]) -> Dict[str, List[Times]]:
+def measure(
+    rank: int, world_size: int, args: argparse.Namespace, workdir: str, store: Optional[Tuple[Tuple[str, int], bytes]]
+) -> Dict[str, List[Times]]:
     """One rank's rounds: all three sides per round, in the same order on every rank (their
     collectives keep the ranks in step). Each rank trains on rows ``rank::world_size``."""
     if args.core >= 0:
@@ -118,7 +131,14 @@ def measure(rank: int, world_size: int, args: argparse.Namespace, workdir: str, 
     else:
         address, secret = store
         env = rendezvous(
-            rank, world_size, ["127.0.0.1:0"] * world_size, None, torch.device("cpu"), timeout_s=60, secret=secret, store_address=address,
+            rank,
+            world_size,
+            ["127.0.0.1:0"] * world_size,
+            None,
+            torch.device("cpu"),
+            timeout_s=60,
+            secret=secret,
+            store_address=address,
         )
     times: Dict[str, List[Times]] = {side: [] for side in SIDES}
     try:
@@ -143,12 +163,16 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument(
-        "--layout", choices=("list", "packed"), default="list",
+        "--layout",
+        choices=("list", "packed"),
+        default="list",
         help="the features as Spark's list<float> (a Parquet dataset as Spark wrote it) or float32 bytes (sparkdl's copy of a DataFrame)",
     )
     parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--ranks", type=int, default=1, help="ranks, one process and one core each (2: the collectives sync for real)")
+    parser.add_argument(
+        "--ranks", type=int, default=1, help="ranks, one process and one core each (2: the collectives sync for real)"
+    )
     parser.add_argument("--core", type=int, default=1, help="rank 0's core; rank r pins to core + r (-1: no pinning)")
     args = parser.parse_args()
     features, labels = synthetic(args.steps * args.batch_size * args.ranks)
@@ -169,7 +193,9 @@ def main() -> None:
         context = multiprocessing.get_context("spawn")
         results = context.Queue()
         processes = [
-            context.Process(target=_rank_process, args=(rank, args.ranks, args, workdir, (server.address, secret), results))
+            context.Process(
+                target=_rank_process, args=(rank, args.ranks, args, workdir, (server.address, secret), results)
+            )
             for rank in range(args.ranks)
         ]
         try:
@@ -185,7 +211,9 @@ def main() -> None:
                     process.kill()
     floor = times[SIDES[0]][1:]
     where = "one core" if args.ranks == 1 else f"{args.ranks} ranks on a core each (rank 0's times)"
-    print(f"{args.model}, batch {args.batch_size}, {args.layout} layout, {args.steps} steps, {where}, per step, median of {args.rounds} rounds")
+    print(
+        f"{args.model}, batch {args.batch_size}, {args.layout} layout, {args.steps} steps, {where}, per step, median of {args.rounds} rounds"
+    )
     print("| loop | CPU ms/step | vs in memory (CPU) | wall ms/step | vs in memory (wall) |")
     print("|---|---:|---:|---:|---:|")
     for side in SIDES:

@@ -75,9 +75,16 @@ def main(argv: Sequence[str] = ()) -> None:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
-    parser.add_argument("--repeats", type=int, default=3, help="fits per strategy, seeds seed..seed+repeats-1; throughput and accuracy are averaged")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="fits per strategy, seeds seed..seed+repeats-1; throughput and accuracy are averaged",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--part", choices=("strategies", "diloco", "all"), default="strategies", help="which table(s) to measure")
+    parser.add_argument(
+        "--part", choices=("strategies", "diloco", "all"), default="strategies", help="which table(s) to measure"
+    )
     parser.add_argument("--diloco-epochs", type=int, default=30, help="epochs of every fit of the DiLoCo table")
     args = parser.parse_args(list(argv))
 
@@ -133,7 +140,16 @@ def strategy_table(fit, args: argparse.Namespace, test_x: np.ndarray, test_y: np
                 predicted = model.module(torch.from_numpy(test_x)).argmax(1).numpy()
             scores.append(float((predicted == test_y).mean()))
             print(f"  {name}: {time.time() - started:.1f}s, accuracy {scores[-1]:.4f}", file=sys.stderr)
-        rows.append((name, statistics.mean(throughput), statistics.mean(comm), statistics.mean(scores), min(scores), max(scores)))
+        rows.append(
+            (
+                name,
+                statistics.mean(throughput),
+                statistics.mean(comm),
+                statistics.mean(scores),
+                min(scores),
+                max(scores),
+            )
+        )
     return table(rows, args)
 
 
@@ -162,7 +178,12 @@ def diloco_strategies() -> List[Tuple[str, sparkdl.Strategy]]:
     rows: List[Tuple[str, sparkdl.Strategy]] = [("AllReduce()", sparkdl.AllReduce())]
     for tau in DILOCO_TAUS:
         rows.append((f"ModelAveraging(sync_every={tau})", sparkdl.ModelAveraging(sync_every=tau)))
-        rows.append((f"DiLoCo: ModelAveraging(sync_every={tau}, outer_optimizer=OuterSGD(0.7, 0.9, nesterov))", sparkdl.ModelAveraging(sync_every=tau, outer_optimizer=DILOCO_OUTER)))
+        rows.append(
+            (
+                f"DiLoCo: ModelAveraging(sync_every={tau}, outer_optimizer=OuterSGD(0.7, 0.9, nesterov))",
+                sparkdl.ModelAveraging(sync_every=tau, outer_optimizer=DILOCO_OUTER),
+            )
+        )
     return rows
 
 
@@ -192,9 +213,22 @@ def diloco_table(fit, args: argparse.Namespace, test_x: np.ndarray, test_y: np.n
             # final average in final_module comes after the last epoch's record (+1 when the
             # last step was not a sync step).
             syncs.append(sum(h["comm_bytes"] for h in model.history) / sync_bytes)
-            print(f"  {name}: {time.time() - started:.1f}s, accuracy {scores[-1]:.4f}, test loss {test_losses[-1]:.4f}", file=sys.stderr)
-        rows.append((name, statistics.mean(syncs), statistics.mean(comm), statistics.mean(train_losses), statistics.mean(test_losses),
-                     statistics.mean(scores), min(scores), max(scores)))
+            print(
+                f"  {name}: {time.time() - started:.1f}s, accuracy {scores[-1]:.4f}, test loss {test_losses[-1]:.4f}",
+                file=sys.stderr,
+            )
+        rows.append(
+            (
+                name,
+                statistics.mean(syncs),
+                statistics.mean(comm),
+                statistics.mean(train_losses),
+                statistics.mean(test_losses),
+                statistics.mean(scores),
+                min(scores),
+                max(scores),
+            )
+        )
     baseline = rows[0][2]
     lines = [
         f"digits, 2 workers (local-cluster[2,1,1024]), batch {args.batch_size}/worker, {epochs} epochs "

@@ -93,8 +93,12 @@ def main() -> None:
         train_path, test_path = write_split(tmp)
         epochs = args.epochs
         state = sparkdl.run(
-            lambda ctx: train_with_accelerate(ctx, epochs), num_workers=args.workers,
-            data=train_path, feature_cols=["features"], label_col="label", batch_size=32,
+            lambda ctx: train_with_accelerate(ctx, epochs),
+            num_workers=args.workers,
+            data=train_path,
+            feature_cols=["features"],
+            label_col="label",
+            batch_size=32,
         )
         print(f"held-out accuracy (Accelerate): {accuracy(state, test_path):.3f}")
     spark.stop()

@@ -1,7 +1,7 @@
 """The quick-start model and dataset: scikit-learn's bundled handwritten digits (no download).
 
-    python examples/digits.py DIR                  # DIR: all 1,797 rows
-    python examples/digits.py DIR --holdout 0.2    # DIR/train and DIR/test: a fixed seeded split
+python examples/digits.py DIR                  # DIR: all 1,797 rows
+python examples/digits.py DIR --holdout 0.2    # DIR/train and DIR/test: a fixed seeded split
 """
 
 import argparse
@@ -48,13 +48,17 @@ def write_split(path: str, holdout: float = 0.2, seed: int = 0) -> Tuple[str, st
         raise ValueError(f"holdout={holdout!r} must be a fraction between 0 and 1")
     order = np.random.default_rng(seed).permutation(1797)
     cut = int((1.0 - holdout) * len(order))
-    return write_dataset(os.path.join(path, "train"), order[:cut]), write_dataset(os.path.join(path, "test"), order[cut:])
+    return write_dataset(os.path.join(path, "train"), order[:cut]), write_dataset(
+        os.path.join(path, "test"), order[cut:]
+    )
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Writes scikit-learn's digits as Parquet.")
     parser.add_argument("dir")
-    parser.add_argument("--holdout", type=float, default=None, help="write DIR/train and DIR/test, holding out this share of the rows")
+    parser.add_argument(
+        "--holdout", type=float, default=None, help="write DIR/train and DIR/test, holding out this share of the rows"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the split (default 0)")
     args = parser.parse_args()
     print(*(write_split(args.dir, args.holdout, args.seed) if args.holdout else [write_dataset(args.dir)]), sep="\n")

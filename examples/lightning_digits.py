@@ -95,7 +95,9 @@ def fit_fabric(epochs: int = 5, lr: float = 0.05) -> Tuple[torch.nn.Module, Any]
 
     fabric = Fabric(
         accelerator="gpu" if torch.cuda.is_available() else "cpu",
-        devices=1, num_nodes=int(os.environ["WORLD_SIZE"]), strategy="ddp",
+        devices=1,
+        num_nodes=int(os.environ["WORLD_SIZE"]),
+        strategy="ddp",
     )
     fabric.launch()  # under torchelastic: no process started, the existing group reused
     model = make_model()
@@ -159,8 +161,12 @@ def main() -> None:
         fn = train_with_fabric if args.fabric else train_with_trainer
         epochs = args.epochs
         state = sparkdl.run(
-            lambda ctx: fn(ctx, epochs), num_workers=args.workers,
-            data=train_path, feature_cols=["features"], label_col="label", batch_size=32,
+            lambda ctx: fn(ctx, epochs),
+            num_workers=args.workers,
+            data=train_path,
+            feature_cols=["features"],
+            label_col="label",
+            batch_size=32,
         )
         print(f"held-out accuracy ({'Fabric' if args.fabric else 'Trainer'}): {accuracy(state, test_path):.3f}")
     spark.stop()

@@ -17,8 +17,8 @@ Public surface::
 from typing import TYPE_CHECKING
 
 from sparkdl._lazy import lazy_attributes
-from sparkdl._version import __version__
 from sparkdl._spark import quiet_pandas3_warning
+from sparkdl._version import __version__
 
 # At import, before the user's own session starts: PySpark warns about pandas 3 the first time it
 # imports its test helpers (getOrCreate, createDataFrame...), which precedes sparkdl's first call.
@@ -61,12 +61,12 @@ __getattr__, __dir__ = lazy_attributes(__name__, _PUBLIC)
 
 if TYPE_CHECKING:  # pragma: no cover - what type checkers and IDEs see
     from sparkdl._driver.warmup import warm_up
+    from sparkdl._runtime.shard_dataset import ShardDataset, shard_dataset
     from sparkdl.comparison import Comparison, compare
     from sparkdl.context import TrainContext
     from sparkdl.custom_loop import run
     from sparkdl.data.cache import clear_cache
     from sparkdl.data.inputs import Image, Sequence
-    from sparkdl._runtime.shard_dataset import ShardDataset, shard_dataset
     from sparkdl.errors import (
         ConfigError,
         DataError,
@@ -81,6 +81,14 @@ if TYPE_CHECKING:  # pragma: no cover - what type checkers and IDEs see
     from sparkdl.model import TorchModel
     from sparkdl.plotting import plot_history
     from sparkdl.reporting import report
-    from sparkdl.strategies import AllReduce, ElasticAveraging, ModelAveraging, OuterSGD, ParameterServer, ShardedDataParallel, Strategy
+    from sparkdl.strategies import (
+        AllReduce,
+        ElasticAveraging,
+        ModelAveraging,
+        OuterSGD,
+        ParameterServer,
+        ShardedDataParallel,
+        Strategy,
+    )
 
 __all__ = sorted(_PUBLIC)

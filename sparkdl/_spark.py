@@ -43,7 +43,6 @@ def quiet_pandas3_warning() -> None:
     warnings.filterwarnings("ignore", message=PANDAS3_WARNING, category=FutureWarning, module=r"pyspark(\.|$)")
 
 
-
 def is_connect(spark: Any) -> bool:
     """True for a Spark Connect client session."""
     return type(spark).__module__.startswith("pyspark.sql.connect")
@@ -79,7 +78,9 @@ class Session:
             return self.conf("spark.driver.host") or "127.0.0.1"
         return _route_to(_connect_server(self.spark))
 
-    def run_barrier(self, num_workers: int, task: Callable[[], List[Tuple[int, bytes]]], description: str) -> List[Tuple[int, bytes]]:
+    def run_barrier(
+        self, num_workers: int, task: Callable[[], List[Tuple[int, bytes]]], description: str
+    ) -> List[Tuple[int, bytes]]:
         """Runs ``task`` on ``num_workers`` barrier tasks; returns every (rank, bytes) they returned."""
         import pyarrow as pa
 
@@ -92,7 +93,9 @@ class Session:
                 schema=pa.schema([("rank", pa.int32()), ("value", pa.binary())]),
             )
 
-        frame = self.spark.range(0, num_workers, 1, num_workers).mapInArrow(run_partition, "rank int, value binary", barrier=True)
+        frame = self.spark.range(0, num_workers, 1, num_workers).mapInArrow(
+            run_partition, "rank int, value binary", barrier=True
+        )
         self._set_description(description)
         try:
             return [(row["rank"], bytes(row["value"])) for row in frame.collect()]

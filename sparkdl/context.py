@@ -19,8 +19,8 @@ from sparkdl._runtime.host_batches import host_batches
 from sparkdl._runtime.precision import Precision, PrecisionRuntime
 from sparkdl._runtime.rank import Liveness, Rank
 from sparkdl.checkpoint import CheckpointStore
-from sparkdl.data.dataset import DatasetInfo
 from sparkdl.data.batching import DataSpec, batches
+from sparkdl.data.dataset import DatasetInfo
 from sparkdl.data.readers.base import DataReader
 from sparkdl.errors import RankFailure
 from sparkdl.strategies.base import DistEnv, StrategyRuntime
@@ -63,8 +63,15 @@ class TrainContext:
         # What the rank holds; the runtime's modules work on it, never on this class's fields.
         # The precision is built now so that one the device cannot run fails before any training.
         self._rank = Rank(
-            env, runtime, PrecisionRuntime(Precision(precision), env.device, env.world_size), liveness or Liveness(),
-            logging.getLogger(f"sparkdl.rank{env.rank}"), dataset, data_spec, reader, steps_per_epoch,
+            env,
+            runtime,
+            PrecisionRuntime(Precision(precision), env.device, env.world_size),
+            liveness or Liveness(),
+            logging.getLogger(f"sparkdl.rank{env.rank}"),
+            dataset,
+            data_spec,
+            reader,
+            steps_per_epoch,
         )
         self._send = send
         self._checkpoints = store
@@ -128,7 +135,9 @@ class TrainContext:
         for ``"32"``). Custom loops: ``with ctx.autocast(): loss = loss_fn(model(x), y)``."""
         return self._rank.amp.autocast()
 
-    def backward_and_step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, max_grad_norm: Optional[float] = None) -> bool:
+    def backward_and_step(
+        self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, max_grad_norm: Optional[float] = None
+    ) -> bool:
         """``loss.backward(); optimizer.step()`` under the run's precision. For ``"16-mixed"`` it
         scales the loss and skips steps whose gradients overflowed — on every rank alike, which
         the averaging and parameter-server strategies need. ``max_grad_norm`` clips the true
@@ -163,7 +172,9 @@ class TrainContext:
         if rank.dataset is None:
             raise RuntimeError("this run has no dataset: pass data=... to sparkdl.run")
         if rank.shard_dataset is not None:
-            raise RuntimeError("this rank reads its shard through ctx.shard_dataset(): use it or ctx.epoch_batches(), not both")
+            raise RuntimeError(
+                "this rank reads its shard through ctx.shard_dataset(): use it or ctx.epoch_batches(), not both"
+            )
         if position.skips_epoch():  # the rest of an epoch interrupted on other data: none of it
             return
         if position.remainder is not None:
@@ -174,7 +185,13 @@ class TrainContext:
             # Resuming: replay the seeded stream up to the checkpoint's position (cut, not
             # decoded). Reading is far cheaper than training, and replay makes resumed batches exact.
             source = batches(
-                rank.reader, rank.dataset, rank.data_spec, self.rank, self.world_size, skip=position.batches_taken, epoch_steps=self.steps_per_epoch,
+                rank.reader,
+                rank.dataset,
+                rank.data_spec,
+                self.rank,
+                self.world_size,
+                skip=position.batches_taken,
+                epoch_steps=self.steps_per_epoch,
             )
             # On CUDA a prefetch thread pins batches and DeviceFeed copies the next one to the
             # GPU on a side stream while the current one trains; on the CPU this thread converts
@@ -204,7 +221,9 @@ class TrainContext:
 
         return validation_batches(self._rank)
 
-    def validate(self, model: torch.nn.Module, loss: Optional[Any] = None, metrics: Optional[Dict[str, Any]] = None) -> Dict[str, float]:
+    def validate(
+        self, model: torch.nn.Module, loss: Optional[Any] = None, metrics: Optional[Dict[str, Any]] = None
+    ) -> Dict[str, float]:
         """Mean loss and metrics over all ranks' validation rows: ``{"val_loss", "val_<name>",
         "val_samples"}``. Collective: call on every rank. ``metrics`` defaults to the run's."""
         from sparkdl._runtime.validation import evaluate
@@ -355,7 +374,12 @@ class TrainContext:
             else:
                 # close runs after the task reported "done": the driver learns of it here.
                 with contextlib.suppress(Exception):
-                    self._send({"kind": "error", "failure": RankFailure.from_exception(self.rank, exc, "writing a checkpoint").to_json()})
+                    self._send(
+                        {
+                            "kind": "error",
+                            "failure": RankFailure.from_exception(self.rank, exc, "writing a checkpoint").to_json(),
+                        }
+                    )
                 raise
         finally:
             if self._rank.feed is not None:

@@ -6,15 +6,15 @@ import functools
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from sparkdl._driver import launch
+from sparkdl._driver.prepare_data import DataSource, prepare_data
 from sparkdl._driver.progress import ProgressCallback, ProgressDisplay
 from sparkdl._driver.settings import RunSettings
 from sparkdl._driver.warmup import warm_up
 from sparkdl.context import TrainContext
 from sparkdl.data import reshard
-from sparkdl.data.spec import MetricFn, TransformFn
 from sparkdl.data.dataset import Filters
-from sparkdl._driver.prepare_data import DataSource, prepare_data
 from sparkdl.data.readers.base import DEFAULT_READER
+from sparkdl.data.spec import MetricFn, TransformFn
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.base import Strategy
 
@@ -130,8 +130,16 @@ def run(
         dataset, spec, data_reader, steps = prepare_data(data, settings.data, num_workers, spark)
     display = ProgressDisplay(enabled=bool(progress), callback=progress if callable(progress) else None)
     outcome = launch(
-        train_fn, settings.launch, settings.strategy, spark=spark, dataset=dataset, data_spec=spec, reader=data_reader,
-        steps_per_epoch=steps, display=display, checkpoint=settings.checkpoint,
+        train_fn,
+        settings.launch,
+        settings.strategy,
+        spark=spark,
+        dataset=dataset,
+        data_spec=spec,
+        reader=data_reader,
+        steps_per_epoch=steps,
+        display=display,
+        checkpoint=settings.checkpoint,
         steps_for=functools.partial(reshard.steps_for, dataset, spec) if dataset is not None else None,
     )
     return outcome.value

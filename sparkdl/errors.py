@@ -75,7 +75,11 @@ class RankFailure:
             phase=phase,
             peer_loss=isinstance(exc, PeerLostError),
             host=host,
-            category="ConfigError" if isinstance(exc, ConfigError) else "DataError" if isinstance(exc, DataError) else "",
+            category="ConfigError"
+            if isinstance(exc, ConfigError)
+            else "DataError"
+            if isinstance(exc, DataError)
+            else "",
         )
 
     def to_json(self) -> dict:
@@ -141,13 +145,19 @@ class RankDataError(TrainingError, DataError):
 
 #: torch/gloo's own messages for a connection to a peer that went away. sparkdl's strategies
 #: raise :class:`PeerLostError` instead (``RankFailure.peer_loss``).
-_PEER_LOSS = re.compile(r"connection (closed|reset|refused|lost)|broken pipe|closed by peer|lost (rank|peer|worker)|peer rank", re.I)
+_PEER_LOSS = re.compile(
+    r"connection (closed|reset|refused|lost)|broken pipe|closed by peer|lost (rank|peer|worker)|peer rank", re.I
+)
 
 #: Subclasses of ConfigError / DataError whose records predate ``RankFailure.category``, or come
 #: from a launched child (which reports its exception's type by name only).
 _CATEGORY_BY_NAME = {
-    "ConfigError": "ConfigError", "RankConfigError": "ConfigError", "ProcessSpawnError": "ConfigError",
-    "DataError": "DataError", "RankDataError": "DataError", "EmptyDatasetError": "DataError",
+    "ConfigError": "ConfigError",
+    "RankConfigError": "ConfigError",
+    "ProcessSpawnError": "ConfigError",
+    "DataError": "DataError",
+    "RankDataError": "DataError",
+    "EmptyDatasetError": "DataError",
 }
 
 
@@ -178,8 +188,18 @@ def raised_from(error: TrainingError) -> TrainingError:
 #: change): their traceback, only sparkdl's internals, stays out of the message (it is still in
 #: ``TrainingError.remote_traceback``). Errors raised by user code keep their traceback.
 SELF_EXPLAINED = frozenset(
-    {"ConfigError", "DataError", "NonFiniteLossError", "InsufficientSlotsError", "PeerLostError",
-     "ParameterServerError", "WatchdogTimeout", "WorkerLost", "HostLost", "HostDrained"}
+    {
+        "ConfigError",
+        "DataError",
+        "NonFiniteLossError",
+        "InsufficientSlotsError",
+        "PeerLostError",
+        "ParameterServerError",
+        "WatchdogTimeout",
+        "WorkerLost",
+        "HostLost",
+        "HostDrained",
+    }
 )
 
 

@@ -12,23 +12,24 @@ import torch
 from pyspark.ml import Estimator
 from pyspark.ml.param import Param, Params, TypeConverters
 
-from sparkdl._version import __version__
 from sparkdl._driver import launch
 from sparkdl._driver.preflight import check_loss, check_optimizer
-from sparkdl._driver.progress import ProgressCallback, ProgressDisplay
-from sparkdl._net.policy import check_before_data
-from sparkdl._driver.settings import DataSettings, RunSettings
-from sparkdl._task.fit_loop import FitLoop, LossFn, ModelFactory, OptimizerFactory, default_optimizer, startup_phases
-from sparkdl._driver.warmup import warm_up
-from sparkdl.data import reshard
-from sparkdl.data.spec import MetricFn, TransformFn
-from sparkdl.data.plan import InputPlan
 from sparkdl._driver.prepare_data import DataSource, prepare_data
+from sparkdl._driver.progress import ProgressCallback, ProgressDisplay
+from sparkdl._driver.settings import DataSettings, RunSettings
+from sparkdl._driver.warmup import warm_up
+from sparkdl._net.policy import check_before_data
+from sparkdl._task.fit_loop import FitLoop, LossFn, ModelFactory, OptimizerFactory, default_optimizer, startup_phases
+from sparkdl._version import __version__
+from sparkdl.data import reshard
+from sparkdl.data.plan import InputPlan
 from sparkdl.data.readers.base import DEFAULT_READER
+from sparkdl.data.spec import MetricFn, TransformFn
 from sparkdl.errors import ConfigError
 from sparkdl.model import TorchModel, _FixedModule, _TorchParams  # noqa: F401 - models saved by 0.1 pickled _FixedModule here
 from sparkdl.strategies.base import Strategy
-from sparkdl.tracking import Tracker, check_available as check_tracking, describe_callable
+from sparkdl.tracking import Tracker, describe_callable
+from sparkdl.tracking import check_available as check_tracking
 
 
 class TorchEstimator(Estimator, _TorchParams):
@@ -190,7 +191,11 @@ class TorchEstimator(Estimator, _TorchParams):
         epochs = self.getOrDefault(self.epochs)
         checkpoint, strategy = self.settings.checkpoint, self.settings.strategy
         loop = FitLoop(
-            model=self.model_fn, optimizer=self.optimizer_fn, loss=self.loss_fn, epochs=epochs, seed=self.getOrDefault(self.seed),
+            model=self.model_fn,
+            optimizer=self.optimizer_fn,
+            loss=self.loss_fn,
+            epochs=epochs,
+            seed=self.getOrDefault(self.seed),
             checkpoint_every=checkpoint.every_steps if checkpoint else None,
         )
         # MLflow / TensorBoard (sparkdl/tracking.py): a no-op unless mlflow_experiment or tensorboard_dir is set.
@@ -198,13 +203,23 @@ class TorchEstimator(Estimator, _TorchParams):
         if tracker.enabled:
             tracker.start(self._tracking_params(info, num_workers, epochs))
         display = ProgressDisplay(
-            enabled=bool(self.progress), callback=tracker.callback(self.progress if callable(self.progress) else None), total_epochs=epochs
+            enabled=bool(self.progress),
+            callback=tracker.callback(self.progress if callable(self.progress) else None),
+            total_epochs=epochs,
         )
         launched = time.time()
         try:
             outcome = launch(
-                loop, config, strategy, spark=spark, dataset=info, data_spec=spec, reader=data_reader,
-                steps_per_epoch=steps, display=display, checkpoint=checkpoint,
+                loop,
+                config,
+                strategy,
+                spark=spark,
+                dataset=info,
+                data_spec=spec,
+                reader=data_reader,
+                steps_per_epoch=steps,
+                display=display,
+                checkpoint=checkpoint,
                 steps_for=functools.partial(reshard.steps_for, info, spec),
             )
         except BaseException as exc:
@@ -219,11 +234,20 @@ class TorchEstimator(Estimator, _TorchParams):
             "batch_size": spec.batch_size,
             "epochs": epochs,
             "steps_per_epoch": steps,
-            "dataset": {"url": info.url, "rows": info.num_rows, "row_groups": info.num_row_groups, "reader": data_settings.reader},
-            "startup_seconds": (timing["first_batch"] - launched) if timing.get("first_batch") and not outcome.from_finished_checkpoint else None,
+            "dataset": {
+                "url": info.url,
+                "rows": info.num_rows,
+                "row_groups": info.num_row_groups,
+                "reader": data_settings.reader,
+            },
+            "startup_seconds": (timing["first_batch"] - launched)
+            if timing.get("first_batch") and not outcome.from_finished_checkpoint
+            else None,
             "prepare_seconds": launched - started,
             # prepare_seconds + startup_seconds, phase by phase (sparkdl._task.fit_loop.startup_phases)
-            "startup": None if outcome.from_finished_checkpoint else startup_phases(launched - started, launched, timing),
+            "startup": None
+            if outcome.from_finished_checkpoint
+            else startup_phases(launched - started, launched, timing),
             "train_seconds": timing["end"] - timing["start"],
             "steps": result.get("steps"),
             "checkpoints": result.get("checkpoints"),
@@ -266,7 +290,6 @@ class TorchEstimator(Estimator, _TorchParams):
             "checkpoint_dir": self.settings.checkpoint.url if self.settings.checkpoint else None,
             "sparkdl_version": __version__,
         }
-
 
     def _data_settings(self) -> DataSettings:
         """The data settings with the current Params (``copy({est.featureCols: ...})`` applies)."""
@@ -312,7 +335,8 @@ def _build_checked(model_fn: ModelFactory, plan: InputPlan) -> torch.nn.Module:
                 f"(its parameters: {', '.join(accepted) or 'none'}); rename the inputs or the parameters of forward"
             )
     missing = [
-        n for n, p in parameters.items()
+        n
+        for n, p in parameters.items()
         if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in names
     ]
     if missing:

@@ -30,7 +30,7 @@ def normalize_url(url_or_path: str, what: str = "dataset URL") -> str:
         raise DataError(f"{what} must be a non-empty string, got {url_or_path!r}")
     if urllib.parse.urlparse(url_or_path).scheme in ("", "file") and not url_or_path.startswith("file://"):
         # Hadoop writes local URIs as file:/path (one slash): that is a path, not a relative name.
-        path = url_or_path[len("file:"):] if url_or_path.startswith("file:/") else url_or_path
+        path = url_or_path[len("file:") :] if url_or_path.startswith("file:/") else url_or_path
         return "file://" + os.path.abspath(path)
     return url_or_path
 
@@ -81,9 +81,9 @@ def child_url(root_url: str, root_path: str, file_path: str) -> str:
     if file_path == root_path or not file_path.startswith(root + "/"):
         return root_url if file_path == root_path else file_path
     if "?" not in root_url and "#" not in root_url:
-        return root_url.rstrip("/") + file_path[len(root):]
+        return root_url.rstrip("/") + file_path[len(root) :]
     parsed = urllib.parse.urlparse(root_url)  # keep a query (e.g. an endpoint) after the path
-    return parsed._replace(path=parsed.path.rstrip("/") + file_path[len(root):]).geturl()
+    return parsed._replace(path=parsed.path.rstrip("/") + file_path[len(root) :]).geturl()
 
 
 def join(root: str, name: str) -> str:
@@ -137,4 +137,6 @@ def check_writable(url: str, what: str) -> None:
         write_atomically(fs, probe, b"")
         fs.delete_file(probe)
     except (OSError, pa.ArrowException, ValueError) as exc:
-        raise ConfigError(f"{what}={url!r} cannot be written: {exc}. Pick a directory every executor and the driver can write") from exc
+        raise ConfigError(
+            f"{what}={url!r} cannot be written: {exc}. Pick a directory every executor and the driver can write"
+        ) from exc

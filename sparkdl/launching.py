@@ -14,13 +14,13 @@ import uuid
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from sparkdl._driver import launch as _launch_stage
-from sparkdl._task.script import LaunchTarget, ScriptResult
+from sparkdl._driver.prepare_data import DataSource, prepare_data
 from sparkdl._driver.progress import ProgressCallback, ProgressDisplay
 from sparkdl._driver.settings import RunSettings
 from sparkdl._driver.warmup import warm_up
+from sparkdl._task.script import LaunchTarget, ScriptResult
 from sparkdl.data.batching import TransformFn
 from sparkdl.data.dataset import Filters
-from sparkdl._driver.prepare_data import DataSource, prepare_data
 from sparkdl.data.readers.base import DEFAULT_READER
 from sparkdl.errors import ConfigError
 
@@ -96,8 +96,15 @@ def launch(
         dataset, spec, data_reader, steps = prepare_data(data, settings.data, num_workers, spark)
     display = ProgressDisplay(enabled=bool(progress), callback=progress if callable(progress) else None)
     outcome = _launch_stage(
-        launch_target, settings.launch, settings.strategy, spark=spark, dataset=dataset, data_spec=spec, reader=data_reader,
-        steps_per_epoch=steps, display=display,
+        launch_target,
+        settings.launch,
+        settings.strategy,
+        spark=spark,
+        dataset=dataset,
+        data_spec=spec,
+        reader=data_reader,
+        steps_per_epoch=steps,
+        display=display,
     )
     return outcome.value
 
@@ -113,7 +120,15 @@ def _target(target: Any, args: Sequence[Any], max_failures: Any) -> LaunchTarget
         if bad:
             raise ConfigError(f"script arguments must be strings or numbers (they become its argv); got {bad!r}")
         local = os.path.abspath(path) if os.path.isfile(path) else None
-        return LaunchTarget("script", path, run_id, script=path, script_abspath=local, args=tuple(str(a) for a in args), max_restarts=restarts)
+        return LaunchTarget(
+            "script",
+            path,
+            run_id,
+            script=path,
+            script_abspath=local,
+            args=tuple(str(a) for a in args),
+            max_restarts=restarts,
+        )
     if callable(target):
         import cloudpickle
 

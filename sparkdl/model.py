@@ -14,17 +14,22 @@ from pyspark.ml import Model
 from pyspark.ml.param import Param, Params, TypeConverters
 
 from sparkdl import filesystem
-from sparkdl._version import __version__
+from sparkdl._driver.prepare_data import spark_column_infos
 from sparkdl._spark import is_connect
 from sparkdl._task.fit_loop import ModelFactory
+from sparkdl._version import __version__
 from sparkdl.data.batching import call_model, frame_batch
 from sparkdl.data.plan import InputPlan
-from sparkdl._driver.prepare_data import spark_column_infos
 from sparkdl.errors import ConfigError
 
 
 class _TorchParams(Params):
-    featureCols = Param(Params._dummy(), "featureCols", "numeric or array<numeric> columns, concatenated in order", TypeConverters.toListString)
+    featureCols = Param(
+        Params._dummy(),
+        "featureCols",
+        "numeric or array<numeric> columns, concatenated in order",
+        TypeConverters.toListString,
+    )
     predictionCol = Param(Params._dummy(), "predictionCol", "output column of transform", TypeConverters.toString)
 
     def getFeatureCols(self) -> List[str]:
@@ -80,7 +85,9 @@ class TorchModel(Model, _TorchParams):
         columns = plan.columns
         missing = [c for c in columns if c not in dataset.columns]
         if missing:
-            raise ConfigError(f"column(s) {missing} not in the DataFrame to transform; its columns are: {dataset.columns}")
+            raise ConfigError(
+                f"column(s) {missing} not in the DataFrame to transform; its columns are: {dataset.columns}"
+            )
         infos = spark_column_infos(dataset, plan)
         scalar = self.output_size == 1
         return_type = DoubleType() if scalar else ArrayType(DoubleType())
@@ -89,7 +96,10 @@ class TorchModel(Model, _TorchParams):
         blob = (cloudpickle.dumps(self.model_fn or _FixedModule(self.module)), buffer.getvalue())
         # Classic sessions ship the weights once per job as a broadcast; a Spark Connect client has
         # no SparkContext, so there they travel inside the UDF, with the plan.
-        model_blob = _Inline(blob) if is_connect(dataset.sparkSession) else dataset.sparkSession.sparkContext.broadcast(blob)
+        model_blob = (
+            _Inline(blob) if is_connect(dataset.sparkSession) else dataset.sparkSession.sparkContext.broadcast(blob)
+        )
+
         def predict_batches(batches: Iterator[Tuple[Any, ...]]) -> Iterator[pd.Series]:
             module = _load_for_inference(*model_blob.value)
             for batch in batches:
@@ -97,9 +107,13 @@ class TorchModel(Model, _TorchParams):
                 outputs = []
                 with torch.inference_mode():
                     for start in range(0, rows, 1024):
-                        named = {name: values.iloc[start:start + 1024] for name, values in zip(columns, batch)}
+                        named = {name: values.iloc[start : start + 1024] for name, values in zip(columns, batch)}
                         inputs = frame_batch(plan, named, infos, "the DataFrame to transform")
-                        tensors = {k: torch.from_numpy(v) for k, v in inputs.items()} if isinstance(inputs, dict) else torch.from_numpy(inputs)
+                        tensors = (
+                            {k: torch.from_numpy(v) for k, v in inputs.items()}
+                            if isinstance(inputs, dict)
+                            else torch.from_numpy(inputs)
+                        )
                         out = call_model(module, tensors)
                         outputs.append(out.reshape(len(out), -1).double().numpy())
                 values = np.concatenate(outputs) if outputs else np.zeros((0, 1))

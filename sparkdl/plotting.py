@@ -30,15 +30,23 @@ def plot_history(runs: Runs, path: Optional[str] = None, title: Optional[str] = 
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
     except ImportError as exc:
-        raise ConfigError("plotting needs matplotlib: pip install 'sparkdl-torch[plot]' (or pip install matplotlib)") from exc
+        raise ConfigError(
+            "plotting needs matplotlib: pip install 'sparkdl-torch[plot]' (or pip install matplotlib)"
+        ) from exc
     labelled = _labelled_histories(runs)
-    metrics = [key for key in validation_figures([record for history in labelled.values() for record in history]) if key != "val_loss"]
+    metrics = [
+        key
+        for key in validation_figures([record for history in labelled.values() for record in history])
+        if key != "val_loss"
+    ]
     figure, axes = plt.subplots(1, 1 + len(metrics), figsize=(5 * (1 + len(metrics)), 3.4), squeeze=False)
     loss_axis, metric_axes = axes[0][0], axes[0][1:]
     for index, (label, history) in enumerate(labelled.items()):
         colour = f"C{index % 10}"
         _line(loss_axis, history, "loss", f"{label} training" if len(labelled) > 1 else "training", colour, "-")
-        _line(loss_axis, history, "val_loss", f"{label} validation" if len(labelled) > 1 else "validation", colour, "--")
+        _line(
+            loss_axis, history, "val_loss", f"{label} validation" if len(labelled) > 1 else "validation", colour, "--"
+        )
         for axis, metric in zip(metric_axes, metrics):
             _line(axis, history, metric, label, colour, "-")
     loss_axis.set_ylabel("loss")
@@ -74,7 +82,9 @@ def _history_of(run: Any) -> List[Mapping[str, Any]]:
     if isinstance(history, Mapping) and "history" in history:  # a metrics.json document
         history = history["history"]
     if not isinstance(history, Sequence) or not all(isinstance(record, Mapping) for record in history):
-        raise ConfigError(f"cannot plot {type(run).__name__}: pass a TorchModel, its .history (a list of per-epoch dicts) or a dict of them")
+        raise ConfigError(
+            f"cannot plot {type(run).__name__}: pass a TorchModel, its .history (a list of per-epoch dicts) or a dict of them"
+        )
     return list(history)
 
 
@@ -87,4 +97,3 @@ def _line(axis: Any, history: History, key: str, label: str, colour: str, style:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-

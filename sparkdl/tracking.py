@@ -50,7 +50,9 @@ def check_available(mlflow_experiment: Optional[str], tensorboard_dir: Optional[
         try:
             from torch.utils.tensorboard import SummaryWriter  # noqa: F401
         except ImportError as exc:
-            raise ConfigError(f"tensorboard_dir is set but TensorBoard is not importable ({exc}): {INSTALL_HINT}") from exc
+            raise ConfigError(
+                f"tensorboard_dir is set but TensorBoard is not importable ({exc}): {INSTALL_HINT}"
+            ) from exc
 
 
 def numeric_metrics(record: Dict[str, Any]) -> Dict[str, float]:
@@ -101,12 +103,14 @@ class Tracker:
             self._mlflow = mlflow
             flat = {k: _param(v) for k, v in _flatten(params).items()}
             for start in range(0, len(flat), 100):  # MLflow caps a batch at 100 params
-                mlflow.log_params(dict(list(flat.items())[start:start + 100]))
+                mlflow.log_params(dict(list(flat.items())[start : start + 100]))
         if self.tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=self.tensorboard_dir)
-            self._writer.add_text("sparkdl/params", "\n".join(f"    {k}: {v}" for k, v in sorted(_flatten(params).items())), 0)
+            self._writer.add_text(
+                "sparkdl/params", "\n".join(f"    {k}: {v}" for k, v in sorted(_flatten(params).items())), 0
+            )
 
     def epoch(self, record: Dict[str, Any]) -> None:
         """One epoch record (safe to call from the progress channel's thread)."""
@@ -151,7 +155,11 @@ class Tracker:
         info: Dict[str, Any] = {}
         if self._mlflow is not None:
             mlflow, run_id = self._mlflow, self._mlflow_run.info.run_id
-            info.update(mlflow_run_id=run_id, mlflow_experiment_id=self._mlflow_run.info.experiment_id, mlflow_tracking_uri=mlflow.get_tracking_uri())
+            info.update(
+                mlflow_run_id=run_id,
+                mlflow_experiment_id=self._mlflow_run.info.experiment_id,
+                mlflow_tracking_uri=mlflow.get_tracking_uri(),
+            )
             try:
                 with tempfile.TemporaryDirectory(prefix="sparkdl-mlflow-") as tmp:
                     model.save(os.path.join(tmp, "model"))

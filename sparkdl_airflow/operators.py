@@ -32,9 +32,9 @@ import signal
 import subprocess
 from typing import Any, Dict, List, Optional, Sequence
 
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from sparkdl_airflow.entry import PREDICT, TRAIN
 
@@ -55,12 +55,19 @@ class _SessionSparkSubmitHook(SparkSubmitHook):
     def on_kill(self) -> None:
         process = getattr(self, "_submit_sp", None)
         if process is not None and process.poll() is None:
-            self.log.info("sparkdl: the task is being killed; stopping spark-submit (pid %d) and every process of its session", process.pid)
+            self.log.info(
+                "sparkdl: the task is being killed; stopping spark-submit (pid %d) and every process of its session",
+                process.pid,
+            )
             _signal_group(process.pid, signal.SIGTERM)
             try:
                 process.wait(timeout=self.kill_grace_seconds)
             except subprocess.TimeoutExpired:
-                self.log.warning("spark-submit (pid %d) outlived SIGTERM by %.0f s; sending SIGKILL", process.pid, self.kill_grace_seconds)
+                self.log.warning(
+                    "spark-submit (pid %d) outlived SIGTERM by %.0f s; sending SIGKILL",
+                    process.pid,
+                    self.kill_grace_seconds,
+                )
                 _signal_group(process.pid, signal.SIGKILL)
                 process.wait()
         super().on_kill()  # the cluster side: YARN application, Kubernetes pod, standalone driver
@@ -84,7 +91,9 @@ class _SparkdlJobOperator(SparkSubmitOperator):
         **kwargs: Any,
     ) -> None:
         if "application_args" in kwargs:
-            raise ValueError(f"{type(self).__name__} takes the job's options as arguments={{...}}, not application_args")
+            raise ValueError(
+                f"{type(self).__name__} takes the job's options as arguments={{...}}, not application_args"
+            )
         kwargs.setdefault("name", "sparkdl-{{ task.task_id }}")
         super().__init__(application=application or self.default_application, **kwargs)
         self.output_dir = output_dir
@@ -129,12 +138,16 @@ class _SparkdlJobOperator(SparkSubmitOperator):
             code = getattr(getattr(self._hook, "_submit_sp", None), "returncode", None)
             error = metrics.get("error")
             if error is None:  # the job died before it could say why: spark-submit's last lines do
-                raise AirflowException(f"sparkdl job failed (spark-submit exit {code}) and wrote no {self.metrics_path}: {exc}") from exc
+                raise AirflowException(
+                    f"sparkdl job failed (spark-submit exit {code}) and wrote no {self.metrics_path}: {exc}"
+                ) from exc
             failure = AirflowFailException if USAGE_ERROR in (code, metrics.get("exit_code")) else AirflowException
             raise failure(f"sparkdl job failed (spark-submit exit {code}): {error}") from exc
         metrics = _read_json(self.metrics_path)
         if metrics is None:
-            raise AirflowException(f"spark-submit exited 0 but wrote no {self.metrics_path} (is output_dir readable by the Airflow worker?)")
+            raise AirflowException(
+                f"spark-submit exited 0 but wrote no {self.metrics_path} (is output_dir readable by the Airflow worker?)"
+            )
         return self.summary(metrics)
 
     def summary(self, metrics: Dict[str, Any]) -> Dict[str, Any]:
@@ -189,9 +202,13 @@ class SparkdlPredictOperator(_SparkdlJobOperator):
         for name, floor in self.fail_below.items():
             value = evaluation.get(name)
             if value is None:
-                raise AirflowFailException(f"fail_below names {name!r}, but the evaluation has only {sorted(evaluation)} (is label set?)")
+                raise AirflowFailException(
+                    f"fail_below names {name!r}, but the evaluation has only {sorted(evaluation)} (is label set?)"
+                )
             if value < float(floor):
-                raise AirflowFailException(f"{name} = {value:.4f} is below the required {float(floor)} (predictions in {metrics.get('predictions')})")
+                raise AirflowFailException(
+                    f"{name} = {value:.4f} is below the required {float(floor)} (predictions in {metrics.get('predictions')})"
+                )
         return {k: metrics.get(k) for k in ("status", "rows", "evaluation", "predictions", "model", "wall_seconds")}
 
 

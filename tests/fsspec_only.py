@@ -27,7 +27,7 @@ class FolderFileSystem(DirFileSystem):
     def _strip_protocol(cls, path):
         if isinstance(path, list):
             return [cls._strip_protocol(p) for p in path]
-        return path[len(SCHEME) + 3:] if path.startswith(f"{SCHEME}://") else path
+        return path[len(SCHEME) + 3 :] if path.startswith(f"{SCHEME}://") else path
 
     @classmethod
     def _get_kwargs_from_urls(cls, path):

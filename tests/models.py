@@ -27,8 +27,11 @@ class DigitsCNN(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.features = torch.nn.Sequential(
-            torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(),
-            torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(1, 16, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(16, 32, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
         )
         self.head = torch.nn.Linear(32 * 4 * 4, 10)
 
@@ -46,7 +49,9 @@ class TokenCounter(torch.nn.Module):
         self.head = torch.nn.Sequential(torch.nn.Linear(hidden + 1, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-        packed = torch.nn.utils.rnn.pack_padded_sequence(self.embed(tokens), lengths.clamp(min=1).cpu(), batch_first=True, enforce_sorted=False)
+        packed = torch.nn.utils.rnn.pack_padded_sequence(
+            self.embed(tokens), lengths.clamp(min=1).cpu(), batch_first=True, enforce_sorted=False
+        )
         _, state = self.gru(packed)
         return self.head(torch.cat([state[-1], dense], dim=1))
 

@@ -41,8 +41,8 @@ __getattr__, __dir__ = lazy_attributes(__name__, _NAMES)
 __all__ = sorted(_NAMES)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sparkdl._driver.policy import Decision, FailurePolicy
-    from sparkdl._task.config import LaunchConfig
     from sparkdl._driver.cluster import _expected_executors, check_slots
     from sparkdl._driver.launch import LaunchOutcome, _failure_from_spark, launch
     from sparkdl._driver.monitor import JobMonitor
+    from sparkdl._driver.policy import Decision, FailurePolicy
+    from sparkdl._task.config import LaunchConfig

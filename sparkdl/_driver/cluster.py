@@ -45,7 +45,11 @@ def check_slots(sc: Any, num_workers: int, wait_s: float) -> None:
         f"num_workers={num_workers} needs {num_workers} concurrent task slots, but the cluster has {slots} "
         f"({executors} executor(s); slots = executor cores / spark.task.cpus={task_cpus}). "
         f"Lower num_workers to at most {slots}, or add executors or cores"
-        + (f"; if executors are still starting, wait longer for them with slot_wait_s (now {wait_s:g} s)." if still_starting else ".")
+        + (
+            f"; if executors are still starting, wait longer for them with slot_wait_s (now {wait_s:g} s)."
+            if still_starting
+            else "."
+        )
     )
 
 
@@ -177,7 +181,9 @@ def quiet_task_failure_logs(sc: Optional[Any], tag: str = "") -> Iterator[None]:
         yield
     finally:
         if tag and _active_tasks(sc, tag):
-            thread = threading.Thread(target=_release_when_ended, args=(sc, tag), name="sparkdl-quiet-logs", daemon=True)
+            thread = threading.Thread(
+                target=_release_when_ended, args=(sc, tag), name="sparkdl-quiet-logs", daemon=True
+            )
             _pending.append(thread)
             thread.start()
         else:

@@ -20,23 +20,23 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import cloudpickle
 
-from sparkdl._net.channel import ChannelServer, new_secret
-from sparkdl._runtime.device import check_gpu_request
 from sparkdl._driver.cluster import check_slots, quiet_task_failure_logs, relaunch_workers, wait_for_free_slots
-from sparkdl._driver.policy import Decision, FailurePolicy, ScalingPolicy, same_failure
-from sparkdl._task.config import HOST_TIMEOUT_CONF, LaunchConfig, host_timeout_s
 from sparkdl._driver.monitor import JobMonitor
-from sparkdl._task.entry import _task_main, _TaskPayload
+from sparkdl._driver.policy import Decision, FailurePolicy, ScalingPolicy, same_failure
 from sparkdl._driver.progress import ProgressDisplay
+from sparkdl._net.channel import ChannelServer, new_secret
 from sparkdl._net.policy import security_policy
 from sparkdl._net.rendezvous_store import StoreServer
+from sparkdl._runtime.device import check_gpu_request
 from sparkdl._spark import Session
+from sparkdl._task.config import HOST_TIMEOUT_CONF, LaunchConfig, host_timeout_s
+from sparkdl._task.entry import _task_main, _TaskPayload
 from sparkdl.checkpoint import CheckpointConfig, FileCheckpointStore, open_store
-from sparkdl.filesystem import check_writable
 from sparkdl.data.batching import DataSpec
 from sparkdl.data.dataset import DatasetInfo
 from sparkdl.data.readers.base import DataReader
 from sparkdl.errors import ConfigError, RankFailure, TrainingError, raised_from
+from sparkdl.filesystem import check_writable
 from sparkdl.strategies.base import Strategy
 
 logger = logging.getLogger("sparkdl")
@@ -93,12 +93,17 @@ def launch(
         else:
             finished, result = checkpoints.load_finished()
             if finished:
-                logger.warning("%s holds a finished run: returning its result without training (resume=False trains again)", checkpoints.url)
+                logger.warning(
+                    "%s holds a finished run: returning its result without training (resume=False trains again)",
+                    checkpoints.url,
+                )
                 return LaunchOutcome(result, [], from_finished_checkpoint=True)
     if session.connect and config.min_workers is not None and config.min_workers < config.num_workers:
         logger.warning(
             "min_workers=%d has no effect over Spark Connect: the client cannot count free task slots, so every relaunch "
-            "asks for num_workers=%d (docs/recovery.md)", config.min_workers, config.num_workers,
+            "asks for num_workers=%d (docs/recovery.md)",
+            config.min_workers,
+            config.num_workers,
         )
     policy = FailurePolicy(config.max_failures)
     scaler = ScalingPolicy(config.num_workers, config.min_workers, config.slot_wait_s)
@@ -112,33 +117,58 @@ def launch(
             if config.min_workers is None:
                 check_slots(spark.sparkContext, config.num_workers, config.slot_wait_s)
                 if attempt > 1:  # another job may hold a slot the failed attempt freed: wait for it, bounded
-                    wait_for_free_slots(spark.sparkContext, config.num_workers, config.slot_wait_s, lambda m: _say(config, m), attempt)
+                    wait_for_free_slots(
+                        spark.sparkContext, config.num_workers, config.slot_wait_s, lambda m: _say(config, m), attempt
+                    )
             else:
-                free = relaunch_workers(spark.sparkContext, config.num_workers, config.min_workers, config.slot_wait_s, attempt)
+                free = relaunch_workers(
+                    spark.sparkContext, config.num_workers, config.min_workers, config.slot_wait_s, attempt
+                )
                 scaling = scaler.decide(free, attempt, has_checkpoints=checkpoints is not None)
                 if scaling.num_workers != config.num_workers:
                     attempt_config = dataclasses.replace(config, num_workers=scaling.num_workers)
-                    steps = steps_for(scaling.num_workers) if steps_for is not None and steps_per_epoch is not None else steps_per_epoch
+                    steps = (
+                        steps_for(scaling.num_workers)
+                        if steps_for is not None and steps_per_epoch is not None
+                        else steps_per_epoch
+                    )
                 if scaling.message:
                     _say(config, scaling.message)
         workers.append(attempt_config.num_workers)
         started = time.time()
         try:
             value = _launch_once(
-                session, train_fn, attempt_config, strategy, display,
-                dataset=dataset, data_spec=data_spec, reader=reader, steps_per_epoch=steps,
-                checkpoint_store=checkpoints, attempt=attempt, encrypt=security.encrypt, lost_host_after_s=lost_host_after_s,
+                session,
+                train_fn,
+                attempt_config,
+                strategy,
+                display,
+                dataset=dataset,
+                data_spec=data_spec,
+                reader=reader,
+                steps_per_epoch=steps,
+                checkpoint_store=checkpoints,
+                attempt=attempt,
+                encrypt=security.encrypt,
+                lost_host_after_s=lost_host_after_s,
             )
         except _AttemptFailed as failed:
             error = failed.error
             drained = bool(error.failures) and all(f.exc_type == "HostDrained" for f in error.failures)
-            attempts.append({
-                "attempt": attempt, "seconds": time.time() - started, "error": str(error).splitlines()[0],
-                **({"drained": True} if drained else {}),
-            })
+            attempts.append(
+                {
+                    "attempt": attempt,
+                    "seconds": time.time() - started,
+                    "error": str(error).splitlines()[0],
+                    **({"drained": True} if drained else {}),
+                }
+            )
             if drained and drains < _MAX_DRAINS:
                 drains += 1
-                _say(config, f"[sparkdl] attempt {attempt} drained: {error.failures[0].message}; relaunching from that checkpoint")
+                _say(
+                    config,
+                    f"[sparkdl] attempt {attempt} drained: {error.failures[0].message}; relaunching from that checkpoint",
+                )
                 continue
             decision = policy.decide(error, attempt - drains, previous)
             if decision is Decision.RAISE:
@@ -146,7 +176,11 @@ def launch(
                     repeated = ""
                     if previous is not None and same_failure(error.failures[0], previous.failures[0]):
                         repeated = f"; the same failure as attempt {attempt - 1}, so not retried again"
-                    raise raised_from(TrainingError(error.failures, hint=f"(attempt {attempt}; max_failures={config.max_failures}{repeated})")) from None
+                    raise raised_from(
+                        TrainingError(
+                            error.failures, hint=f"(attempt {attempt}; max_failures={config.max_failures}{repeated})"
+                        )
+                    ) from None
                 raise raised_from(error) from None
             previous = error
             where = "the newest checkpoint" if checkpoints is not None else "scratch (no checkpoint_dir)"
@@ -196,7 +230,9 @@ def _launch_once(
     secret = new_secret()
     encrypt = payload_fields.get("encrypt", False)
     # The monitor judges a rank's lost connection; its error names the one that matters.
-    server = ChannelServer(host, secret, monitor.on_message, monitor.on_disconnect, encrypt=encrypt, report_lost_ranks=False)
+    server = ChannelServer(
+        host, secret, monitor.on_message, monitor.on_disconnect, encrypt=encrypt, report_lost_ranks=False
+    )
     monitor.channel_host = host
     try:
         # The launch's rendezvous store, where the channel listens: every task knows its address
@@ -228,23 +264,34 @@ def _launch_once(
     if not session.connect:
         # Spark's decommissioning is seen by the driver only: it passes the notice on (sparkdl._runtime.drain).
         threading.Thread(
-            target=_watch_decommissioning, args=(session, monitor, rendezvous_store, stop_watchdog),
-            name="sparkdl-decommission-watch", daemon=True,
+            target=_watch_decommissioning,
+            args=(session, monitor, rendezvous_store, stop_watchdog),
+            name="sparkdl-decommission-watch",
+            daemon=True,
         ).start()
     if lost_host_after_s is not None:
         # A host whose link died keeps its TCP connections open: only the silence shows it.
         threading.Thread(
-            target=monitor.watch_hosts, args=(lost_host_after_s, stop_watchdog, lambda address: _stop_using_host(session, address)),
-            name="sparkdl-host-watch", daemon=True,
+            target=monitor.watch_hosts,
+            args=(lost_host_after_s, stop_watchdog, lambda address: _stop_using_host(session, address)),
+            name="sparkdl-host-watch",
+            daemon=True,
         ).start()
     # A Connect client cannot ask the scheduler for free slots: a barrier stage whose tasks do
     # not all start within slot_wait_s is one the cluster cannot run. A classic session counted
     # the slots before launching, but a slot it counted can still be gone (a host lost since,
     # which Spark has not noticed yet): a stage that waits for it must not wait for ever.
     start_bound_s = config.slot_wait_s if session.connect else config.slot_wait_s + _CLASSIC_START_GRACE_S
-    start_label = "" if session.connect else f"{start_bound_s:g}s (slot_wait_s={config.slot_wait_s:g}s + {_CLASSIC_START_GRACE_S:g}s to start)"
+    start_label = (
+        ""
+        if session.connect
+        else f"{start_bound_s:g}s (slot_wait_s={config.slot_wait_s:g}s + {_CLASSIC_START_GRACE_S:g}s to start)"
+    )
     threading.Thread(
-        target=monitor.watch_start, args=(start_bound_s, stop_watchdog, start_label), name="sparkdl-slot-watch", daemon=True
+        target=monitor.watch_start,
+        args=(start_bound_s, stop_watchdog, start_label),
+        name="sparkdl-slot-watch",
+        daemon=True,
     ).start()
 
     def stop_interrupted() -> None:
@@ -295,7 +342,9 @@ def _launch_once(
     return values.get(0)
 
 
-def _watch_decommissioning(session: Session, monitor: JobMonitor, rendezvous_store: StoreServer, stop: threading.Event) -> None:
+def _watch_decommissioning(
+    session: Session, monitor: JobMonitor, rendezvous_store: StoreServer, stop: threading.Event
+) -> None:
     """Once a second: is Spark decommissioning an executor a rank runs on? Then the run drains
     (sparkdl._runtime.drain): the notice goes into the launch's rendezvous rendezvous_store, where every rank's
     heartbeat reads it. A decommissioning executor no longer counts as alive on its host, so the
@@ -312,7 +361,9 @@ def _watch_decommissioning(session: Session, monitor: JobMonitor, rendezvous_sto
                     found = alive.get().iterator()
                     while found.hasNext():
                         seen.setdefault(address, set()).add(found.next())
-                going = sorted(executor for executor in seen.get(address, ()) if scheduler.isExecutorDecommissioned(executor))
+                going = sorted(
+                    executor for executor in seen.get(address, ()) if scheduler.isExecutorDecommissioned(executor)
+                )
             except Exception:  # noqa: BLE001 - the session may be stopping; the stage's own outcome decides
                 logger.debug("could not ask Spark about decommissioning on %s", address, exc_info=True)
                 continue
@@ -344,7 +395,9 @@ def _stop_using_host(session: Session, address: str) -> None:
     for executor in executors:
         # Marks it pending removal at once: maxNumConcurrentTasks stops counting its slots.
         killed = jsc.killExecutor(executor)
-        logger.warning("executor %s on %s: asked Spark to drop it (%s)", executor, address, "done" if killed else "refused")
+        logger.warning(
+            "executor %s on %s: asked Spark to drop it (%s)", executor, address, "done" if killed else "refused"
+        )
 
 
 def _raised_by_an_interrupt(exc: BaseException) -> bool:
@@ -363,7 +416,9 @@ def _failure_from_spark(exc: BaseException) -> RankFailure:
     """A failure record for a Spark job that died before any rank reported (e.g. the task could
     not even unpickle its function because a module is missing on the executors)."""
     text = str(exc)
-    match = re.search(r"(Traceback \(most recent call last\):.*?)(?:\n\s+at |\n\nDriver stacktrace|\nJVM stacktrace|\Z)", text, re.S)
+    match = re.search(
+        r"(Traceback \(most recent call last\):.*?)(?:\n\s+at |\n\nDriver stacktrace|\nJVM stacktrace|\Z)", text, re.S
+    )
     remote = match.group(1) if match else ""
     # SQL-side failures (the mapInArrow stage) end their Python traceback with an SQLSTATE line.
     lines = [line for line in remote.strip().splitlines() if line.strip() and not line.strip().startswith("SQLSTATE:")]

@@ -57,10 +57,14 @@ class JobMonitor:
             self.display.epoch(message.get("record", {}))
         elif kind == "metrics":
             self.display.metrics(rank, message.get("metrics", {}))
-        elif kind == "output":  # what the rank's code printed (a run() function or a launched child), batched by the task
+        elif (
+            kind == "output"
+        ):  # what the rank's code printed (a run() function or a launched child), batched by the task
             lines = message.get("lines")
             if isinstance(lines, list):
-                self.display.output(rank, [(str(item[0]), str(item[1])) for item in lines if isinstance(item, list) and len(item) == 2])
+                self.display.output(
+                    rank, [(str(item[0]), str(item[1])) for item in lines if isinstance(item, list) and len(item) == 2]
+                )
         elif kind == "heartbeat":
             progress = int(message.get("progress", 0))
             with self._cond:
@@ -100,7 +104,9 @@ class JobMonitor:
             unreachable = (
                 f". If the executors cannot reach the driver's progress channel at {self.channel_host} (spark.sparkdl.clientHost, "
                 f"else spark.driver.host), no task can report that it started either: set spark.sparkdl.clientHost to an "
-                f"address they can reach" if started == 0 and self.channel_host else ""
+                f"address they can reach"
+                if started == 0 and self.channel_host
+                else ""
             )
             self.slots_missing = InsufficientSlotsError(
                 f"num_workers={self.num_workers} needs {self.num_workers} concurrent task slots, but {started} of the barrier "
@@ -133,8 +139,12 @@ class JobMonitor:
             with self._cond:
                 everyone_started = len(self._progress) >= self.num_workers
                 stalled = [
-                    (since, rank) for rank, (_, since) in self._progress.items()
-                    if everyone_started and now - since > timeout_s and rank not in self.finished and rank in self.connected
+                    (since, rank)
+                    for rank, (_, since) in self._progress.items()
+                    if everyone_started
+                    and now - since > timeout_s
+                    and rank not in self.finished
+                    and rank in self.connected
                 ]
                 if not stalled or self._cancelled:
                     continue
@@ -167,7 +177,8 @@ class JobMonitor:
                 if self._cancelled:
                     return
                 silent = [
-                    (heard, rank) for rank, heard in self._heard.items()
+                    (heard, rank)
+                    for rank, heard in self._heard.items()
                     if rank in self.connected and rank not in self.finished and now - heard > timeout_s
                 ]
                 if not silent:
@@ -212,7 +223,10 @@ class JobMonitor:
             # are consequences. Only while every report so far is a peer complaining that it lost
             # someone is a silent disconnect the likelier cause.
             lost = (
-                not clean and rank not in self.finished and not reported and not self._cancelled
+                not clean
+                and rank not in self.finished
+                and not reported
+                and not self._cancelled
                 and all(_is_peer_loss(f) for f in self.failures)
             )
             phase = self.phases.get(rank, "")
@@ -282,4 +296,3 @@ def _root_cause_first(failure: RankFailure) -> Tuple[bool, bool, Tuple[int, int]
     match = _NONFINITE_AT.search(failure.message) if failure.exc_type == "NonFiniteLossError" else None
     position = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
     return (failure.exc_type not in ("WorkerLost", "HostLost"), _is_peer_loss(failure), position)
-

@@ -38,10 +38,17 @@ class FailurePolicy:
             return Decision.RAISE
         first = error.failures[0] if error.failures else None
         if first is not None and (
-            first.exc_type in self.deterministic or category(first) in self.deterministic or "No module named" in first.message
+            first.exc_type in self.deterministic
+            or category(first) in self.deterministic
+            or "No module named" in first.message
         ):
             return Decision.RAISE
-        if first is not None and previous is not None and previous.failures and same_failure(first, previous.failures[0]):
+        if (
+            first is not None
+            and previous is not None
+            and previous.failures
+            and same_failure(first, previous.failures[0])
+        ):
             return Decision.RAISE
         return Decision.RETRY
 
@@ -86,7 +93,10 @@ class ScalingPolicy:
             how = "resuming the newest checkpoint on that many (batch_size is per worker: the global batch shrinks)"
         else:
             how = "from scratch (no checkpoint_dir)"
-        return Scaling(free, (
-            f"[sparkdl] attempt {attempt}: only {free} free task slot(s) for num_workers={self.num_workers} "
-            f"within slot_wait_s={self.slot_wait_s:g}s (min_workers={self.min_workers}): continuing on {free} worker(s), {how}"
-        ))
+        return Scaling(
+            free,
+            (
+                f"[sparkdl] attempt {attempt}: only {free} free task slot(s) for num_workers={self.num_workers} "
+                f"within slot_wait_s={self.slot_wait_s:g}s (min_workers={self.min_workers}): continuing on {free} worker(s), {how}"
+            ),
+        )

@@ -35,7 +35,13 @@ def check_optimizer(optimizer_fn: Callable[[Any], Any], module: torch.nn.Module)
         )
 
 
-def check_loss(module: torch.nn.Module, loss_fn: Callable[..., Any], dataset: DatasetInfo, spec: DataSpec, reader: Optional[DataReader] = None) -> None:
+def check_loss(
+    module: torch.nn.Module,
+    loss_fn: Callable[..., Any],
+    dataset: DatasetInfo,
+    spec: DataSpec,
+    reader: Optional[DataReader] = None,
+) -> None:
     """Runs the model and ``loss_fn`` on the first rows of the data (read with the run's
     ``reader``, default the Arrow reader), on the driver's CPU.
 
@@ -43,7 +49,9 @@ def check_loss(module: torch.nn.Module, loss_fn: Callable[..., Any], dataset: Da
     logged and left to the run. A loss that fails on the model's own output, or that is not a
     scalar, would fail every rank the same way: that raises.
     """
-    probe_spec = dataclasses.replace(spec, batch_size=min(PROBE_ROWS, spec.batch_size), shuffle=False, decode_threads=1, validation=None)
+    probe_spec = dataclasses.replace(
+        spec, batch_size=min(PROBE_ROWS, spec.batch_size), shuffle=False, decode_threads=1, validation=None
+    )
     stream = validation_batches(reader or reader_from_name(DEFAULT_READER), dataset, probe_spec, 0, 1)
     try:
         batch = next(stream, None)
@@ -61,7 +69,9 @@ def check_loss(module: torch.nn.Module, loss_fn: Callable[..., Any], dataset: Da
             try:
                 output = call_model(module, inputs)
             except Exception as exc:  # noqa: BLE001 - the executors' device may be what it needs
-                logger.info("could not run the model on the driver's CPU to check the loss (%s: %s)", type(exc).__name__, exc)
+                logger.info(
+                    "could not run the model on the driver's CPU to check the loss (%s: %s)", type(exc).__name__, exc
+                )
                 return
             try:
                 loss = loss_fn(output, labels)

@@ -14,13 +14,21 @@ import logging
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple, Union
 
 from sparkdl.data.batching import steps_per_epoch
-from sparkdl.data.spec import DataSpec, TransformFn, ValidationSpec
 from sparkdl.data.cache import materialize
 from sparkdl.data.columns import ColumnInfo
-from sparkdl.data.dataset import DatasetInfo, EmptyDatasetError, Filters, ParquetFiles, inspect_dataset, referenced_columns
-from sparkdl.data.inputs import Column, Dense, Image, Sequence as SequenceInput
+from sparkdl.data.dataset import (
+    DatasetInfo,
+    EmptyDatasetError,
+    Filters,
+    ParquetFiles,
+    inspect_dataset,
+    referenced_columns,
+)
+from sparkdl.data.inputs import Column, Dense, Image
+from sparkdl.data.inputs import Sequence as SequenceInput
 from sparkdl.data.plan import InputPlan
 from sparkdl.data.readers.base import DataReader
+from sparkdl.data.spec import DataSpec, TransformFn, ValidationSpec
 from sparkdl.errors import ConfigError, DataError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,17 +66,32 @@ def prepare_data(
 
     def prepare(source: DataSource, what: str) -> DatasetInfo:
         prepared = prepare_dataset(
-            source, plan, num_workers, spark, settings.cache_dir, filters=filters, transform_fn=settings.transform_fn, what=what,
+            source,
+            plan,
+            num_workers,
+            spark,
+            settings.cache_dir,
+            filters=filters,
+            transform_fn=settings.transform_fn,
+            what=what,
             pack_arrays=data_reader.reads_tensor_bytes,
         )
         data_reader.check(prepared)
         return prepared
 
     dataset = prepare(data, "the DataFrame")
-    validation_data = prepare(settings.validation_data, "the validation DataFrame") if settings.validation_data is not None else None
+    validation_data = (
+        prepare(settings.validation_data, "the validation DataFrame") if settings.validation_data is not None else None
+    )
     if settings.validation is not None:
-        spec = dataclasses.replace(spec, validation=ValidationSpec(validation_data, tuple(sorted((settings.metrics or {}).items()))))
-    conditions = [text for text, on in (("pass the filters", filters is not None), ("are not held out for validation", holdout)) if on]
+        spec = dataclasses.replace(
+            spec, validation=ValidationSpec(validation_data, tuple(sorted((settings.metrics or {}).items())))
+        )
+    conditions = [
+        text
+        for text, on in (("pass the filters", filters is not None), ("are not held out for validation", holdout))
+        if on
+    ]
     narrowed = " that " + " and ".join(conditions) if conditions else ""
     counts = shard_rows(dataset, num_workers, holdout, "train", filters)
     empty = [rank for rank, rows in enumerate(counts) if rows == 0]
@@ -81,9 +104,13 @@ def prepare_data(
     steps = steps_per_epoch(sum(counts), spec.batch_size, num_workers)
     if settings.validation is not None:
         source = validation_data or dataset
-        held = shard_rows(source, num_workers, 0.0 if validation_data else holdout, "train" if validation_data else "holdout", filters)
+        held = shard_rows(
+            source, num_workers, 0.0 if validation_data else holdout, "train" if validation_data else "holdout", filters
+        )
         if sum(held) == 0:
-            raise DataError(f"the validation data ({source.name}) holds no rows{' that pass the filters' if filters is not None else ''}")
+            raise DataError(
+                f"the validation data ({source.name}) holds no rows{' that pass the filters' if filters is not None else ''}"
+            )
     return dataset, spec, data_reader, steps
 
 
@@ -99,7 +126,12 @@ def _warn_if_uneven(dataset: DatasetInfo, counts: Sequence[int], narrowed: str) 
         "reads row groups r, r+n, ...) and every rank runs the same steps per epoch, so rank %d's rows are trained "
         "on %.1fx as often as rank %d's. Write the data as more row groups of even size, or fit it as a DataFrame "
         "(sparkdl writes its copy with even row groups)",
-        dataset.name, narrowed, list(counts), counts.index(small), large / small, counts.index(large),
+        dataset.name,
+        narrowed,
+        list(counts),
+        counts.index(small),
+        large / small,
+        counts.index(large),
     )
 
 
@@ -139,15 +171,21 @@ def prepare_dataset(
         )
     missing = [c for c in columns if c not in data.columns]
     if missing:
-        raise DataError(f"column(s) {', '.join(map(repr, missing))} not in the DataFrame; its columns are: {', '.join(data.columns)}")
+        raise DataError(
+            f"column(s) {', '.join(map(repr, missing))} not in the DataFrame; its columns are: {', '.join(data.columns)}"
+        )
     _check_spark_types(data, plan)
     if filters is not None:
         columns += [c for c in referenced_columns(filters, _arrow_schema(data), "the DataFrame") if c not in columns]
-    url = materialize(data, columns, num_workers, cache_dir, packed=_dense_array_columns(data, plan) if pack_arrays else ())
+    url = materialize(
+        data, columns, num_workers, cache_dir, packed=_dense_array_columns(data, plan) if pack_arrays else ()
+    )
     try:
         dataset = _inspect(url, plan, filters, transform_fn)
     except EmptyDatasetError:
-        raise DataError(f"{what} has no rows: there is nothing to train on (check the filters or joins that built it)") from None
+        raise DataError(
+            f"{what} has no rows: there is nothing to train on (check the filters or joins that built it)"
+        ) from None
     return dataclasses.replace(dataset, origin=what)
 
 
@@ -160,10 +198,14 @@ def _dense_array_columns(df: Any, plan: InputPlan) -> Tuple[str, ...]:
     others = {c for _, spec in plan.inputs if not isinstance(spec, Dense) for c in spec.source_columns()}
     if plan.label_column:
         others.add(plan.label_column)
-    return tuple(sorted(
-        c for c in dense - others
-        if isinstance(types[c], T.ArrayType) and isinstance(types[c].elementType, (T.IntegralType, T.FloatType, T.DoubleType, T.BooleanType))
-    ))
+    return tuple(
+        sorted(
+            c
+            for c in dense - others
+            if isinstance(types[c], T.ArrayType)
+            and isinstance(types[c].elementType, (T.IntegralType, T.FloatType, T.DoubleType, T.BooleanType))
+        )
+    )
 
 
 def _inspect(data: Any, plan: InputPlan, filters: Filters, transform_fn: Optional[TransformFn]) -> DatasetInfo:
@@ -209,7 +251,9 @@ def _check_spark_types(df: Any, plan: InputPlan) -> None:
     def image(data_type: Any) -> bool:
         if isinstance(data_type, T.BinaryType):
             return True
-        return isinstance(data_type, T.StructType) and {"height", "width", "nChannels", "data"} <= set(data_type.fieldNames())
+        return isinstance(data_type, T.StructType) and {"height", "width", "nChannels", "data"} <= set(
+            data_type.fieldNames()
+        )
 
     types = {f.name: f.dataType for f in df.schema.fields}
     checks = [(plan.role(key), column, spec) for key, spec in plan.inputs for column in spec.source_columns()]
@@ -251,7 +295,9 @@ def spark_column_infos(df: Any, plan: InputPlan) -> dict:
             return "binary"
         if isinstance(data_type, T.StringType):
             return "string"
-        if isinstance(data_type, T.StructType) and {"height", "width", "nChannels", "data"} <= set(data_type.fieldNames()):
+        if isinstance(data_type, T.StructType) and {"height", "width", "nChannels", "data"} <= set(
+            data_type.fieldNames()
+        ):
             return "image_struct"
         return "other"
 
@@ -261,7 +307,9 @@ def spark_column_infos(df: Any, plan: InputPlan) -> dict:
         data_type = types[column]
         if isinstance(data_type, T.ArrayType):
             element = kind(data_type.elementType)
-            infos[column] = ColumnInfo(column, element if element in ("float", "int") else "other", (None,), type_name=data_type.simpleString())
+            infos[column] = ColumnInfo(
+                column, element if element in ("float", "int") else "other", (None,), type_name=data_type.simpleString()
+            )
         else:
             infos[column] = ColumnInfo(column, kind(data_type), (), type_name=data_type.simpleString())
     plan.check(infos, "the DataFrame to transform")

@@ -30,7 +30,9 @@ class ProgressDisplay:
     epoch record, so users can feed their own dashboards.
     """
 
-    def __init__(self, enabled: bool = True, callback: Optional[ProgressCallback] = None, total_epochs: Optional[int] = None) -> None:
+    def __init__(
+        self, enabled: bool = True, callback: Optional[ProgressCallback] = None, total_epochs: Optional[int] = None
+    ) -> None:
         self.enabled = enabled
         self.callback = callback
         self.total_epochs = total_epochs

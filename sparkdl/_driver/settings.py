@@ -13,14 +13,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional, Sequence
 
-from sparkdl._task.config import LaunchConfig
 from sparkdl._runtime.validation import named_metrics
+from sparkdl._task.config import LaunchConfig
 from sparkdl.checkpoint import CheckpointConfig
-from sparkdl.data.spec import DataSpec, MetricFn, TransformFn
 from sparkdl.data.dataset import Filters
 from sparkdl.data.plan import InputPlan
 from sparkdl.data.readers import reader_from_name
 from sparkdl.data.readers.base import DEFAULT_READER, DataReader
+from sparkdl.data.spec import DataSpec, MetricFn, TransformFn
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.allreduce import AllReduce
 from sparkdl.strategies.base import Strategy
@@ -64,8 +64,13 @@ class DataSettings:
         if isinstance(validation, float) and not 0.0 < validation < 1.0:
             raise ConfigError(f"validation={validation!r}: a fraction of the rows must be in (0, 1)")
         spec = DataSpec(
-            batch_size=self.batch_size, shuffle=self.shuffle, seed=self.seed, filters=self.filters,
-            transform_fn=self.transform_fn, holdout=self.holdout, decode_threads=self.decode_threads,
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            filters=self.filters,
+            transform_fn=self.transform_fn,
+            holdout=self.holdout,
+            decode_threads=self.decode_threads,
         )
         object.__setattr__(self, "spec", spec)
 
@@ -83,7 +88,16 @@ class DataSettings:
         return reader_from_name(self.reader)
 
 
-_LAUNCH = ("num_workers", "use_gpu", "timeout_s", "precision", "max_failures", "watchdog_timeout_s", "min_workers", "slot_wait_s")
+_LAUNCH = (
+    "num_workers",
+    "use_gpu",
+    "timeout_s",
+    "precision",
+    "max_failures",
+    "watchdog_timeout_s",
+    "min_workers",
+    "slot_wait_s",
+)
 _DATA = tuple(f.name for f in dataclasses.fields(DataSettings) if f.init)
 #: Arguments that only make sense with data.
 _NEED_DATA = ("inputs", "validation", "filters", "transform_fn", "metrics")
@@ -119,7 +133,10 @@ class RunSettings:
         checkpoint = None
         if checkpoint_dir is not None:
             checkpoint = CheckpointConfig(
-                checkpoint_dir, every_steps=every, keep=arguments.get("keep_checkpoints", 3), resume=arguments.get("resume", True),
+                checkpoint_dir,
+                every_steps=every,
+                keep=arguments.get("keep_checkpoints", 3),
+                resume=arguments.get("resume", True),
                 async_write=arguments.get("checkpoint_async", True),
             )
         data = None

@@ -37,20 +37,44 @@ be code.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import json
 import logging
 import secrets
 import socket
-import struct
 import threading
 import time
 from typing import Any, Callable
 
+from sparkdl._net.channel_wire import (
+    BYE,
+    CLIENT_PROOF_BYTES,
+    GREETING_BYTES,
+    HELLO,
+    KEY_LABEL,
+    MAGIC,
+    MAX_CONTROL_BYTES,
+    NONCE_BYTES,
+    READY,
+    RESERVED_KINDS,
+    ChannelError,
+    Message,
+    ProtocolError,
+    client_proof,
+    encode_payload,
+    read_frame,
+    seal,
+)
 from sparkdl._net.frames import (
-    FrameAuthError, FrameFormatError, FrameOpener, FrameProtection, FrameSealer, HandshakeFailed, Shed, connect_retrying, mismatch_message, mode_byte,
-    mode_from_byte, protection, read_greeting, read_length_prefixed, split_greeting,
+    FrameProtection,
+    HandshakeFailed,
+    Shed,
+    connect_retrying,
+    mismatch_message,
+    mode_byte,
+    mode_from_byte,
+    protection,
+    read_greeting,
+    split_greeting,
 )
 from sparkdl._net.server import HANDSHAKE_S, ThreadedServer, checked_secret, recv_exact
 from sparkdl._net.server import close_quietly as _close_quietly
@@ -61,74 +85,11 @@ __all__ = ["MAX_MESSAGE_BYTES", "ChannelClient", "ChannelError", "ChannelServer"
 logger = logging.getLogger("sparkdl.channel")
 
 MAX_MESSAGE_BYTES: int = 1 << 20
-MAGIC = b"SPKDLv2\0"
-_NONCE_BYTES = 32
-_DIGEST_BYTES = 32
-#: Step 1: MAGIC + the server's mode byte + server nonce.
-GREETING_BYTES = len(MAGIC) + 1 + _NONCE_BYTES
-#: Step 2: client nonce + the client's mode byte + proof.
-CLIENT_PROOF_BYTES = _NONCE_BYTES + 1 + _DIGEST_BYTES
-_CLIENT_LABEL = b"sparkdl-channel client"
-#: Protocol label of the frame keys (sparkdl._net.frames).
-KEY_LABEL = b"sparkdl-channel v2"
-_HEADER = struct.Struct(">I")
-# Handshake frames are tiny; a low cap keeps a peer from making us buffer much before it is known.
-_MAX_CONTROL_BYTES = 4096
-_HELLO, _READY, _BYE = "hello", "ready", "bye"
-_RESERVED_KINDS = frozenset({_HELLO, _READY, _BYE})
-
-Message = dict[str, Any]
-
-
-class ChannelError(Exception):
-    """The channel could not be established, or is no longer usable, from the client's side."""
-
-
-class _ProtocolError(Exception):
-    """A peer broke the wire protocol; the server drops the connection."""
 
 
 def new_secret() -> bytes:
     """Returns a fresh random per-job secret (32 bytes) shared by the driver and its tasks."""
     return secrets.token_bytes(32)
-
-
-def _encode_payload(message: Message, max_bytes: int) -> bytes:
-    payload = json.dumps(message, separators=(",", ":")).encode("utf-8")
-    if len(payload) > max_bytes:
-        raise ChannelError(f"message of {len(payload)} bytes exceeds the limit of {max_bytes}")
-    return payload
-
-
-def _seal(sealer: FrameSealer, payload: bytes) -> bytes:
-    """One sealed frame: length, body, tag (see the module docstring)."""
-    return sealer.seal(_HEADER.pack(len(payload)), payload)
-
-
-def _proof(secret: bytes, server_nonce: bytes, client_nonce: bytes, mode: bytes) -> bytes:
-    return hmac.new(secret, _CLIENT_LABEL + server_nonce + client_nonce + mode, hashlib.sha256).digest()
-
-
-def _read_frame(
-    sock: socket.socket, opener: FrameOpener, max_bytes: int, deadline: float | None = None
-) -> Message | None:
-    """Reads and verifies one sealed frame; returns None on EOF at a frame boundary, raises
-    _ProtocolError otherwise (a frame that fails its tag included)."""
-    header = recv_exact(sock, _HEADER.size, deadline)
-    if not header:
-        return None
-    try:
-        payload = read_length_prefixed(sock, opener, header, max_bytes, deadline)
-    except (FrameFormatError, FrameAuthError) as exc:
-        raise _ProtocolError(str(exc)) from None
-    try:
-        # Explicit strict UTF-8: json.loads(bytes) would also guess UTF-16/32.
-        message = json.loads(payload.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:  # RecursionError: deeply nested arrays
-        raise _ProtocolError(f"payload is not valid UTF-8 JSON ({type(exc).__name__})") from None
-    if not isinstance(message, dict):
-        raise _ProtocolError(f"payload is a JSON {type(message).__name__}, not an object")
-    return message
 
 
 class ChannelServer(ThreadedServer):
@@ -208,38 +169,38 @@ class ChannelServer(ThreadedServer):
 
     def _handshake(self, conn: socket.socket) -> tuple[int, FrameProtection]:
         deadline = time.monotonic() + self._handshake_timeout
-        server_nonce = secrets.token_bytes(_NONCE_BYTES)
+        server_nonce = secrets.token_bytes(NONCE_BYTES)
         mode = mode_byte(self._encrypt)
         try:
             conn.settimeout(self._handshake_timeout)
             conn.sendall(MAGIC + mode + server_nonce)
             proof = recv_exact(conn, CLIENT_PROOF_BYTES, deadline)
             if len(proof) < CLIENT_PROOF_BYTES:
-                raise _ProtocolError("peer closed the connection during the handshake")
-            client_nonce = proof[:_NONCE_BYTES]
-            client_mode = proof[_NONCE_BYTES : _NONCE_BYTES + 1]
-            digest = proof[_NONCE_BYTES + 1 :]
-            expected = _proof(self._secret, server_nonce, client_nonce, client_mode)
+                raise ProtocolError("peer closed the connection during the handshake")
+            client_nonce = proof[:NONCE_BYTES]
+            client_mode = proof[NONCE_BYTES : NONCE_BYTES + 1]
+            digest = proof[NONCE_BYTES + 1 :]
+            expected = client_proof(self._secret, server_nonce, client_nonce, client_mode)
             if not hmac.compare_digest(digest, expected):
-                raise _ProtocolError("authentication failed (wrong secret or not a sparkdl client)")
+                raise ProtocolError("authentication failed (wrong secret or not a sparkdl client)")
             # Parse nothing from a peer before it has authenticated.
             theirs = mode_from_byte(client_mode[0])
             if theirs is None:
-                raise _ProtocolError(f"unknown frame protection mode {client_mode[0]}")
+                raise ProtocolError(f"unknown frame protection mode {client_mode[0]}")
             if theirs != self._encrypt:
-                raise _ProtocolError(mismatch_message(self._encrypt, theirs, "channel server", "client"))
+                raise ProtocolError(mismatch_message(self._encrypt, theirs, "channel server", "client"))
             keys = protection(self._secret, KEY_LABEL, server_nonce, client_nonce, self._encrypt, server=True)
-            hello = _read_frame(conn, keys.opener, _MAX_CONTROL_BYTES, deadline)
+            hello = read_frame(conn, keys.opener, MAX_CONTROL_BYTES, deadline)
         except TimeoutError:
             limit = self._handshake_timeout
-            raise _ProtocolError(f"handshake not completed within {limit}s") from None
+            raise ProtocolError(f"handshake not completed within {limit}s") from None
         rank = hello.get("rank") if hello is not None else None
-        if hello is None or hello.get("kind") != _HELLO or type(rank) is not int or rank < 0:
-            raise _ProtocolError("missing or invalid hello frame")
+        if hello is None or hello.get("kind") != HELLO or type(rank) is not int or rank < 0:
+            raise ProtocolError("missing or invalid hello frame")
         # Before "ready": a client told it is in is never then dropped to make room.
         self._authenticated()  # no longer counts against the pending-handshake cap
-        ready = {"kind": _READY, "max_message_bytes": self._max_message_bytes}
-        conn.sendall(_seal(keys.sealer, _encode_payload(ready, _MAX_CONTROL_BYTES)))
+        ready = {"kind": READY, "max_message_bytes": self._max_message_bytes}
+        conn.sendall(seal(keys.sealer, encode_payload(ready, MAX_CONTROL_BYTES)))
         conn.settimeout(None)  # tasks may stay quiet for a long time; close() unblocks via shutdown
         return rank, keys
 
@@ -249,32 +210,40 @@ class ChannelServer(ThreadedServer):
         try:
             rank, keys = self._handshake(conn)
             while True:
-                message = _read_frame(conn, keys.opener, self._max_message_bytes)
+                message = read_frame(conn, keys.opener, self._max_message_bytes)
                 if message is None:
                     if not self._closed.is_set() and not self._report_lost_ranks:
                         logger.debug("channel: rank %d (%s) disconnected without saying bye", rank, peer)
                     elif not self._closed.is_set():
                         self._log_drop(
-                            peer, "disconnected without saying bye",
-                            "channel: rank %d (%s) disconnected without saying bye", rank, peer,
+                            peer,
+                            "disconnected without saying bye",
+                            "channel: rank %d (%s) disconnected without saying bye",
+                            rank,
+                            peer,
                             authenticated=True,
                         )
                     break
                 kind = message.get("kind")
-                if kind == _BYE:
+                if kind == BYE:
                     clean = True
                     break
-                if isinstance(kind, str) and kind in _RESERVED_KINDS:
-                    raise _ProtocolError(f"unexpected {kind!r} frame after the handshake")
+                if isinstance(kind, str) and kind in RESERVED_KINDS:
+                    raise ProtocolError(f"unexpected {kind!r} frame after the handshake")
                 try:
                     self._on_message(rank, message)
                 except Exception:
                     logger.exception("channel: on_message callback failed for rank %d", rank)
-        except (_ProtocolError, OSError) as exc:
+        except (ProtocolError, OSError) as exc:
             if not self._closed.is_set():
                 who = f"rank {rank}" if rank is not None else "unauthenticated peer"
                 self._log_drop(
-                    peer, exc, "channel: dropping %s (%s): %s", who, peer, exc,
+                    peer,
+                    exc,
+                    "channel: dropping %s (%s): %s",
+                    who,
+                    peer,
+                    exc,
                     authenticated=rank is not None,
                 )
         finally:
@@ -322,7 +291,10 @@ class ChannelClient:
         self._closed = False
         try:
             sock, (self._max_message_bytes, self._keys) = connect_retrying(
-                address, timeout, lambda sock, deadline: self._handshake(sock, secret, rank, bool(encrypt), deadline), "the channel server"
+                address,
+                timeout,
+                lambda sock, deadline: self._handshake(sock, secret, rank, bool(encrypt), deadline),
+                "the channel server",
             )
         except HandshakeFailed as exc:
             raise ChannelError(str(exc)) from None
@@ -337,13 +309,13 @@ class ChannelClient:
     ) -> tuple[int, FrameProtection]:
         """One attempt; raises ChannelError (not retried), Shed or OSError (connect_retrying's)."""
         try:
-            greeting = split_greeting(read_greeting(sock, GREETING_BYTES, MAGIC, deadline), MAGIC, _NONCE_BYTES)
+            greeting = split_greeting(read_greeting(sock, GREETING_BYTES, MAGIC, deadline), MAGIC, NONCE_BYTES)
             if greeting is None:
                 raise ChannelError("the peer is not a sparkdl channel server (bad greeting)")
             server_mode, server_nonce = greeting
-            client_nonce = secrets.token_bytes(_NONCE_BYTES)
+            client_nonce = secrets.token_bytes(NONCE_BYTES)
             mode = mode_byte(encrypt)
-            proof = client_nonce + mode + _proof(secret, server_nonce, client_nonce, mode)
+            proof = client_nonce + mode + client_proof(secret, server_nonce, client_nonce, mode)
             theirs = mode_from_byte(server_mode[0])
             if theirs != encrypt:
                 # Prove ourselves anyway, so that the server can log the mismatch too.
@@ -352,15 +324,15 @@ class ChannelClient:
                     raise ChannelError(f"the channel server uses an unknown protection mode {server_mode[0]}")
                 raise ChannelError(mismatch_message(encrypt, theirs, "channel client", "channel server"))
             keys = protection(secret, KEY_LABEL, server_nonce, client_nonce, encrypt, server=False)
-            hello = _encode_payload({"kind": _HELLO, "rank": rank}, _MAX_CONTROL_BYTES)
-            sock.sendall(proof + _seal(keys.sealer, hello))
-            ready = _read_frame(sock, keys.opener, _MAX_CONTROL_BYTES, deadline)
-        except _ProtocolError as exc:
+            hello = encode_payload({"kind": HELLO, "rank": rank}, MAX_CONTROL_BYTES)
+            sock.sendall(proof + seal(keys.sealer, hello))
+            ready = read_frame(sock, keys.opener, MAX_CONTROL_BYTES, deadline)
+        except ProtocolError as exc:
             raise ChannelError(f"channel handshake failed: {exc}") from None
         if ready is None:  # as when it rejects our secret; or it dropped us late, to make room
             raise Shed("the server hung up during the handshake", proved=True)
         limit = ready.get("max_message_bytes")
-        if ready.get("kind") != _READY or type(limit) is not int or limit <= 0:
+        if ready.get("kind") != READY or type(limit) is not int or limit <= 0:
             raise ChannelError("the server sent an invalid ready frame")
         return limit, keys
 
@@ -383,16 +355,16 @@ class ChannelClient:
         if not isinstance(message, dict):
             raise TypeError(f"message must be a dict, got {type(message).__name__}")
         kind = message.get("kind")
-        if isinstance(kind, str) and kind in _RESERVED_KINDS:
+        if isinstance(kind, str) and kind in RESERVED_KINDS:
             raise ValueError(f"message kind {kind!r} is reserved for the channel protocol")
-        payload = _encode_payload(message, self._max_message_bytes)
+        payload = encode_payload(message, self._max_message_bytes)
         with self._lock:
             if self._closed:
                 raise ChannelError("the channel is closed")
             try:
                 self._check_server_alive()
                 # Sealed under the lock: frame counters must follow the order on the wire.
-                self._sock.sendall(_seal(self._keys.sealer, payload))
+                self._sock.sendall(seal(self._keys.sealer, payload))
             except OSError as exc:
                 # A partial write leaves the stream mid-frame, so the connection cannot be reused.
                 self._closed = True
@@ -421,8 +393,8 @@ class ChannelClient:
             self._closed = True
             if acquired:  # otherwise another thread is mid-frame and a bye would corrupt the stream
                 try:
-                    bye = _encode_payload({"kind": _BYE}, _MAX_CONTROL_BYTES)
-                    self._sock.sendall(_seal(self._keys.sealer, bye))
+                    bye = encode_payload({"kind": BYE}, MAX_CONTROL_BYTES)
+                    self._sock.sendall(seal(self._keys.sealer, bye))
                 except (OSError, ChannelError):
                     pass
             else:

@@ -131,7 +131,9 @@ def mismatch_message(ours: bool, theirs: bool, us: str, them: str) -> str:
     )
 
 
-def derive_keys(secret: bytes, label: bytes, server_nonce: bytes, client_nonce: bytes, encrypt: bool) -> Tuple[bytes, bytes]:
+def derive_keys(
+    secret: bytes, label: bytes, server_nonce: bytes, client_nonce: bytes, encrypt: bool
+) -> Tuple[bytes, bytes]:
     """The connection's ``(client_to_server_key, server_to_client_key)`` (see the module docs)."""
     salt = bytes(server_nonce) + bytes(client_nonce)
     keys = []
@@ -299,7 +301,7 @@ def split_greeting(greeting: bytes, magic: bytes, nonce_bytes: int = 32) -> Opti
     they are not that (another protocol, a truncated greeting)."""
     if len(greeting) != len(magic) + 1 + nonce_bytes or not greeting.startswith(magic):
         return None
-    return greeting[len(magic): len(magic) + 1], greeting[len(magic) + 1:]
+    return greeting[len(magic) : len(magic) + 1], greeting[len(magic) + 1 :]
 
 
 #: The clear header of a length-prefixed frame (the channel's and the rendezvous store's).
@@ -310,7 +312,9 @@ class FrameFormatError(Exception):
     """A length-prefixed frame is truncated or over its cap."""
 
 
-def read_length_prefixed(sock: socket.socket, opener: FrameOpener, head: bytes, max_bytes: int, deadline: Optional[float]) -> bytes:
+def read_length_prefixed(
+    sock: socket.socket, opener: FrameOpener, head: bytes, max_bytes: int, deadline: Optional[float]
+) -> bytes:
     """The verified payload of a length-prefixed sealed frame whose 4-byte ``head`` was read.
 
     Raises:
@@ -328,7 +332,9 @@ def read_length_prefixed(sock: socket.socket, opener: FrameOpener, head: bytes, 
     return opener.open(head, memoryview(sealed)[:length], memoryview(sealed)[length:])
 
 
-def protection(secret: bytes, label: bytes, server_nonce: bytes, client_nonce: bytes, encrypt: bool, *, server: bool) -> FrameProtection:
+def protection(
+    secret: bytes, label: bytes, server_nonce: bytes, client_nonce: bytes, encrypt: bool, *, server: bool
+) -> FrameProtection:
     """The frame protection of one side (``server`` or client) of a freshly authenticated connection."""
     to_server, to_client = derive_keys(secret, label, server_nonce, client_nonce, encrypt)
     if server:
@@ -366,7 +372,9 @@ def read_greeting(sock: socket.socket, size: int, magic: bytes, deadline: float)
     return data
 
 
-def connect_retrying(address: Tuple[str, int], timeout_s: float, attempt: Callable[[socket.socket, float], T], what: str) -> Tuple[socket.socket, T]:
+def connect_retrying(
+    address: Tuple[str, int], timeout_s: float, attempt: Callable[[socket.socket, float], T], what: str
+) -> Tuple[socket.socket, T]:
     """Connects and runs ``attempt(sock, deadline)`` (a client handshake) until it succeeds,
     retrying with backoff while the server sheds the connection (:class:`Shed`), all within
     ``timeout_s``. Returns the socket (timeout still set) and what ``attempt`` returned.
@@ -388,7 +396,9 @@ def connect_retrying(address: Tuple[str, int], timeout_s: float, attempt: Callab
         except TimeoutError:
             if tries == 1:
                 raise
-            raise HandshakeFailed(f"{what} at {where}: no connection within {timeout_s:g} s ({tries} attempts; last: {last})") from None
+            raise HandshakeFailed(
+                f"{what} at {where}: no connection within {timeout_s:g} s ({tries} attempts; last: {last})"
+            ) from None
         try:
             return sock, attempt(sock, deadline)
         except Shed as exc:
@@ -412,7 +422,9 @@ def connect_retrying(address: Tuple[str, int], timeout_s: float, attempt: Callab
         last = str(shed)
         late += shed.proved
         if late > RETRIES_AFTER_PROOF:
-            raise HandshakeFailed(f"{what} at {where} hung up after this side proved the job's secret, {late} times (wrong secret?): {shed}")
+            raise HandshakeFailed(
+                f"{what} at {where} hung up after this side proved the job's secret, {late} times (wrong secret?): {shed}"
+            )
         left = deadline - time.monotonic()
         if left <= 0:
             raise HandshakeFailed(

@@ -66,7 +66,9 @@ def local_interfaces() -> List[Interface]:
     ]
 
 
-def choose_interface(own_host: str, driver_host: str, interfaces: Optional[Sequence[Interface]] = None) -> Optional[InterfaceChoice]:
+def choose_interface(
+    own_host: str, driver_host: str, interfaces: Optional[Sequence[Interface]] = None
+) -> Optional[InterfaceChoice]:
     """The interface that carries this executor's Spark address ``own_host`` (an address or a
     name), else the one the route to ``driver_host`` leaves by; None when neither is local.
 
@@ -85,12 +87,18 @@ def choose_interface(own_host: str, driver_host: str, interfaces: Optional[Seque
     if route_source is not None:
         found = _holding(interfaces, route_source)
         if found is not None:
-            return InterfaceChoice(found.name, route_source, f"the route to the driver ({driver_host}) leaves from {route_source}")
+            return InterfaceChoice(
+                found.name, route_source, f"the route to the driver ({driver_host}) leaves from {route_source}"
+            )
     return None
 
 
 def collective_environment(
-    own_host: str, driver_host: str, environ: Mapping[str, str], rank: int, gpu: bool = False,
+    own_host: str,
+    driver_host: str,
+    environ: Mapping[str, str],
+    rank: int,
+    gpu: bool = False,
     interfaces: Optional[Sequence[Interface]] = None,
 ) -> Tuple[Dict[str, str], Optional[InterfaceChoice]]:
     """The interface variables to set for this rank's collectives, and the interface chosen.

@@ -71,7 +71,18 @@ import struct
 import time
 from typing import Callable, Optional, Tuple
 
-from sparkdl._net.frames import FrameAuthError, FrameFormatError, Shed, mismatch_message, mode_byte, mode_from_byte, protection, read_greeting, read_length_prefixed, split_greeting
+from sparkdl._net.frames import (
+    FrameAuthError,
+    FrameFormatError,
+    Shed,
+    mismatch_message,
+    mode_byte,
+    mode_from_byte,
+    protection,
+    read_greeting,
+    read_length_prefixed,
+    split_greeting,
+)
 from sparkdl._net.server import checked_secret, recv_exact
 
 GREETING = b"SPKDLRZ\x02"
@@ -153,7 +164,9 @@ def client_handshake(sock: socket.socket, key: bytes, rank: int, deadline: float
     return Handshake(key, client_nonce, server_nonce, rank, encrypt, server=False)
 
 
-def server_handshake(conn: socket.socket, key: bytes, deadline: float, encrypt: bool = False, verified: Callable[[], None] = lambda: None) -> Handshake:
+def server_handshake(
+    conn: socket.socket, key: bytes, deadline: float, encrypt: bool = False, verified: Callable[[], None] = lambda: None
+) -> Handshake:
     """Authenticates a new connection, server side; calls ``verified()`` once the client proved
     the secret, before proving it back. Raises WireError, TimeoutError, OSError."""
     server_nonce, mode = secrets.token_bytes(NONCE_BYTES), mode_byte(encrypt)
@@ -162,8 +175,8 @@ def server_handshake(conn: socket.socket, key: bytes, deadline: float, encrypt: 
     proof = recv_exact(conn, size, deadline)
     if len(proof) < size:
         raise WireError("peer closed the connection during the handshake")
-    rank_bytes, client_nonce = proof[:4], proof[4: 4 + NONCE_BYTES]
-    their_mode, digest = proof[4 + NONCE_BYTES: 5 + NONCE_BYTES], proof[5 + NONCE_BYTES:]
+    rank_bytes, client_nonce = proof[:4], proof[4 : 4 + NONCE_BYTES]
+    their_mode, digest = proof[4 + NONCE_BYTES : 5 + NONCE_BYTES], proof[5 + NONCE_BYTES :]
     if not hmac.compare_digest(digest, _mac(key, _LABELS[1], server_nonce, client_nonce, rank_bytes, their_mode)):
         raise WireError("authentication failed (wrong secret or not a sparkdl rank)")
     if their_mode != mode:
@@ -180,7 +193,9 @@ class Framing:
 
     def __init__(self, sock: socket.socket, session: Handshake) -> None:
         self.sock, self.session = sock, session
-        self._keys = protection(session.key, KEY_LABEL, session.server_nonce, session.client_nonce, session.encrypt, server=session.server)
+        self._keys = protection(
+            session.key, KEY_LABEL, session.server_nonce, session.client_nonce, session.encrypt, server=session.server
+        )
 
     def send(self, body: bytes, timeout_s: Optional[float]) -> None:
         if len(body) > MAX_FRAME_BYTES:
@@ -210,7 +225,6 @@ class Framing:
             raise WireError(str(exc)) from None
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Message:
     op: int
@@ -233,14 +247,19 @@ def decode(body: bytes) -> Message:
     if len(body) < HEADER.size:
         raise WireError(f"truncated header ({len(body)} of {HEADER.size} bytes)")
     magic, op, status, count, timeout_ms = HEADER.unpack_from(body)
-    if magic != FRAME_MAGIC or op not in Op._value2member_map_ or status not in Status._value2member_map_ or count > MAX_ITEMS:
+    if (
+        magic != FRAME_MAGIC
+        or op not in Op._value2member_map_
+        or status not in Status._value2member_map_
+        or count > MAX_ITEMS
+    ):
         raise WireError(f"bad header (magic {magic!r}, op {op}, status {status}, {count} items)")
     items, offset = [], HEADER.size
     for _ in range(count):
         if len(body) - offset < U32.size or U32.unpack_from(body, offset)[0] > len(body) - offset - U32.size:
             raise WireError("an item overruns the frame")
         length = U32.unpack_from(body, offset)[0]
-        items.append(body[offset + U32.size: offset + U32.size + length])
+        items.append(body[offset + U32.size : offset + U32.size + length])
         offset += U32.size + length
     if offset != len(body):
         raise WireError(f"{len(body) - offset} bytes after the last item")

@@ -213,7 +213,9 @@ class ThreadedServer:
         self._unauthenticated: Dict[threading.Thread, _Pending] = {}
         self._evicted: Set[threading.Thread] = set()
         self._max_unauthenticated = max_pending_handshakes
-        self._max_per_peer = max(1, max_pending_handshakes // 2) if max_pending_per_peer is None else max(1, max_pending_per_peer)
+        self._max_per_peer = (
+            max(1, max_pending_handshakes // 2) if max_pending_per_peer is None else max(1, max_pending_per_peer)
+        )
         self._accepted = itertools.count()
         self._name = name
         self._log = logger
@@ -338,7 +340,10 @@ class ThreadedServer:
                 # Threads of dropped peers still winding down count against the cap too (at most
                 # a poll's wait): a flood cannot make the server hold more threads than that.
                 with self._idle:
-                    self._idle.wait_for(lambda: len(self._evicted) < max(1, self._max_unauthenticated - len(self._unauthenticated)), ACCEPT_POLL_S)
+                    self._idle.wait_for(
+                        lambda: len(self._evicted) < max(1, self._max_unauthenticated - len(self._unauthenticated)),
+                        ACCEPT_POLL_S,
+                    )
                 try:
                     conn, peer = self._listener.accept()
                 except TimeoutError:
@@ -358,7 +363,9 @@ class ThreadedServer:
                         # At once and without a thread: a refused peer costs nothing to hold.
                         close_quietly(conn)
                         continue
-                    thread = threading.Thread(target=self._serve, args=(conn, peer), name=f"{self._name}-{peer}", daemon=True)
+                    thread = threading.Thread(
+                        target=self._serve, args=(conn, peer), name=f"{self._name}-{peer}", daemon=True
+                    )
                     self._conns.add(conn)
                     self._threads.add(thread)
                     self._unauthenticated[thread] = _Pending(thread, conn, _host(peer), next(self._accepted))

@@ -34,8 +34,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from sparkdl._net.rendezvous_client import StoreClient
 from sparkdl._runtime.rendezvous import active_store
-from sparkdl._net.rendezvous_store import StoreClient
 from sparkdl.checkpoint import CheckpointStore, PartInfo, RankState, tree_leaves, tree_rebuild
 from sparkdl.errors import PeerLostError
 
@@ -69,7 +69,11 @@ def owners(leaves: List[Any], world_size: int) -> Dict[int, int]:
     """Leaf index -> the rank that stores it, for the tensor leaves: the largest first, each to
     the rank holding the fewest bytes so far (ties to the lower rank). Deterministic, so every
     rank computes the same split from its identical copy."""
-    tensors = [(index, leaf.numel() * leaf.element_size()) for index, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    tensors = [
+        (index, leaf.numel() * leaf.element_size())
+        for index, leaf in enumerate(leaves)
+        if isinstance(leaf, torch.Tensor)
+    ]
     load = [0] * world_size
     chosen: Dict[int, int] = {}
     for index, size in sorted(tensors, key=lambda item: (-item[1], item[0])):
@@ -124,7 +128,9 @@ class _Ledger:
     def __init__(self, rank: int, world_size: int, client: Optional[StoreClient]) -> None:
         self._rank, self._world_size, self._client = rank, world_size, client
         if client is None and world_size > 1:
-            raise RuntimeError("checkpoints of more than one rank need sparkdl's rendezvous store (run inside sparkdl.run or fit)")
+            raise RuntimeError(
+                "checkpoints of more than one rank need sparkdl's rendezvous store (run inside sparkdl.run or fit)"
+            )
 
     @property
     def timeout_s(self) -> Optional[float]:
@@ -147,7 +153,9 @@ class _Ledger:
             self._client.delete_key(key)
         steps = sorted({record["step"] for record in records})
         if steps != [step]:
-            raise CheckpointWriteError(f"the ranks saved different steps {steps} in the same save_checkpoint call; call it on every rank at the same step")
+            raise CheckpointWriteError(
+                f"the ranks saved different steps {steps} in the same save_checkpoint call; call it on every rank at the same step"
+            )
         return [PartInfo(**record["part"]) for record in records]
 
 
@@ -159,7 +167,14 @@ class CheckpointWriter:
     the writes finished so far and their seconds (serialize, store, commit).
     """
 
-    def __init__(self, store: CheckpointStore, rank: int, world_size: int, stats: Dict[str, Any], client: Optional[StoreClient] = None) -> None:
+    def __init__(
+        self,
+        store: CheckpointStore,
+        rank: int,
+        world_size: int,
+        stats: Dict[str, Any],
+        client: Optional[StoreClient] = None,
+    ) -> None:
         """``client``: the rendezvous store the ranks record their parts in (this process's)."""
         self._store, self._rank, self._world_size = store, rank, world_size
         if client is None:
@@ -182,7 +197,9 @@ class CheckpointWriter:
             self._write(self._saves, step, part)
             self.wait()
             return
-        self._thread = threading.Thread(target=self._write, args=(self._saves, step, part), name=f"sparkdl-checkpoint-{step}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._write, args=(self._saves, step, part), name=f"sparkdl-checkpoint-{step}", daemon=True
+        )
         self._thread.start()
 
     def wait(self) -> None:
@@ -209,7 +226,9 @@ class CheckpointWriter:
                 self._store.commit(step, self._world_size, parts)
         except BaseException as exc:  # noqa: BLE001 - raised on the training thread by wait()
             kind = CheckpointPeerLostError if isinstance(exc, PeerLostError) else CheckpointWriteError
-            error = kind(f"rank {self._rank} could not write checkpoint {self._store.location(step)}: {type(exc).__name__}: {exc}")
+            error = kind(
+                f"rank {self._rank} could not write checkpoint {self._store.location(step)}: {type(exc).__name__}: {exc}"
+            )
             error.__cause__ = exc
             self._error = error
             return

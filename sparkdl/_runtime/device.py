@@ -196,7 +196,11 @@ def select_device(
         if use_gpu:
             raise ConfigError(message)
         return DeviceAssignment(
-            "cpu", None, addresses, physical, f"cpu (Spark assigned {named}, torch has no CUDA)",
+            "cpu",
+            None,
+            addresses,
+            physical,
+            f"cpu (Spark assigned {named}, torch has no CUDA)",
             f"{message}. Training on the CPU instead (use_gpu=None falls back; use_gpu=True makes this an error)",
         )
     index = int(addresses[0])
@@ -214,7 +218,9 @@ def select_device(
             f"per task, on the first ({addresses[0]}), so the others stay idle: use spark.task.resource.gpu.amount=1 "
             f"and one task per GPU (num_workers = number of GPUs)"
         )
-    return DeviceAssignment("cuda", index, addresses, physical, f"cuda:{index} (Spark {_describe(addresses[:1], physical[:1])})", warning)
+    return DeviceAssignment(
+        "cuda", index, addresses, physical, f"cuda:{index} (Spark {_describe(addresses[:1], physical[:1])})", warning
+    )
 
 
 def _describe(addresses: Sequence[str], physical: Sequence[str]) -> str:
@@ -287,12 +293,14 @@ def check_assignments(ranks: Sequence[Mapping[str, Any]]) -> None:
 
 def describe_for_peers(assignment: DeviceAssignment, host: str, uuid: Optional[str]) -> str:
     """This rank's entry for :func:`check_assignments`, as the string ``allGather`` carries."""
-    return json.dumps({
-        "type": assignment.device_type,
-        "address": assignment.spark_addresses[0] if assignment.spark_addresses else None,
-        "host": host,
-        "uuid": uuid,
-    })
+    return json.dumps(
+        {
+            "type": assignment.device_type,
+            "address": assignment.spark_addresses[0] if assignment.spark_addresses else None,
+            "host": host,
+            "uuid": uuid,
+        }
+    )
 
 
 class CudaControl(Protocol):
@@ -345,7 +353,9 @@ def task_resources(barrier: Any) -> Dict[str, Sequence[str]]:
 
 
 @contextlib.contextmanager
-def task_device(barrier: Any, use_gpu: Optional[bool], all_gather: Optional[Callable[[str], Sequence[str]]] = None) -> Iterator[DeviceAssignment]:
+def task_device(
+    barrier: Any, use_gpu: Optional[bool], all_gather: Optional[Callable[[str], Sequence[str]]] = None
+) -> Iterator[DeviceAssignment]:
     """Task side: select this task's device from its Spark resources, check it against the other
     ranks, make it current, and restore the process afterwards. Collective: one ``all_gather``
     (the rendezvous store's, else the barrier's ``allGather``).
@@ -361,8 +371,12 @@ def task_device(barrier: Any, use_gpu: Optional[bool], all_gather: Optional[Call
         available = torch.cuda.is_available()
         count = torch.cuda.device_count() if available else 0
     assignment = select_device(
-        resources, use_gpu, available, count,
-        visible_devices=os.environ.get(CUDA_VISIBLE_DEVICES), cuda_build=torch.version.cuda,
+        resources,
+        use_gpu,
+        available,
+        count,
+        visible_devices=os.environ.get(CUDA_VISIBLE_DEVICES),
+        cuda_build=torch.version.cuda,
     )
     if assignment.warning:
         logger.warning(assignment.warning)

@@ -36,7 +36,14 @@ logger = logging.getLogger("sparkdl.precision")
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 #: Spellings people try, and what they most likely meant.
 _ALIASES = {32: "32", "32-true": "32", "fp32": "32", "float32": "32"}
-_SUGGEST = {"bf16": "bf16-mixed", "bfloat16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed", "fp16": "16-mixed", "float16": "16-mixed"}
+_SUGGEST = {
+    "bf16": "bf16-mixed",
+    "bfloat16": "bf16-mixed",
+    "16": "16-mixed",
+    16: "16-mixed",
+    "fp16": "16-mixed",
+    "float16": "16-mixed",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +65,9 @@ class Precision:
             value = str(value)
         value = _ALIASES.get(value, value)
         if value not in PRECISIONS:
-            hint = f" (did you mean {_SUGGEST[value]!r}?)" if isinstance(value, (str, int)) and value in _SUGGEST else ""
+            hint = (
+                f" (did you mean {_SUGGEST[value]!r}?)" if isinstance(value, (str, int)) and value in _SUGGEST else ""
+            )
             raise ConfigError(f"precision={self.value!r} is not one of {', '.join(map(repr, PRECISIONS))}{hint}")
         object.__setattr__(self, "value", value)
 
@@ -115,9 +124,17 @@ class PrecisionRuntime:
         self.precision = precision
         self.device = device
         self.dtype = precision.autocast_dtype
-        self.scaler = scaler if scaler is not None else (torch.amp.GradScaler(device.type) if precision.needs_grad_scaler else None)
+        self.scaler = (
+            scaler
+            if scaler is not None
+            else (torch.amp.GradScaler(device.type) if precision.needs_grad_scaler else None)
+        )
         self._all_reduce_max = (all_reduce_max or _all_reduce_max) if world_size > 1 else None
-        if self.dtype is torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        if (
+            self.dtype is torch.bfloat16
+            and device.type == "cuda"
+            and not torch.cuda.is_bf16_supported(including_emulation=False)
+        ):
             logger.warning(
                 "%s has no native bfloat16: precision='bf16-mixed' runs emulated and slowly there; use '16-mixed'",
                 torch.cuda.get_device_name(device),
@@ -129,7 +146,9 @@ class PrecisionRuntime:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def backward_and_step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, max_grad_norm: Optional[float] = None) -> bool:
+    def backward_and_step(
+        self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, max_grad_norm: Optional[float] = None
+    ) -> bool:
         """``loss.backward(); optimizer.step()``, through the grad scaler for ``16-mixed``.
 
         Args:

@@ -11,7 +11,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from sparkdl._net.rendezvous_store import StoreClient, StoreServer
+from sparkdl._net.rendezvous_client import StoreClient
+from sparkdl._net.rendezvous_store import StoreServer
 from sparkdl.strategies.base import DistEnv
 
 
@@ -35,7 +36,7 @@ def rendezvous(
     Without one (launchers without a driver, tests), rank 0 starts the server on its own task
     address only, port 0 (the kernel picks a free port that is already bound: no pick-then-bind
     race), and ``all_gather`` hands its address to the others. Either way every rank talks to it
-    through a :class:`~sparkdl._net.rendezvous_store.StoreClient` (admitted only with the job's secret), the
+    through a :class:`~sparkdl._net.rendezvous_client.StoreClient` (admitted only with the job's secret), the
     store ``init_process_group`` gets; no rank returns before every rank is in the group.
     :func:`teardown` closes this process's part.
 
@@ -94,17 +95,27 @@ def rendezvous(
     )
 
 
-def join_store(address: Tuple[str, int], secret: bytes, rank: int, timeout_s: float, encrypt: bool = False) -> StoreClient:
+def join_store(
+    address: Tuple[str, int], secret: bytes, rank: int, timeout_s: float, encrypt: bool = False
+) -> StoreClient:
     """This process's client of the store at ``address`` (the driver's): the one it already
     has for that address, else a new one (closing what an earlier task left behind)."""
     global _active
     address = (address[0], int(address[1]))
-    if _active is not None and _active.server is None and _active.client is not None and _active.client.address == address and not _active.client.closed:
+    if (
+        _active is not None
+        and _active.server is None
+        and _active.client is not None
+        and _active.client.address == address
+        and not _active.client.closed
+    ):
         return _active.client
     # A process runs one job's tasks at a time: a store an earlier one left (it never reached
     # its teardown) closes now, so that it does not keep listening.
     _close_store()
-    client = StoreClient(address, secret, rank, datetime.timedelta(seconds=timeout_s), encrypt=encrypt, served_by="the driver")
+    client = StoreClient(
+        address, secret, rank, datetime.timedelta(seconds=timeout_s), encrypt=encrypt, served_by="the driver"
+    )
     _active = _Rendezvous(None, client)
     return client
 
@@ -126,7 +137,12 @@ def store_all_gather(client: StoreClient, rank: int, world_size: int, timeout_s:
 
 
 def _rank0_store(
-    rank: int, task_addresses: Sequence[str], all_gather: Callable[[str], Sequence[str]], secret: bytes, timeout_s: float, encrypt: bool
+    rank: int,
+    task_addresses: Sequence[str],
+    all_gather: Callable[[str], Sequence[str]],
+    secret: bytes,
+    timeout_s: float,
+    encrypt: bool,
 ) -> StoreClient:
     """Without a driver's store: rank 0 serves one on its task address, ``all_gather`` tells
     the others where; returns this rank's client."""
@@ -138,7 +154,9 @@ def _rank0_store(
         try:
             server = StoreServer(host, secret, timeout_s, encrypt=encrypt)
         except OSError as exc:
-            raise OSError(exc.errno, f"rank 0 cannot listen for the rendezvous on its task address {host}: {exc.strerror or exc}") from exc
+            raise OSError(
+                exc.errno, f"rank 0 cannot listen for the rendezvous on its task address {host}: {exc.strerror or exc}"
+            ) from exc
         _active = _Rendezvous(server, None)
         # The bound address, not the name: every rank then connects to the very address
         # rank 0 listens on, however each resolves the host name.
@@ -146,7 +164,9 @@ def _rank0_store(
     else:
         published = all_gather("")
     store_host, port_text = published[0].rsplit(" ", 1)
-    client = StoreClient((store_host, int(port_text)), secret, rank, datetime.timedelta(seconds=timeout_s), encrypt=encrypt)
+    client = StoreClient(
+        (store_host, int(port_text)), secret, rank, datetime.timedelta(seconds=timeout_s), encrypt=encrypt
+    )
     _active = _Rendezvous(server, client)
     return client
 

@@ -63,9 +63,14 @@ def _resume_at_next_epoch(rank: Rank, state: StreamState, why: str) -> None:
     positions onto other rows."""
     steps = state.steps_per_epoch
     if state.remaining is not None and state.remaining_taken < state.remaining_steps:
-        next_epoch, left = state.batches_taken // steps, state.remaining_steps - state.remaining_taken  # a resharded epoch
+        next_epoch, left = (
+            state.batches_taken // steps,
+            state.remaining_steps - state.remaining_taken,
+        )  # a resharded epoch
     else:
-        start = state.epoch_start if state.epoch_start is not None else state.batches_taken - state.batches_taken % steps
+        start = (
+            state.epoch_start if state.epoch_start is not None else state.batches_taken - state.batches_taken % steps
+        )
         done = state.batches_taken - start
         next_epoch, left = start // steps + (1 if done > 0 else 0), (steps - done if 0 < done < steps else 0)
     rank.position.start_epoch_at(next_epoch * rank.steps_per_epoch)
@@ -75,7 +80,11 @@ def _resume_at_next_epoch(rank: Rank, state: StreamState, why: str) -> None:
             "the checkpoint's stream positions cannot be replayed: %s. Replaying them would train other rows than "
             "those it had left, so the interrupted epoch %d ends here (%d of its steps per rank skipped) and training "
             "resumes at the start of epoch %d. For exact mid-epoch resumes by a new driver, train on a Parquet URL "
-            "(df.write.parquet once)", why, next_epoch, left, next_epoch + 1,
+            "(df.write.parquet once)",
+            why,
+            next_epoch,
+            left,
+            next_epoch + 1,
         )
 
 
@@ -92,7 +101,9 @@ def resume_resharded(rank: Rank, checkpoint: Checkpoint) -> Dict[str, Any]:
         if any(not (part.stream or {}).get("steps_per_epoch") for part in checkpoint.ranks):
             old_steps = steps_for(rank.dataset, rank.data_spec, old_world)  # a checkpoint of an earlier version
         states = [_state_of(part, old_steps) for part in checkpoint.ranks]
-        remainder = plan_remainder(rank.dataset, rank.data_spec, states, rank.rank, rank.world_size, rank.steps_per_epoch)
+        remainder = plan_remainder(
+            rank.dataset, rank.data_spec, states, rank.rank, rank.world_size, rank.steps_per_epoch
+        )
         rank.position.start_epoch_at(remainder.next_start, remainder if remainder.steps else None)
     users = [checkpoint.user_state(old_rank) for old_rank in range(old_world)]
     pairs = [(user, part.strategy) for user, part in zip(users, checkpoint.ranks)]
@@ -109,7 +120,10 @@ def resume_resharded(rank: Rank, checkpoint: Checkpoint) -> Dict[str, Any]:
     # Rank 0's at warning level: it reaches the driver's output, not only the executor's log.
     (rank.logger.warning if rank.rank == 0 else rank.logger.info)(
         "resumed on %d workers from the checkpoint of %d workers at step %d (the interrupted epoch's rows left: %d steps)",
-        rank.world_size, old_world, checkpoint.step, left,
+        rank.world_size,
+        old_world,
+        checkpoint.step,
+        left,
     )
     return user
 

@@ -57,7 +57,13 @@ class ShardDataset(IterableDataset):
     """
 
     def __init__(
-        self, reader: Any, dataset: Any, spec: Any, rank: int, world_size: int, steps_per_epoch: int,
+        self,
+        reader: Any,
+        dataset: Any,
+        spec: Any,
+        rank: int,
+        world_size: int,
+        steps_per_epoch: int,
         position: Optional[StreamPosition] = None,
     ) -> None:
         super().__init__()
@@ -99,7 +105,15 @@ class ShardDataset(IterableDataset):
             from sparkdl.data.batching import batches
 
             self.close()
-            source = batches(self._reader, self._dataset, self._spec, self.rank, self.world_size, skip=position, epoch_steps=self.steps_per_epoch)
+            source = batches(
+                self._reader,
+                self._dataset,
+                self._spec,
+                self.rank,
+                self.world_size,
+                skip=position,
+                epoch_steps=self.steps_per_epoch,
+            )
             # Unpinned: the framework moves batches to its device itself.
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             self._stream, self._stream_at = host_batches(source, device, pin=False), position
@@ -153,10 +167,18 @@ def of_rank(rank: Rank) -> ShardDataset:
     if rank.dataset is None:
         raise RuntimeError("this run has no dataset: pass data=... to sparkdl.run")
     if rank.feed is not None:
-        raise RuntimeError("this rank reads its shard through ctx.epoch_batches(): use it or ctx.shard_dataset(), not both")
+        raise RuntimeError(
+            "this rank reads its shard through ctx.epoch_batches(): use it or ctx.shard_dataset(), not both"
+        )
     if rank.shard_dataset is None:
         rank.shard_dataset = ShardDataset(
-            rank.reader, rank.dataset, rank.data_spec, rank.rank, rank.world_size, rank.steps_per_epoch, rank.position,
+            rank.reader,
+            rank.dataset,
+            rank.data_spec,
+            rank.rank,
+            rank.world_size,
+            rank.steps_per_epoch,
+            rank.position,
         )
     return rank.shard_dataset
 
@@ -182,7 +204,9 @@ def shard_dataset() -> ShardDataset:
     if _child_dataset is None:
         path = os.environ.get(SHARD_DATA)
         if not path:
-            raise RuntimeError("this launch has no dataset: pass data=... to sparkdl.launch for sparkdl.shard_dataset()")
+            raise RuntimeError(
+                "this launch has no dataset: pass data=... to sparkdl.launch for sparkdl.shard_dataset()"
+            )
         import cloudpickle
 
         # The task wrote it for this process, in its own 0700 directory: a local file, never the network.

@@ -80,7 +80,11 @@ class StreamPosition:
             stream["order"] = STREAM_ORDER  # and in which order they were taken
         remainder = self.remainder
         if remainder is not None:
-            stream.update(remaining=torch.from_numpy(remainder.share.copy()), remaining_steps=remainder.steps, remaining_taken=remainder.taken)
+            stream.update(
+                remaining=torch.from_numpy(remainder.share.copy()),
+                remaining_steps=remainder.steps,
+                remaining_taken=remainder.taken,
+            )
         return stream
 
 

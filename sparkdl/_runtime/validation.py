@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 from sparkdl._runtime.device_feed import move_batch
 from sparkdl._runtime.rank import Rank
+from sparkdl.data.batching import batch_rows, call_model, to_tensors
+from sparkdl.data.batching import validation_batches as finished_batches
 from sparkdl.data.dataset import DatasetInfo
-from sparkdl.data.batching import batch_rows, call_model, to_tensors, validation_batches as finished_batches
 from sparkdl.data.spec import DataSpec, MetricFn
 from sparkdl.errors import ConfigError
 
@@ -100,7 +101,9 @@ def evaluate(
     return result
 
 
-def squeezed(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def squeezed(
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``fn`` on a [B, 1] output and a [B] label, the output squeezed (not broadcast to [B, B],
     which would compute silently the wrong figure) and the label cast to the output's dtype."""
 
@@ -157,7 +160,9 @@ def named_metrics(metrics: Any) -> Any:
 def _scalar(value: Any, what: str) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ConfigError(f"the {what} must return a scalar (the batch mean), got a tensor of shape {tuple(value.shape)}")
+            raise ConfigError(
+                f"the {what} must return a scalar (the batch mean), got a tensor of shape {tuple(value.shape)}"
+            )
         return float(value.detach().double().item())
     try:
         return float(value)

@@ -54,16 +54,22 @@ class LaunchConfig:
         if not self.timeout_s > 0:
             raise ConfigError(f"timeout_s={self.timeout_s!r} must be > 0 seconds")
         if self.use_gpu is not None and not isinstance(self.use_gpu, bool):
-            raise ConfigError(f"use_gpu={self.use_gpu!r} must be True, False or None (use GPUs when Spark assigns them)")
+            raise ConfigError(
+                f"use_gpu={self.use_gpu!r} must be True, False or None (use GPUs when Spark assigns them)"
+            )
         object.__setattr__(self, "precision", Precision(self.precision).value)  # normalized: 32 -> "32"
         if not isinstance(self.slot_wait_s, (int, float)) or isinstance(self.slot_wait_s, bool) or self.slot_wait_s < 0:
             raise ConfigError(f"slot_wait_s={self.slot_wait_s!r} must be >= 0 seconds")
         if not isinstance(self.max_failures, int) or isinstance(self.max_failures, bool) or self.max_failures < 0:
             raise ConfigError(f"max_failures={self.max_failures!r} must be an integer >= 0")
         if self.watchdog_timeout_s is not None and not self.watchdog_timeout_s > 0:
-            raise ConfigError(f"watchdog_timeout_s={self.watchdog_timeout_s!r} must be > 0 seconds, or None to disable it")
+            raise ConfigError(
+                f"watchdog_timeout_s={self.watchdog_timeout_s!r} must be > 0 seconds, or None to disable it"
+            )
         if self.min_workers is not None and (
-            not isinstance(self.min_workers, int) or isinstance(self.min_workers, bool) or not 1 <= self.min_workers <= self.num_workers
+            not isinstance(self.min_workers, int)
+            or isinstance(self.min_workers, bool)
+            or not 1 <= self.min_workers <= self.num_workers
         ):
             raise ConfigError(
                 f"min_workers={self.min_workers!r} must be an integer with 1 <= min_workers <= num_workers={self.num_workers}, "

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import logging
 import os
 import sys
@@ -21,7 +20,8 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional
 from sparkdl._net.channel import ChannelClient, ChannelError
 from sparkdl._runtime.device import task_device
 from sparkdl._task.environment import environment, torchrun_environment
-from sparkdl._task.script import ChildFailure, LaunchTarget, OutputForwarder, resolve_script, run_child
+from sparkdl._task.output import forward_logs, output_to_driver, rank_prefixed_output
+from sparkdl._task.script import ChildFailure, LaunchTarget, resolve_script, run_child
 from sparkdl.checkpoint import CheckpointStore
 from sparkdl.errors import RankFailure
 
@@ -65,7 +65,9 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
     barrier = BarrierTaskContext.get()
     rank = barrier.partitionId()
     try:
-        client = ChannelClient(tuple(payload.channel_address), payload.secret, rank, timeout=30.0, encrypt=payload.encrypt)
+        client = ChannelClient(
+            tuple(payload.channel_address), payload.secret, rank, timeout=30.0, encrypt=payload.encrypt
+        )
     except ChannelError as exc:
         # This rank cannot report anything: the message reaches the driver through Spark's job failure.
         host, port = payload.channel_address[0], payload.channel_address[1]
@@ -81,27 +83,40 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
     heartbeat = _Heartbeat(client, liveness, payload.config.heartbeat_interval_s)
     # ``scopes`` closes after the finally block below: the device stays selected until the
     # process group is torn down, and is restored before the worker runs its next task.
-    with _rank_prefixed_output(rank, payload.quiet_console), _forward_logs(client, rank), _task_threads(barrier.cpus()), contextlib.ExitStack() as scopes:
+    with (
+        rank_prefixed_output(rank, payload.quiet_console),
+        forward_logs(client, rank),
+        _task_threads(barrier.cpus()),
+        contextlib.ExitStack() as scopes,
+    ):
         context = None
         runtime = None
         try:
             from sparkdl._runtime.rendezvous import join_store, rendezvous, store_all_gather
             from sparkdl.context import TrainContext
 
-            client.send({
-                "kind": "started", "attempt": payload.attempt, "host": _task_host(barrier, rank),
-                "address": barrier.getTaskInfos()[rank].address.rsplit(":", 1)[0],
-            })
+            client.send(
+                {
+                    "kind": "started",
+                    "attempt": payload.attempt,
+                    "host": _task_host(barrier, rank),
+                    "address": barrier.getTaskInfos()[rank].address.rsplit(":", 1)[0],
+                }
+            )
             heartbeat.start()
             config = payload.config
             launched = payload.train_fn if isinstance(payload.train_fn, LaunchTarget) else None
             host = barrier.getTaskInfos()[rank].address.rsplit(":", 1)[0]
             # A script this executor cannot see fails before anyone waits for this rank.
-            script_path = resolve_script(launched, rank, host) if launched is not None and launched.kind == "script" else None
+            script_path = (
+                resolve_script(launched, rank, host) if launched is not None and launched.kind == "script" else None
+            )
             liveness.advance("connecting to the rendezvous store")
             # Through the driver's store, not Spark's barrier: every allGather of Spark's costs a
             # second (it polls once a second), every store round trip a millisecond.
-            rendezvous_client = join_store(payload.rendezvous_address, payload.secret, rank, config.timeout_s, payload.encrypt)
+            rendezvous_client = join_store(
+                payload.rendezvous_address, payload.secret, rank, config.timeout_s, payload.encrypt
+            )
             heartbeat.watch_drain(rendezvous_client)
             gather = store_all_gather(rendezvous_client, rank, config.num_workers, config.timeout_s)
             liveness.advance("selecting the device")
@@ -110,7 +125,9 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
             liveness.advance("choosing the network interface")
             # gloo/NCCL otherwise bind what the host name resolves to (127.0.1.1 on Debian, or
             # another network): the collectives go where Spark reaches this executor.
-            scopes.enter_context(environment(_collective_interface(host, payload.rendezvous_address[0], rank, device.type == "cuda")))
+            scopes.enter_context(
+                environment(_collective_interface(host, payload.rendezvous_address[0], rank, device.type == "cuda"))
+            )
             if launched is not None:
                 # The child creates the process group itself (env://); this task makes none.
                 value = _run_launched(launched, payload, rank, host, script_path, assignment, client, liveness)
@@ -119,8 +136,15 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
             liveness.advance("rendezvous")
             addresses = [info.address for info in barrier.getTaskInfos()]
             env = rendezvous(
-                rank, config.num_workers, addresses, gather, device, config.timeout_s,
-                secret=payload.secret, encrypt=payload.encrypt, store_address=payload.rendezvous_address,
+                rank,
+                config.num_workers,
+                addresses,
+                gather,
+                device,
+                config.timeout_s,
+                secret=payload.secret,
+                encrypt=payload.encrypt,
+                store_address=payload.rendezvous_address,
             )
             runtime = payload.strategy.create_runtime(env)
             marks["ready"] = time.time()
@@ -144,8 +168,12 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
 
             # framework_env: a bare lightning.Trainer() then spans every task instead of training alone.
             task_env = {**_torchrun_env(payload, rank, None), **framework_env(config.num_workers)}
-            with environment(task_env), current_task(CurrentTask(rank, client.send, liveness.advance, context)), one_process_per_task(rank), \
-                    _output_to_driver(client):
+            with (
+                environment(task_env),
+                current_task(CurrentTask(rank, client.send, liveness.advance, context)),
+                one_process_per_task(rank),
+                output_to_driver(client),
+            ):
                 value = payload.train_fn(context)
             # A checkpoint still being written fails the rank here, reported like any error.
             context.wait_for_checkpoint()
@@ -155,7 +183,9 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
             from sparkdl._task.frameworks import explain
 
             # explain: a framework's own "devices x num_nodes" error, told in sparkdl's terms.
-            failure = RankFailure.from_exception(rank, explain(exc, rank), phase=liveness.phase, host=_task_host(barrier, rank))
+            failure = RankFailure.from_exception(
+                rank, explain(exc, rank), phase=liveness.phase, host=_task_host(barrier, rank)
+            )
             if isinstance(exc, ChildFailure):  # the child's error and traceback, not this task's
                 failure = dataclasses.replace(failure, exc_type=exc.exc_type, traceback=exc.child_traceback)
             with contextlib.suppress(Exception):
@@ -184,7 +214,9 @@ def _collective_interface(host: str, driver_host: str, rank: int, gpu: bool) -> 
 
     values, choice = collective_environment(host, driver_host, os.environ, rank, gpu)
     if choice is not None:
-        logging.getLogger("sparkdl.network").debug("rank %d: collectives on %s (%s): %s", rank, choice.name, choice.address, choice.reason)
+        logging.getLogger("sparkdl.network").debug(
+            "rank %d: collectives on %s (%s): %s", rank, choice.name, choice.address, choice.reason
+        )
     return values
 
 
@@ -204,13 +236,24 @@ def _torchrun_env(payload: _TaskPayload, rank: int, target: Optional[LaunchTarge
     """torchrun's variables for this rank; MASTER_ADDR/PORT = the launch's rendezvous store."""
     run_id = target.run_id if target is not None else f"sparkdl-{payload.rendezvous_address[1]}"
     return torchrun_environment(
-        rank, payload.config.num_workers, payload.rendezvous_address, run_id, payload.attempt - 1, payload.config.max_failures
+        rank,
+        payload.config.num_workers,
+        payload.rendezvous_address,
+        run_id,
+        payload.attempt - 1,
+        payload.config.max_failures,
     )
 
 
 def _run_launched(
-    target: LaunchTarget, payload: _TaskPayload, rank: int, host: str, script_path: Optional[str], assignment: Any,
-    client: ChannelClient, liveness: Any,
+    target: LaunchTarget,
+    payload: _TaskPayload,
+    rank: int,
+    host: str,
+    script_path: Optional[str],
+    assignment: Any,
+    client: ChannelClient,
+    liveness: Any,
 ) -> Any:
     """``sparkdl.launch``: the target in a child process with the torchrun environment."""
     env = dict(os.environ)
@@ -227,14 +270,31 @@ def _run_launched(
     data = None
     if payload.dataset is not None:
         data = {
-            "reader": payload.reader, "dataset": payload.dataset, "spec": payload.data_spec, "rank": rank,
-            "world_size": payload.config.num_workers, "steps_per_epoch": payload.steps_per_epoch,
+            "reader": payload.reader,
+            "dataset": payload.dataset,
+            "spec": payload.data_spec,
+            "rank": rank,
+            "world_size": payload.config.num_workers,
+            "steps_per_epoch": payload.steps_per_epoch,
         }
-    spec = {"store": list(payload.rendezvous_address), "encrypt": payload.encrypt, "rank": rank, "world_size": payload.config.num_workers}
+    spec = {
+        "store": list(payload.rendezvous_address),
+        "encrypt": payload.encrypt,
+        "rank": rank,
+        "world_size": payload.config.num_workers,
+    }
     liveness.advance(f"running {target.name}")
     return run_child(
-        target, rank=rank, host=host, script_path=script_path, env=env, secret=payload.secret, spec=spec, data=data,
-        send=client.send, advance=liveness.advance,
+        target,
+        rank=rank,
+        host=host,
+        script_path=script_path,
+        env=env,
+        secret=payload.secret,
+        spec=spec,
+        data=data,
+        send=client.send,
+        advance=liveness.advance,
     )
 
 
@@ -272,7 +332,9 @@ class _Heartbeat:
     def _run(self) -> None:
         while True:
             try:
-                self._client.send({"kind": "heartbeat", "progress": self._liveness.progress, "phase": self._liveness.phase})
+                self._client.send(
+                    {"kind": "heartbeat", "progress": self._liveness.progress, "phase": self._liveness.phase}
+                )
             except ChannelError:
                 if self._stop.is_set():
                     return
@@ -323,121 +385,3 @@ def _task_threads(cores: int):
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = saved_env
-
-
-#: Set while a sparkdl log record is written to stderr: the record reaches the driver as a
-#: "log" message already, so its line is not forwarded as output too.
-_writing_log = threading.local()
-
-
-class _PrefixedWriter(io.TextIOBase):
-    """Prefixes every line with the rank, so interleaved executor logs stay readable; while
-    ``forward`` is set (the user's function runs) complete lines also go to it."""
-
-    def __init__(self, target: Any, prefix: str, stream: str) -> None:
-        self._target = target
-        self._prefix = prefix
-        self._stream = stream
-        self._at_line_start = True
-        self._lock = threading.Lock()
-        self.forward: Optional[Callable[[str, str], None]] = None
-        self._partial = ""
-
-    def write(self, text: str) -> int:
-        with self._lock:
-            out = []
-            for piece in text.splitlines(keepends=True):
-                if self._at_line_start:
-                    out.append(self._prefix)
-                out.append(piece)
-                self._at_line_start = piece.endswith("\n")
-            self._target.write("".join(out))
-            if self.forward is not None and not getattr(_writing_log, "active", False):
-                *lines, self._partial = (self._partial + text).split("\n")
-                for line in lines:
-                    self.forward(self._stream, line)
-        return len(text)
-
-    def end_forwarding(self) -> None:
-        """Forwards a last line without its newline, then stops forwarding."""
-        with self._lock:
-            if self.forward is not None and self._partial:
-                self.forward(self._stream, self._partial)
-            self.forward, self._partial = None, ""
-
-    def flush(self) -> None:
-        self._target.flush()
-
-
-@contextlib.contextmanager
-def _rank_prefixed_output(rank: int, quiet: bool = False):
-    saved = sys.stdout, sys.stderr
-    sink = open(os.devnull, "w") if quiet else None  # noqa: SIM115 - closed below
-    sys.stdout = _PrefixedWriter(sink or saved[0], f"[sparkdl rank {rank}] ", "stdout")
-    sys.stderr = _PrefixedWriter(sink or saved[1], f"[sparkdl rank {rank}] ", "stderr")
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        sys.stdout, sys.stderr = saved
-        if sink is not None:
-            sink.close()
-
-
-class _ChannelLogHandler(logging.Handler):
-    def __init__(self, client: ChannelClient) -> None:
-        super().__init__(level=logging.INFO)
-        self._client = client
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self._client.send({"kind": "log", "level": record.levelno, "message": self.format(record)[:8000]})
-        except Exception:  # noqa: BLE001 - logging must never fail the task
-            pass
-
-
-@contextlib.contextmanager
-def _output_to_driver(client: ChannelClient):
-    """What the user's function prints reaches the driver too (batched "output" messages, shown
-    prefixed with the rank), as a launched script's output does."""
-    writers = [w for w in (sys.stdout, sys.stderr) if isinstance(w, _PrefixedWriter)]
-    forwarder = OutputForwarder(client.send)
-    for writer in writers:
-        writer.forward = forwarder.add
-    try:
-        yield
-    finally:
-        for writer in writers:
-            writer.end_forwarding()
-        forwarder.close()
-
-
-class _LogToStderr(logging.StreamHandler):
-    def emit(self, record: logging.LogRecord) -> None:
-        _writing_log.active = True
-        try:
-            super().emit(record)
-        finally:
-            _writing_log.active = False
-
-
-@contextlib.contextmanager
-def _forward_logs(client: ChannelClient, rank: int):
-    """Records of the ``sparkdl`` loggers go to the task's stderr and to the driver."""
-    root = logging.getLogger("sparkdl")
-    to_driver = _ChannelLogHandler(client)
-    to_stderr = _LogToStderr(sys.stderr)
-    to_stderr.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    saved_level, saved_propagate = root.level, root.propagate
-    root.addHandler(to_driver)
-    root.addHandler(to_stderr)
-    root.setLevel(logging.INFO)
-    root.propagate = False
-    try:
-        yield
-    finally:
-        root.removeHandler(to_driver)
-        root.removeHandler(to_stderr)
-        root.setLevel(saved_level)
-        root.propagate = saved_propagate

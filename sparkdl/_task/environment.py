@@ -4,7 +4,7 @@ Every task is one torchrun "node" of one process: ``LOCAL_RANK=0``, ``LOCAL_WORL
 ``GROUP_RANK=RANK``. ``MASTER_ADDR``/``MASTER_PORT`` name the launch's rendezvous store (the
 driver's :class:`~sparkdl._net.rendezvous_store.StoreServer`): in a ``sparkdl.run`` function the process group
 exists already; in a child of ``sparkdl.launch`` the runner's ``env://`` handler turns them into an
-authenticated :class:`~sparkdl._net.rendezvous_store.StoreClient` (:mod:`sparkdl._task.runner`).
+authenticated :class:`~sparkdl._net.rendezvous_client.StoreClient` (:mod:`sparkdl._task.runner`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,20 @@ from typing import Dict, Iterator, Mapping, Optional
 
 #: Every variable :func:`torchrun_environment` sets (and :func:`environment` restores).
 TORCHRUN_VARIABLES = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-    "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
 )
 
 
@@ -31,10 +42,20 @@ def torchrun_environment(
     """
     host, port = master[0], int(master[1])
     values = {
-        "RANK": rank, "WORLD_SIZE": world_size, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1,
-        "GROUP_RANK": rank, "GROUP_WORLD_SIZE": world_size, "ROLE_RANK": rank, "ROLE_WORLD_SIZE": world_size,
-        "ROLE_NAME": "default", "MASTER_ADDR": host, "MASTER_PORT": port, "TORCHELASTIC_RUN_ID": run_id,
-        "TORCHELASTIC_RESTART_COUNT": restart_count, "TORCHELASTIC_MAX_RESTARTS": max_restarts,
+        "RANK": rank,
+        "WORLD_SIZE": world_size,
+        "LOCAL_RANK": 0,
+        "LOCAL_WORLD_SIZE": 1,
+        "GROUP_RANK": rank,
+        "GROUP_WORLD_SIZE": world_size,
+        "ROLE_RANK": rank,
+        "ROLE_WORLD_SIZE": world_size,
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": host,
+        "MASTER_PORT": port,
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_RESTART_COUNT": restart_count,
+        "TORCHELASTIC_MAX_RESTARTS": max_restarts,
     }
     return {name: str(value) for name, value in values.items()}
 

@@ -98,12 +98,20 @@ class FitLoop:
                 state.global_step += 1
                 if state.output_shape is None:
                     state.output_shape = list(output.shape[1:])
-                saved = bool(self.checkpoint_every) and state.global_step % self.checkpoint_every == 0 and state.step < ctx.steps_per_epoch
+                saved = (
+                    bool(self.checkpoint_every)
+                    and state.global_step % self.checkpoint_every == 0
+                    and state.step < ctx.steps_per_epoch
+                )
                 if saved:
                     watch.check()  # a checkpoint never holds weights a NaN loss already spoiled
                     state.loss_sum = loss_sum.item()
                     self._save(ctx, model, optimizer, state, ctx.comm_bytes - comm_start, time.time() - epoch_start)
-                if state.global_step % DRAIN_CHECK_EVERY == 0 and state.step < ctx.steps_per_epoch and ctx.should_drain():
+                if (
+                    state.global_step % DRAIN_CHECK_EVERY == 0
+                    and state.step < ctx.steps_per_epoch
+                    and ctx.should_drain()
+                ):
                     # A host is going away: this step's checkpoint (unless just taken), stored before anyone stops.
                     if not saved:
                         watch.check()
@@ -143,7 +151,9 @@ class FitLoop:
             state.history.append(record)
             if ctx.rank == 0:
                 ctx.report_epoch(record)
-            state = _LoopState(epoch=epoch + 1, global_step=state.global_step, history=state.history, output_shape=state.output_shape)
+            state = _LoopState(
+                epoch=epoch + 1, global_step=state.global_step, history=state.history, output_shape=state.output_shape
+            )
             self._save(ctx, model, optimizer, state, 0, 0.0)
         ctx.set_phase("finishing")
         ctx.wait_for_checkpoint()  # the last checkpoint is stored, and counted in the stats below
@@ -161,12 +171,18 @@ class FitLoop:
             "checkpoints": dict(ctx.checkpoint_stats),
             "device": str(ctx.device),
             "precision": ctx.precision,
-            "resumed": {"from_workers": ctx.resumed_from, "on_workers": ctx.world_size} if ctx.resumed_from is not None else None,
+            "resumed": {"from_workers": ctx.resumed_from, "on_workers": ctx.world_size}
+            if ctx.resumed_from is not None
+            else None,
         }
 
     @staticmethod
-    def _save(ctx: TrainContext, model, optimizer, state: _LoopState, comm_in_epoch: int, seconds_in_epoch: float) -> None:
-        loop = dataclasses.replace(state, comm_bytes=state.comm_bytes + comm_in_epoch, seconds=state.seconds + seconds_in_epoch)
+    def _save(
+        ctx: TrainContext, model, optimizer, state: _LoopState, comm_in_epoch: int, seconds_in_epoch: float
+    ) -> None:
+        loop = dataclasses.replace(
+            state, comm_bytes=state.comm_bytes + comm_in_epoch, seconds=state.seconds + seconds_in_epoch
+        )
         weights = ctx.model_state(model, optimizer)
         ctx.save_checkpoint(
             {"loop": dataclasses.asdict(loop), **({} if ctx.replicas_identical else weights)},
@@ -175,7 +191,9 @@ class FitLoop:
         )
 
 
-def startup_phases(prepare_s: float, launched: float, timing: Dict[str, Optional[float]]) -> Optional[Dict[str, Optional[float]]]:
+def startup_phases(
+    prepare_s: float, launched: float, timing: Dict[str, Optional[float]]
+) -> Optional[Dict[str, Optional[float]]]:
     """Where a fit's start-up went, in seconds, from the driver's clock (``launched``) and rank 0's
     marks (``timing``; both hosts' wall clocks, so skew between them shows in ``schedule``):
 

@@ -56,20 +56,21 @@ def spawn_message(rank: int, world_size: Optional[int], nprocs: int, fn: Any) ->
     """The error for a ``start_processes(nprocs=...)`` call made inside rank ``rank``'s task."""
     world = f"WORLD_SIZE={world_size}" if world_size else "WORLD_SIZE"
     head = f"rank {rank}: "
-    rule = (
-        f"but each sparkdl task is one process of the job (LOCAL_WORLD_SIZE=1, {world}, the run's num_workers): "
-    )
+    rule = f"but each sparkdl task is one process of the job (LOCAL_WORLD_SIZE=1, {world}, the run's num_workers): "
     who = _who()
     if who == "lightning":
         return (
             head + f"a Lightning strategy tried to start {nprocs} worker process(es) of its own (strategy='ddp_spawn', "
-            "'ddp_notebook' or 'ddp_fork'; in a notebook, devices>1 picks 'ddp_notebook'), " + rule
+            "'ddp_notebook' or 'ddp_fork'; in a notebook, devices>1 picks 'ddp_notebook'), "
+            + rule
             + f"use strategy='ddp', devices=1 and num_nodes={world_size or 'WORLD_SIZE'}: Lightning then joins the "
             "process group sparkdl started"
         )
     if who == "accelerate":
         return (
-            head + f"Accelerate's notebook_launcher/debug_launcher tried to start {nprocs} worker process(es), " + rule
+            head
+            + f"Accelerate's notebook_launcher/debug_launcher tried to start {nprocs} worker process(es), "
+            + rule
             + "call the training function directly in the task: Accelerator() joins the process group sparkdl "
             "started; scale with num_workers, not num_processes"
         )

@@ -5,7 +5,7 @@ parent is still the task that started it), (2) reads the job's secret from the p
 left open for it (``SPARKDL_SECRET_FD``; never argv, never a file) and closes it, and (3)
 replaces torch's ``env://`` rendezvous handler: ``dist.init_process_group()`` with its default
 ``init_method="env://"`` (or ``tcp://$MASTER_ADDR:$MASTER_PORT``) then joins the launch's authenticated store (a
-:class:`~sparkdl._net.rendezvous_store.StoreClient` with the secret, keys under ``sparkdl/launch/``) instead of
+:class:`~sparkdl._net.rendezvous_client.StoreClient` with the secret, keys under ``sparkdl/launch/``) instead of
 building an unauthenticated torch ``TCPStore`` client. A script that changes ``MASTER_ADDR`` or
 ``MASTER_PORT`` gets torch's own handler for its own store; a ``TCPStore`` the script builds itself
 on sparkdl's store fails its handshake (torch's client retries until its timeout, then raises).
@@ -63,7 +63,7 @@ def install_env_handler(address: Tuple[str, int], secret: bytes, encrypt: bool) 
     # The module, not torch.distributed.rendezvous, the function it re-exports under that name.
     rendezvous = importlib.import_module("torch.distributed.rendezvous")
 
-    from sparkdl._net.rendezvous_store import StoreClient
+    from sparkdl._net.rendezvous_client import StoreClient
 
     original = rendezvous._rendezvous_handlers["env"]
     ours = (str(address[0]), str(int(address[1])))
@@ -158,7 +158,9 @@ def _run_callable(workdir: str, spec: Dict[str, Any]) -> int:
         try:
             payload = cloudpickle.dumps(value)
         except Exception as exc:  # noqa: BLE001
-            return _error(workdir, type(exc).__name__, f"the return value of {name} on rank 0 cannot be pickled: {exc}", exc)
+            return _error(
+                workdir, type(exc).__name__, f"the return value of {name} on rank 0 cannot be pickled: {exc}", exc
+            )
         path = os.path.join(workdir, "result.pkl")
         fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as handle:

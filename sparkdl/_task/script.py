@@ -152,11 +152,18 @@ def run_child(
         os.close(secret_write)
         secret_write = -1
         report_read, report_write = os.pipe()
-        child_env.update(SPARKDL_SECRET_FD=str(secret_read), SPARKDL_REPORT_FD=str(report_write), SPARKDL_PARENT_PID=str(os.getpid()))
+        child_env.update(
+            SPARKDL_SECRET_FD=str(secret_read), SPARKDL_REPORT_FD=str(report_write), SPARKDL_PARENT_PID=str(os.getpid())
+        )
         process = subprocess.Popen(
             [sys.executable, "-m", "sparkdl._task.runner", workdir],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env,
-            pass_fds=(secret_read, report_write), start_new_session=True, close_fds=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=child_env,
+            pass_fds=(secret_read, report_write),
+            start_new_session=True,
+            close_fds=True,
         )
         os.close(secret_read)
         os.close(report_write)
@@ -187,7 +194,9 @@ def run_child(
         if rank != 0:  # only rank 0's value comes back, so only rank 0 writes one
             return None
         if "value" not in result:
-            raise ChildFailure("LaunchError", f"the launched function {target.name} on rank {rank} returned no result file")
+            raise ChildFailure(
+                "LaunchError", f"the launched function {target.name} on rank {rank} returned no result file"
+            )
         return result["value"]
     return ScriptResult(0, lines)
 
@@ -200,11 +209,19 @@ def kill_group(process: subprocess.Popen) -> None:
         process.wait(timeout=30)
 
 
-def _failure(target: LaunchTarget, rank: int, host: str, code: int, lines: Sequence[str], result: Dict[str, Any]) -> ChildFailure:
+def _failure(
+    target: LaunchTarget, rank: int, host: str, code: int, lines: Sequence[str], result: Dict[str, Any]
+) -> ChildFailure:
     error = result.get("error")
     if error is not None:  # a callable raised (or could not be unpickled): its own type and traceback
-        return ChildFailure(str(error.get("exc_type", "Exception")), str(error.get("message", "")), str(error.get("traceback", "")))
-    status = f"was killed by signal {signal.Signals(-code).name}" if code < 0 and -code in signal.Signals._value2member_map_ else f"exited with status {code}"
+        return ChildFailure(
+            str(error.get("exc_type", "Exception")), str(error.get("message", "")), str(error.get("traceback", ""))
+        )
+    status = (
+        f"was killed by signal {signal.Signals(-code).name}"
+        if code < 0 and -code in signal.Signals._value2member_map_
+        else f"exited with status {code}"
+    )
     shown = "\n".join(f"  | {line}" for line in lines) if lines else "  (no output)"
     what = f"the launched script {target.name}" if target.kind == "script" else f"the launched function {target.name}"
     return ChildFailure(
@@ -242,7 +259,15 @@ def _start(target: Callable[..., None], *args: Any) -> threading.Thread:
     return thread
 
 
-def _pump_output(pipe: Any, stream: str, local: Any, last: Deque[str], lock: threading.Lock, forwarder: "OutputForwarder", advance: Callable[[Optional[str]], None]) -> None:
+def _pump_output(
+    pipe: Any,
+    stream: str,
+    local: Any,
+    last: Deque[str],
+    lock: threading.Lock,
+    forwarder: "OutputForwarder",
+    advance: Callable[[Optional[str]], None],
+) -> None:
     """The child's lines: to the task's own (rank-prefixed) stream, the ring of last lines and
     the driver."""
     with pipe:

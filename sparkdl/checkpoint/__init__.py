@@ -36,12 +36,34 @@ from sparkdl.checkpoint.base import CheckpointStore
 from sparkdl.checkpoint.config import CheckpointConfig
 from sparkdl.checkpoint.file_store import MANIFEST, FileCheckpointStore
 from sparkdl.checkpoint.format import (
-    Checkpoint, PartInfo, RankState, decode, decode_part, encode, encode_part, part_digest, tree_leaves, tree_rebuild,
+    Checkpoint,
+    PartInfo,
+    RankState,
+    decode,
+    decode_part,
+    encode,
+    encode_part,
+    part_digest,
+    tree_leaves,
+    tree_rebuild,
 )
 
 __all__ = [
-    "MANIFEST", "Checkpoint", "CheckpointConfig", "CheckpointStore", "FileCheckpointStore", "PartInfo", "RankState",
-    "decode", "decode_part", "encode", "encode_part", "open_store", "part_digest", "register_store", "tree_leaves",
+    "MANIFEST",
+    "Checkpoint",
+    "CheckpointConfig",
+    "CheckpointStore",
+    "FileCheckpointStore",
+    "PartInfo",
+    "RankState",
+    "decode",
+    "decode_part",
+    "encode",
+    "encode_part",
+    "open_store",
+    "part_digest",
+    "register_store",
+    "tree_leaves",
     "tree_rebuild",
 ]
 

@@ -33,8 +33,12 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
             raise ConfigError(f"checkpoint_dir={self.url!r} must be a non-empty path or URL")
-        if self.every_steps is not None and (not isinstance(self.every_steps, int) or isinstance(self.every_steps, bool) or self.every_steps < 1):
-            raise ConfigError(f"checkpoint_every={self.every_steps!r} must be a positive number of steps, or None for every epoch")
+        if self.every_steps is not None and (
+            not isinstance(self.every_steps, int) or isinstance(self.every_steps, bool) or self.every_steps < 1
+        ):
+            raise ConfigError(
+                f"checkpoint_every={self.every_steps!r} must be a positive number of steps, or None for every epoch"
+            )
         if not isinstance(self.keep, int) or self.keep < 1:
             raise ConfigError(f"keep_checkpoints={self.keep!r} must be a positive integer")
         if not isinstance(self.async_write, bool):

@@ -14,7 +14,16 @@ import pyarrow.fs as pafs
 
 from sparkdl import filesystem
 from sparkdl.checkpoint.base import CheckpointStore
-from sparkdl.checkpoint.format import PART_FORMAT, Checkpoint, PartInfo, RankState, decode, decode_part, encode_part, part_digest
+from sparkdl.checkpoint.format import (
+    PART_FORMAT,
+    Checkpoint,
+    PartInfo,
+    RankState,
+    decode,
+    decode_part,
+    encode_part,
+    part_digest,
+)
 
 logger = logging.getLogger("sparkdl.checkpoint")
 
@@ -40,9 +49,18 @@ class FileCheckpointStore(CheckpointStore):
     def commit(self, step: int, world_size: int, parts: Sequence[PartInfo]) -> str:
         ordered = sorted(parts, key=lambda info: info.rank)
         if [info.rank for info in ordered] != list(range(world_size)):
-            raise ValueError(f"a checkpoint of {world_size} ranks needs one part per rank, got ranks {[i.rank for i in ordered]}")
-        manifest = {"format": PART_FORMAT, "step": step, "world_size": world_size, "parts": [dataclasses.asdict(info) for info in ordered]}
-        filesystem.write_atomically(self._fs, filesystem.join(self._path(step), MANIFEST), json.dumps(manifest, indent=1).encode())
+            raise ValueError(
+                f"a checkpoint of {world_size} ranks needs one part per rank, got ranks {[i.rank for i in ordered]}"
+            )
+        manifest = {
+            "format": PART_FORMAT,
+            "step": step,
+            "world_size": world_size,
+            "parts": [dataclasses.asdict(info) for info in ordered],
+        }
+        filesystem.write_atomically(
+            self._fs, filesystem.join(self._path(step), MANIFEST), json.dumps(manifest, indent=1).encode()
+        )
         self._prune()
         return self.location(step)
 
@@ -89,7 +107,9 @@ class FileCheckpointStore(CheckpointStore):
         if manifest.get("format") != PART_FORMAT or manifest.get("step") != step:
             raise ValueError(f"manifest is of format {manifest.get('format')!r}, step {manifest.get('step')!r}")
         world_size, infos = int(manifest["world_size"]), [PartInfo(**part) for part in manifest["parts"]]
-        if [info.rank for info in infos] != list(range(world_size)) or not all(_PART.match(info.name) for info in infos):
+        if [info.rank for info in infos] != list(range(world_size)) or not all(
+            _PART.match(info.name) for info in infos
+        ):
             raise ValueError("manifest does not list one part per rank")
         parts = []
         for info in infos:
@@ -130,7 +150,7 @@ class FileCheckpointStore(CheckpointStore):
         files, directories = self._listing()
         complete = self._complete(files, directories)
         for step in sorted(files | directories):
-            if complete and step < complete[-self.keep:][0]:
+            if complete and step < complete[-self.keep :][0]:
                 try:
                     self._delete(step, files, directories)
                 except OSError as exc:  # another attempt may have pruned it already

@@ -55,7 +55,12 @@ class Checkpoint:
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain containers of tensors (what ``torch.load(weights_only=True)`` reads back)."""
-        return {"format": FORMAT, "step": self.step, "world_size": self.world_size, "ranks": [_fields(r) for r in self.ranks]}
+        return {
+            "format": FORMAT,
+            "step": self.step,
+            "world_size": self.world_size,
+            "ranks": [_fields(r) for r in self.ranks],
+        }
 
     @classmethod
     def from_dict(cls, document: Dict[str, Any]) -> "Checkpoint":
@@ -85,7 +90,10 @@ class Checkpoint:
                 leaves[index] = mine[index]
             seen.update(part.replicated_leaves)
         whole = tree_rebuild(parts[0].replicated, iter(leaves))
-        ranks = [dataclasses.replace(p, replicated=whole if r == 0 else None, replicated_leaves=None) for r, p in enumerate(parts)]
+        ranks = [
+            dataclasses.replace(p, replicated=whole if r == 0 else None, replicated_leaves=None)
+            for r, p in enumerate(parts)
+        ]
         return cls(step, world_size, ranks)
 
     def rank_state(self, rank: int, world_size: int, where: str) -> RankState:
@@ -141,7 +149,7 @@ def _seal(document: Any) -> bytes:
 def _unseal(data: bytes) -> Any:
     if data[: len(_MAGIC)] != _MAGIC:
         raise ValueError("not a sparkdl checkpoint (bad magic)")
-    payload = memoryview(data)[_DIGEST.stop:]
+    payload = memoryview(data)[_DIGEST.stop :]
     if hashlib.sha256(payload).digest() != data[_DIGEST]:
         raise ValueError("checksum mismatch (partial or corrupted file)")
     # weights_only: a checkpoint holds tensors and plain containers only, never code.
@@ -168,7 +176,9 @@ def decode_part(data: bytes, step: int, world_size: int, rank: int) -> RankState
     document = _unseal(data)
     found = tuple(document.get(k) for k in ("format", "step", "world_size", "rank"))
     if found != (PART_FORMAT, step, world_size, rank):
-        raise ValueError(f"part is (format, step, world size, rank) {found}, expected {(PART_FORMAT, step, world_size, rank)}")
+        raise ValueError(
+            f"part is (format, step, world size, rank) {found}, expected {(PART_FORMAT, step, world_size, rank)}"
+        )
     return _rank_state(document["state"])
 
 

@@ -27,8 +27,8 @@ from typing import Callable, Dict, List, Optional
 
 from sparkdl.cli._common import UsageError, load_factory, rank_rates
 from sparkdl.cli._compare import build_compare_parser, compare_main
-from sparkdl.cli._launch import build_launch_parser, launch_main
 from sparkdl.cli._inspect import build_inspect_parser, describe, format_description, inspect_main
+from sparkdl.cli._launch import build_launch_parser, launch_main
 from sparkdl.cli._package import build_package_parser, package, package_main
 from sparkdl.cli._predict import build_predict_parser, predict, predict_main
 from sparkdl.cli._train import LOSSES, OPTIMIZERS, build_parser, main, parse_inputs, throughput, train

@@ -35,7 +35,11 @@ def spark_session(app_name: str, master: Optional[str]) -> Any:
 def add_slot_wait_argument(parser: argparse.ArgumentParser) -> None:
     """``--slot-wait``, for every command that launches ranks."""
     parser.add_argument(
-        "--slot-wait", type=float, default=30.0, dest="slot_wait_s", metavar="SECONDS",
+        "--slot-wait",
+        type=float,
+        default=30.0,
+        dest="slot_wait_s",
+        metavar="SECONDS",
         help="how long to wait for --num-workers free task slots (executors still starting) before failing (default 30)",
     )
 
@@ -53,7 +57,9 @@ def load_factory(spec: str) -> Callable[[], torch.nn.Module]:
     except ImportError as exc:
         top = module_name.split(".")[0]
         if not _is_missing(exc, module_name):
-            raise UsageError(f"--model {spec!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from exc
+            raise UsageError(
+                f"--model {spec!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}"
+            ) from exc
         ship = f"; under spark-submit, ship it with --py-files {top}.py" if _under_spark_submit() else ""
         raise UsageError(
             f"--model {spec!r}: cannot import {module_name!r}: it is neither importable nor in the current directory "
@@ -99,7 +105,9 @@ def _from_directory(top: str, directory: str) -> bool:
     if not path:
         return False
     path = os.path.realpath(path)
-    parent = os.path.dirname(os.path.dirname(path)) if os.path.basename(path) == "__init__.py" else os.path.dirname(path)
+    parent = (
+        os.path.dirname(os.path.dirname(path)) if os.path.basename(path) == "__init__.py" else os.path.dirname(path)
+    )
     return parent == os.path.realpath(directory)
 
 
@@ -128,7 +136,6 @@ def rank_rates(record: Dict[str, Any]) -> List[float]:
     return rates
 
 
-
 def _config(args: argparse.Namespace) -> Dict[str, Any]:
     return {k: v for k, v in vars(args).items()}
 
@@ -140,4 +147,3 @@ def _write_metrics(output: str, document: Dict[str, Any]) -> None:
     with open(tmp, "w") as handle:
         json.dump(document, handle, indent=2, default=str)
     os.replace(tmp, path)
-

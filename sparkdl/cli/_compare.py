@@ -15,8 +15,27 @@ from sparkdl.cli._train import build_parser, estimator_arguments
 
 #: ``sparkdl train`` options that ``compare`` takes as they are (dest names).
 SHARED_OPTIONS = (
-    "data", "model", "features", "inputs", "label", "num_workers", "epochs", "batch_size", "optimizer", "lr", "momentum",
-    "loss", "seed", "master", "quiet", "reader", "decode_threads", "validation", "metrics", "precision", "slot_wait_s",
+    "data",
+    "model",
+    "features",
+    "inputs",
+    "label",
+    "num_workers",
+    "epochs",
+    "batch_size",
+    "optimizer",
+    "lr",
+    "momentum",
+    "loss",
+    "seed",
+    "master",
+    "quiet",
+    "reader",
+    "decode_threads",
+    "validation",
+    "metrics",
+    "precision",
+    "slot_wait_s",
 )
 
 
@@ -33,16 +52,28 @@ def build_compare_parser() -> argparse.ArgumentParser:
         if action.dest in SHARED_OPTIONS:
             parser._add_action(action)
     parser.add_argument(
-        "--strategies", default=None,
+        "--strategies",
+        default=None,
         help="comma-separated strategies with :KEY=VALUE settings, e.g. allreduce,model_averaging:sync_every=4,"
         "parameter_server:max_staleness=2 (default: allreduce, model_averaging at sync_every 4 and 16, elastic_averaging, "
         "parameter_server unbounded and with max_staleness=2)",
     )
-    parser.add_argument("--target-loss", type=float, default=None, help="also report the training time until the loss is at or below this")
-    parser.add_argument("--slow-rank", type=int, default=None, help="simulate a straggler: this rank sleeps before every training step")
-    parser.add_argument("--slow-seconds", type=float, default=None, help="the slowed rank's sleep per step (default 0.05 s)")
+    parser.add_argument(
+        "--target-loss",
+        type=float,
+        default=None,
+        help="also report the training time until the loss is at or below this",
+    )
+    parser.add_argument(
+        "--slow-rank", type=int, default=None, help="simulate a straggler: this rank sleeps before every training step"
+    )
+    parser.add_argument(
+        "--slow-seconds", type=float, default=None, help="the slowed rank's sleep per step (default 0.05 s)"
+    )
     parser.add_argument("--output", required=True, help="directory for compare.json and compare.png")
-    parser.add_argument("--no-plot", dest="plot", action="store_false", help="do not draw compare.png (no matplotlib needed)")
+    parser.add_argument(
+        "--no-plot", dest="plot", action="store_false", help="do not draw compare.png (no matplotlib needed)"
+    )
     return parser
 
 
@@ -63,8 +94,12 @@ def compare_main(argv: Optional[List[str]] = None) -> int:
             raise UsageError("--slow-seconds needs --slow-rank (which rank to slow down)")
         # Checked before Spark starts: a typo costs a second, not a session.
         settings = CompareSettings(
-            strategies=args.strategies, epochs=args.epochs, num_workers=args.num_workers, target_loss=args.target_loss,
-            slow_rank=args.slow_rank, slow_s=slow_s,
+            strategies=args.strategies,
+            epochs=args.epochs,
+            num_workers=args.num_workers,
+            target_loss=args.target_loss,
+            slow_rank=args.slow_rank,
+            slow_s=slow_s,
         )
         if args.plot:
             check_plotting()
@@ -86,8 +121,15 @@ def compare_main(argv: Optional[List[str]] = None) -> int:
     spark = spark_session(f"sparkdl-compare {os.path.basename(args.output.rstrip('/'))}", args.master)
     try:
         comparison = compare(
-            data=args.data, strategies=dict(settings.strategies), target_loss=settings.target_loss, slow_rank=settings.slow_rank,
-            slow_s=settings.slow_s, output_dir=args.output, plot=args.plot, progress=not args.quiet, **estimator,
+            data=args.data,
+            strategies=dict(settings.strategies),
+            target_loss=settings.target_loss,
+            slow_rank=settings.slow_rank,
+            slow_s=settings.slow_s,
+            output_dir=args.output,
+            plot=args.plot,
+            progress=not args.quiet,
+            **estimator,
         )
     except Exception as exc:  # noqa: BLE001 - every failure becomes a message and an exit code
         print(f"sparkdl compare: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -95,17 +137,32 @@ def compare_main(argv: Optional[List[str]] = None) -> int:
     finally:
         spark.stop()
     print(comparison.table())
-    written = [os.path.join(args.output, name) for name in ("compare.json", "compare.png") if os.path.exists(os.path.join(args.output, name))]
-    print(f"\nsparkdl compare: {len(comparison.rows)} strategies in {time.time() - started:.1f}s; wrote {', '.join(written)}")
+    written = [
+        os.path.join(args.output, name)
+        for name in ("compare.json", "compare.png")
+        if os.path.exists(os.path.join(args.output, name))
+    ]
+    print(
+        f"\nsparkdl compare: {len(comparison.rows)} strategies in {time.time() - started:.1f}s; wrote {', '.join(written)}"
+    )
     if not comparison.ok:
-        print(f"sparkdl compare: failed: {', '.join(row.label for row in comparison.failures)} (see the table)", file=sys.stderr)
+        print(
+            f"sparkdl compare: failed: {', '.join(row.label for row in comparison.failures)} (see the table)",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
 
 def _option_names(message: str) -> str:
     """A library message in the command line's terms (``slow_rank=`` is ``--slow-rank``)."""
-    for name, option in (("slow_rank=", "--slow-rank "), ("slow_s=", "--slow-seconds "), ("target_loss=", "--target-loss "),
-                         ("epochs=", "--epochs "), ("num_workers=", "--num-workers "), ("strategies=", "--strategies ")):
+    for name, option in (
+        ("slow_rank=", "--slow-rank "),
+        ("slow_s=", "--slow-seconds "),
+        ("target_loss=", "--target-loss "),
+        ("epochs=", "--epochs "),
+        ("num_workers=", "--num-workers "),
+        ("strategies=", "--strategies "),
+    ):
         message = message.replace(name, option)
     return message.replace("strategies:", "--strategies:")

@@ -20,8 +20,17 @@ def build_inspect_parser() -> argparse.ArgumentParser:
         description="Describe a Parquet dataset (schema, rows, row groups, first rows), a saved model, or a run's metrics.json; "
         "several runs (or models) side by side.",
     )
-    parser.add_argument("path", nargs="+", help="dataset URL/path, model directory, run directory or metrics.json (several runs to compare)")
-    parser.add_argument("--plot", default=None, metavar="PNG", help="write loss (and validation metrics) per epoch of the run(s) here; needs matplotlib")
+    parser.add_argument(
+        "path",
+        nargs="+",
+        help="dataset URL/path, model directory, run directory or metrics.json (several runs to compare)",
+    )
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="write loss (and validation metrics) per epoch of the run(s) here; needs matplotlib",
+    )
     parser.add_argument("--rows", type=int, default=3, help="rows of a dataset to show (default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     return parser
@@ -64,8 +73,10 @@ def _describe_dataset(fs: Any, root: str, url: str, info: Any, rows: int) -> Dic
     else:
         found = fs.get_file_info(pafs.FileSelector(root, recursive=True))
         paths = sorted(
-            f.path for f in found
-            if f.type == pafs.FileType.File and not any(part.startswith(("_", ".")) for part in f.path[len(root):].split("/") if part)
+            f.path
+            for f in found
+            if f.type == pafs.FileType.File
+            and not any(part.startswith(("_", ".")) for part in f.path[len(root) :].split("/") if part)
         )
     if not paths:
         raise UsageError(f"{url!r} holds no Parquet files")
@@ -84,7 +95,13 @@ def _describe_dataset(fs: Any, root: str, url: str, info: Any, rows: int) -> Dic
             raise UsageError(f"{file_path!r} is not a readable Parquet file: {exc}") from exc
         groups = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
         total_rows += metadata.num_rows
-        files.append({"path": file_path[len(root):].lstrip("/") or os.path.basename(file_path), "rows": metadata.num_rows, "row_groups": groups})
+        files.append(
+            {
+                "path": file_path[len(root) :].lstrip("/") or os.path.basename(file_path),
+                "rows": metadata.num_rows,
+                "row_groups": groups,
+            }
+        )
     return {
         "kind": "dataset",
         "path": url,
@@ -108,7 +125,9 @@ def format_description(doc: Dict[str, Any]) -> str:
     kind = doc["kind"]
     lines: List[str] = []
     if kind == "dataset":
-        lines.append(f"dataset {doc['path']}: {doc['rows']} rows in {len(doc['files'])} file(s), {doc['row_groups']} row group(s)")
+        lines.append(
+            f"dataset {doc['path']}: {doc['rows']} rows in {len(doc['files'])} file(s), {doc['row_groups']} row group(s)"
+        )
         lines.append("schema:")
         lines += [f"  {name}: {dtype}" for name, dtype in doc["schema"].items()]
         lines.append("row groups (rows):")
@@ -121,18 +140,29 @@ def format_description(doc: Dict[str, Any]) -> str:
         lines.append(f"model {doc['path']}: sparkdl {doc.get('sparkdl_version')}, torch {doc.get('torch_version')}")
         plan = doc.get("inputs") or {}
         if plan and not plan.get("positional"):
-            named = ", ".join(f"{key}={spec.get('type')}({', '.join(f'{k}={v}' for k, v in spec.items() if k != 'type' and v not in (None, 0, False))})" for key, spec in plan["inputs"])
+            named = ", ".join(
+                f"{key}={spec.get('type')}({', '.join(f'{k}={v}' for k, v in spec.items() if k != 'type' and v not in (None, 0, False))})"
+                for key, spec in plan["inputs"]
+            )
             lines.append(f"  inputs: {named} -> {doc.get('prediction_col')} (output shape {doc.get('output_shape')})")
         else:
-            lines.append(f"  features: {', '.join(doc.get('feature_cols', []))} -> {doc.get('prediction_col')} (output shape {doc.get('output_shape')})")
+            lines.append(
+                f"  features: {', '.join(doc.get('feature_cols', []))} -> {doc.get('prediction_col')} (output shape {doc.get('output_shape')})"
+            )
         run = doc.get("run_info") or {}
         if run:
-            lines.append(f"  trained: {run.get('num_workers')} worker(s), {run.get('epochs')} epoch(s), strategy {(run.get('strategy') or {}).get('name')}")
+            lines.append(
+                f"  trained: {run.get('num_workers')} worker(s), {run.get('epochs')} epoch(s), strategy {(run.get('strategy') or {}).get('name')}"
+            )
         lines += _history_lines(doc.get("history") or [])
     else:
         status = doc.get("status", "?")
         wall = doc.get("wall_seconds")
-        lines.append(f"run {doc['path']}: {status}" + (f" in {wall:.1f}s" if isinstance(wall, (int, float)) else "") + f" (exit {doc.get('exit_code', '?')})")
+        lines.append(
+            f"run {doc['path']}: {status}"
+            + (f" in {wall:.1f}s" if isinstance(wall, (int, float)) else "")
+            + f" (exit {doc.get('exit_code', '?')})"
+        )
         if doc.get("error"):
             lines.append(f"  error: {doc['error']}")
         run = doc.get("run") or {}
@@ -153,11 +183,17 @@ def _history_lines(history: List[Dict[str, Any]]) -> List[str]:
     if not history:
         return []
     validation = validation_figures(history)
-    lines = ["  epoch  loss        " + "".join(key.ljust(_width(key)) for key in validation) + "samples/s   seconds   per-rank samples/s"]
+    lines = [
+        "  epoch  loss        "
+        + "".join(key.ljust(_width(key)) for key in validation)
+        + "samples/s   seconds   per-rank samples/s"
+    ]
     for r in history:
         ranks = ", ".join(f"{x:.0f}" for x in rank_rates(r))
         measured = "".join(_number(r.get(key)).ljust(_width(key)) for key in validation)
-        lines.append(f"  {r.get('epoch', '?'):<6} {r.get('loss', float('nan')):<11.4f} {measured}{r.get('samples_per_sec', 0):<11.0f} {r.get('seconds', 0):<9.3f} {ranks}")
+        lines.append(
+            f"  {r.get('epoch', '?'):<6} {r.get('loss', float('nan')):<11.4f} {measured}{r.get('samples_per_sec', 0):<11.0f} {r.get('seconds', 0):<9.3f} {ranks}"
+        )
     return lines
 
 
@@ -182,15 +218,23 @@ def comparison_lines(docs: List[Dict[str, Any]]) -> List[str]:
     validation = validation_figures([record for doc in docs for record in doc.get("history") or []])
     labels = [run_label(doc) for doc in docs]
     width = max(len("run"), *(len(label) for label in labels)) + 2
-    lines = ["run".ljust(width) + "epochs  final loss  " + "".join(key.ljust(_width(key)) for key in validation) + "samples/s   wall s"]
+    lines = [
+        "run".ljust(width)
+        + "epochs  final loss  "
+        + "".join(key.ljust(_width(key)) for key in validation)
+        + "samples/s   wall s"
+    ]
     for label, doc in zip(labels, docs):
         history = doc.get("history") or []
         last = history[-1] if history else {}
         rates = [r["samples_per_sec"] for r in history if isinstance(r.get("samples_per_sec"), (int, float))]
         wall = doc.get("wall_seconds")
         lines.append(
-            label.ljust(width) + f"{len(history):<8}{_number(last.get('loss')):<12}" + "".join(_number(last.get(key)).ljust(_width(key)) for key in validation)
-            + f"{(sum(rates) / len(rates)) if rates else float('nan'):<12.0f}" + (f"{wall:.1f}" if isinstance(wall, (int, float)) else "-")
+            label.ljust(width)
+            + f"{len(history):<8}{_number(last.get('loss')):<12}"
+            + "".join(_number(last.get(key)).ljust(_width(key)) for key in validation)
+            + f"{(sum(rates) / len(rates)) if rates else float('nan'):<12.0f}"
+            + (f"{wall:.1f}" if isinstance(wall, (int, float)) else "-")
         )
     return lines
 
@@ -202,7 +246,9 @@ def _plot(docs: List[Dict[str, Any]], path: str) -> None:
     labelled: Dict[str, Any] = {}
     for index, doc in enumerate(docs, 1):
         label = run_label(doc)
-        labelled[label if label not in labelled else f"{label} #{index}"] = doc.get("history") or []  # same strategy and dir name
+        labelled[label if label not in labelled else f"{label} #{index}"] = (
+            doc.get("history") or []
+        )  # same strategy and dir name
     try:
         plot_history(labelled if len(labelled) > 1 else next(iter(labelled.values())), path=path)
     except ConfigError as exc:
@@ -215,7 +261,9 @@ def inspect_main(argv: Optional[List[str]] = None) -> int:
         docs = [describe(path, rows=args.rows) for path in args.path]
         if (len(docs) > 1 or args.plot) and any(doc["kind"] == "dataset" for doc in docs):
             dataset = next(doc["path"] for doc in docs if doc["kind"] == "dataset")
-            raise UsageError(f"{dataset!r} is a dataset: several paths and --plot take runs (metrics.json) or saved models")
+            raise UsageError(
+                f"{dataset!r} is a dataset: several paths and --plot take runs (metrics.json) or saved models"
+            )
         if args.plot:
             _plot(docs, args.plot)
     except UsageError as exc:
@@ -230,4 +278,3 @@ def inspect_main(argv: Optional[List[str]] = None) -> int:
     if args.plot:
         print(f"sparkdl inspect: wrote {args.plot}")
     return 0
-

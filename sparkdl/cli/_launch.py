@@ -20,21 +20,35 @@ from sparkdl.data.readers import registered_readers
 
 def build_launch_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="sparkdl launch", description="Run a training script unchanged on Spark barrier tasks, torchrun style (docs/launch.md).",
+        prog="sparkdl launch",
+        description="Run a training script unchanged on Spark barrier tasks, torchrun style (docs/launch.md).",
     )
-    parser.add_argument("script", help="the Python script every rank runs (every executor must see it: --files, a shared filesystem)")
+    parser.add_argument(
+        "script", help="the Python script every rank runs (every executor must see it: --files, a shared filesystem)"
+    )
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments, after --")
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--master", default=None, help="Spark master when not started by spark-submit")
-    parser.add_argument("--data", default=None, help="Parquet/Petastorm dataset sparkdl.shard_dataset() streams in the script")
+    parser.add_argument(
+        "--data", default=None, help="Parquet/Petastorm dataset sparkdl.shard_dataset() streams in the script"
+    )
     parser.add_argument("--features", default=None, help="feature column(s), comma-separated (one tensor per batch)")
-    parser.add_argument("--input", action="append", default=[], metavar="NAME=SPEC", dest="inputs", help="a named input, as for sparkdl train")
+    parser.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="NAME=SPEC",
+        dest="inputs",
+        help="a named input, as for sparkdl train",
+    )
     parser.add_argument("--label", default=None, help="label column")
     parser.add_argument("--batch-size", type=int, default=32, help="rows per batch on each worker")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-shuffle", dest="shuffle", action="store_false")
     parser.add_argument("--reader", choices=registered_readers(), default="arrow")
-    parser.add_argument("--timeout", type=float, default=600.0, dest="timeout_s", help="rendezvous and store timeout, seconds")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, dest="timeout_s", help="rendezvous and store timeout, seconds"
+    )
     parser.add_argument("--max-failures", type=int, default=0)
     parser.add_argument("--watchdog-timeout", type=float, default=600.0, dest="watchdog_timeout_s")
     add_slot_wait_argument(parser)
@@ -65,14 +79,27 @@ def launch_main(argv: Optional[List[str]] = None) -> int:
     data_options = {}
     if args.data is not None:
         data_options = dict(
-            data=args.data, feature_cols=[c.strip() for c in args.features.split(",") if c.strip()] if args.features else (),
-            inputs=inputs, label_col=args.label, batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, reader=args.reader,
+            data=args.data,
+            feature_cols=[c.strip() for c in args.features.split(",") if c.strip()] if args.features else (),
+            inputs=inputs,
+            label_col=args.label,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            shuffle=args.shuffle,
+            reader=args.reader,
         )
     try:
         result = sparkdl.launch(
-            args.script, *script_args, num_workers=args.num_workers, spark=spark, progress=not args.quiet,
-            timeout_s=args.timeout_s, max_failures=args.max_failures, watchdog_timeout_s=args.watchdog_timeout_s,
-            slot_wait_s=args.slot_wait_s, **data_options,
+            args.script,
+            *script_args,
+            num_workers=args.num_workers,
+            spark=spark,
+            progress=not args.quiet,
+            timeout_s=args.timeout_s,
+            max_failures=args.max_failures,
+            watchdog_timeout_s=args.watchdog_timeout_s,
+            slot_wait_s=args.slot_wait_s,
+            **data_options,
         )
     except ConfigError as exc:
         print(f"sparkdl launch: {exc}", file=sys.stderr)
@@ -80,7 +107,11 @@ def launch_main(argv: Optional[List[str]] = None) -> int:
     except TrainingError as exc:
         print(f"sparkdl launch: {exc}", file=sys.stderr)
         first = exc.failures[0] if exc.failures else None
-        status = re.search(r"exited with status (\d+) on rank", first.message) if first is not None and first.exc_type == "ScriptExitError" else None
+        status = (
+            re.search(r"exited with status (\d+) on rank", first.message)
+            if first is not None and first.exc_type == "ScriptExitError"
+            else None
+        )
         return int(status.group(1)) if status else 1
     except SparkdlError as exc:
         print(f"sparkdl launch: {exc}", file=sys.stderr)

@@ -14,7 +14,12 @@ def build_package_parser() -> argparse.ArgumentParser:
         description="Zip the installed sparkdl (and connectors) for spark-submit --py-files, so executors without sparkdl installed can import it.",
     )
     parser.add_argument("--output", default="sparkdl.zip", help="zip file to write (default sparkdl.zip)")
-    parser.add_argument("--no-connectors", dest="connectors", action="store_false", help="leave out the top-level connectors package (the old import path of sparkdl.connectors)")
+    parser.add_argument(
+        "--no-connectors",
+        dest="connectors",
+        action="store_false",
+        help="leave out the top-level connectors package (the old import path of sparkdl.connectors)",
+    )
     return parser
 
 
@@ -50,14 +55,21 @@ def package(output: str, connectors: bool = True) -> Dict[str, Any]:
             with open(full, "rb") as handle:
                 archive.writestr(info, handle.read())
     os.replace(tmp, output)
-    return {"output": os.path.abspath(output), "files": len(entries), "packages": [os.path.basename(r) for r in roots], "bytes": os.path.getsize(output)}
+    return {
+        "output": os.path.abspath(output),
+        "files": len(entries),
+        "packages": [os.path.basename(r) for r in roots],
+        "bytes": os.path.getsize(output),
+    }
 
 
 def package_main(argv: Optional[List[str]] = None) -> int:
     args = build_package_parser().parse_args(argv)
     result = package(args.output, connectors=args.connectors)
     print(result["output"])
-    print(f"sparkdl package: {result['files']} files of {', '.join(result['packages'])}, {result['bytes']} bytes; "
-          f"ship with spark-submit --py-files {args.output},models.py", file=sys.stderr)
+    print(
+        f"sparkdl package: {result['files']} files of {', '.join(result['packages'])}, {result['bytes']} bytes; "
+        f"ship with spark-submit --py-files {args.output},models.py",
+        file=sys.stderr,
+    )
     return 0
-

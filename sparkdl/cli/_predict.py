@@ -23,10 +23,14 @@ def build_predict_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", required=True, help="URL or path of the Parquet dataset to predict on")
     parser.add_argument("--output", required=True, help="directory for predictions/ (Parquet) and metrics.json")
     parser.add_argument(
-        "--model-factory", default=None, metavar="MODULE:FACTORY",
+        "--model-factory",
+        default=None,
+        metavar="MODULE:FACTORY",
         help="build the module with this factory and read only weights and JSON metadata, instead of unpickling model_fn.pkl",
     )
-    parser.add_argument("--label", default=None, help="label column: also report accuracy (vector outputs) or mse/mae (scalar outputs)")
+    parser.add_argument(
+        "--label", default=None, help="label column: also report accuracy (vector outputs) or mse/mae (scalar outputs)"
+    )
     parser.add_argument("--master", default=None, help="Spark master when not started by spark-submit")
     parser.add_argument("--overwrite", action="store_true", help="replace existing predictions")
     return parser
@@ -52,12 +56,19 @@ def predict(args: argparse.Namespace) -> Dict[str, Any]:
         evaluation: Dict[str, Any] = {}
         if args.label and model.output_size > 1:
             predicted_class = sf.expr(f"array_position(`{prediction}`, array_max(`{prediction}`)) - 1")
-            row = written.select(sf.avg((predicted_class == sf.col(args.label)).cast("double")).alias("accuracy"), sf.count(sf.lit(1)).alias("rows")).first()
+            row = written.select(
+                sf.avg((predicted_class == sf.col(args.label)).cast("double")).alias("accuracy"),
+                sf.count(sf.lit(1)).alias("rows"),
+            ).first()
             evaluation = {"accuracy": row["accuracy"]}
             rows = row["rows"]
         elif args.label:
             error = sf.col(prediction) - sf.col(args.label).cast("double")
-            row = written.select(sf.avg(error * error).alias("mse"), sf.avg(sf.abs(error)).alias("mae"), sf.count(sf.lit(1)).alias("rows")).first()
+            row = written.select(
+                sf.avg(error * error).alias("mse"),
+                sf.avg(sf.abs(error)).alias("mae"),
+                sf.count(sf.lit(1)).alias("rows"),
+            ).first()
             evaluation = {"mse": row["mse"], "mae": row["mae"]}
             rows = row["rows"]
         else:
@@ -92,6 +103,9 @@ def predict_main(argv: Optional[List[str]] = None) -> int:
     document["exit_code"] = code
     _write_metrics(args.output, document)
     # The last line is one JSON object: what an Airflow BashOperator pushes to XCom.
-    print(json.dumps({k: document.get(k) for k in ("status", "rows", "evaluation", "predictions", "error") if k in document}))
+    print(
+        json.dumps(
+            {k: document.get(k) for k in ("status", "rows", "evaluation", "predictions", "error") if k in document}
+        )
+    )
     return code
-

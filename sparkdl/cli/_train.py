@@ -19,7 +19,13 @@ from sparkdl._driver.progress import validation_figures
 from sparkdl._runtime.validation import METRICS, accuracy, named_metrics, squeezed  # noqa: F401 - accuracy: re-exported where it was
 from sparkdl._version import versions as _versions
 from sparkdl.cli._common import (
-    UsageError, _config, _write_metrics, add_slot_wait_argument, load_factory, rank_rates, spark_session,
+    UsageError,
+    _config,
+    _write_metrics,
+    add_slot_wait_argument,
+    load_factory,
+    rank_rates,
+    spark_session,
 )
 from sparkdl.data.readers import registered_readers
 
@@ -46,12 +52,24 @@ LOSSES: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparkdl train", description="Train a PyTorch model on a Spark cluster with sparkdl.")
+    parser = argparse.ArgumentParser(
+        prog="sparkdl train", description="Train a PyTorch model on a Spark cluster with sparkdl."
+    )
     parser.add_argument("--data", required=True, help="URL or path of a Parquet/Petastorm dataset")
-    parser.add_argument("--model", required=True, help="module:factory, a zero-argument callable returning a torch.nn.Module")
-    parser.add_argument("--features", default=None, help="feature column(s), comma-separated, concatenated in order into one positional input")
     parser.add_argument(
-        "--input", action="append", default=[], metavar="NAME=SPEC", dest="inputs",
+        "--model", required=True, help="module:factory, a zero-argument callable returning a torch.nn.Module"
+    )
+    parser.add_argument(
+        "--features",
+        default=None,
+        help="feature column(s), comma-separated, concatenated in order into one positional input",
+    )
+    parser.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="NAME=SPEC",
+        dest="inputs",
         help=(
             "a named model input (repeat; the model is called as model(**inputs); replaces --features). SPEC is: "
             "COLUMN (the column as it is; integer ids stay int64), "
@@ -62,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--label", required=True, help="label column")
-    parser.add_argument("--strategy", default="allreduce", help="allreduce, model_averaging, elastic_averaging, ... (default allreduce)")
+    parser.add_argument(
+        "--strategy", default="allreduce", help="allreduce, model_averaging, elastic_averaging, ... (default allreduce)"
+    )
     parser.add_argument(
         "--strategy-arg",
         action="append",
@@ -83,38 +103,67 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--master", default=None, help="Spark master when not started by spark-submit")
     parser.add_argument("--quiet", action="store_true", help="no per-epoch progress lines")
     parser.add_argument("--reader", choices=registered_readers(), default="arrow", help="data reader (default arrow)")
-    parser.add_argument("--decode-threads", type=int, default=None, help="threads per task decoding images (default: the task's cores)")
     parser.add_argument(
-        "--validation", type=float, default=None, metavar="FRACTION",
+        "--decode-threads", type=int, default=None, help="threads per task decoding images (default: the task's cores)"
+    )
+    parser.add_argument(
+        "--validation",
+        type=float,
+        default=None,
+        metavar="FRACTION",
         help="hold out this fraction of the rows (deterministically) and report val_loss per epoch",
     )
     parser.add_argument(
-        "--metric", action="append", default=[], choices=sorted(METRICS), dest="metrics",
+        "--metric",
+        action="append",
+        default=[],
+        choices=sorted(METRICS),
+        dest="metrics",
         help="also report val_<metric> per epoch on the --validation rows (repeatable)",
     )
     parser.add_argument(
-        "--precision", choices=["32", "bf16-mixed", "16-mixed"], default="32",
+        "--precision",
+        choices=["32", "bf16-mixed", "16-mixed"],
+        default="32",
         help="training precision (16-mixed needs GPUs)",
     )
     recovery = parser.add_argument_group("fault tolerance (README, 'Surviving failures')")
     recovery.add_argument(
-        "--checkpoint-dir", default=None,
+        "--checkpoint-dir",
+        default=None,
         help="checkpoint here (storage every executor can write); a re-run with the same dir resumes, "
         "or returns the finished run's model without training",
     )
-    recovery.add_argument("--checkpoint-every", type=int, default=None, help="also checkpoint every N steps (default: each epoch's end)")
     recovery.add_argument(
-        "--checkpoint-sync", dest="checkpoint_async", action="store_false",
+        "--checkpoint-every", type=int, default=None, help="also checkpoint every N steps (default: each epoch's end)"
+    )
+    recovery.add_argument(
+        "--checkpoint-sync",
+        dest="checkpoint_async",
+        action="store_false",
         help="write each checkpoint before training goes on (default: in the background after a copy to host memory)",
     )
-    recovery.add_argument("--max-failures", type=int, default=0, help="relaunch the training stage up to N times after a failure (default 0)")
     recovery.add_argument(
-        "--min-workers", type=int, default=None,
+        "--max-failures",
+        type=int,
+        default=0,
+        help="relaunch the training stage up to N times after a failure (default 0)",
+    )
+    recovery.add_argument(
+        "--min-workers",
+        type=int,
+        default=None,
         help="a relaunch that finds fewer free slots than --num-workers continues on as many as are free, down to N (default: --num-workers)",
     )
-    recovery.add_argument("--no-resume", dest="resume", action="store_false", help="ignore existing checkpoints and train from scratch")
+    recovery.add_argument(
+        "--no-resume", dest="resume", action="store_false", help="ignore existing checkpoints and train from scratch"
+    )
     tracking = parser.add_argument_group("tracking (pip install 'sparkdl-torch[tracking]')")
-    tracking.add_argument("--mlflow-experiment", default=None, help="log params, per-epoch metrics and the model to this MLflow experiment")
+    tracking.add_argument(
+        "--mlflow-experiment",
+        default=None,
+        help="log params, per-epoch metrics and the model to this MLflow experiment",
+    )
     tracking.add_argument("--mlflow-tracking-uri", default=None, help="MLflow store (default: $MLFLOW_TRACKING_URI)")
     tracking.add_argument("--tensorboard-dir", default=None, help="write per-epoch scalars for TensorBoard here")
     return parser
@@ -144,24 +193,34 @@ def parse_inputs(items: List[str]) -> Dict[str, Any]:
                 unknown = [o for o in options if o != "flip" and not o.startswith("crop=")]
                 if unknown:
                     raise UsageError(f"--input {item!r}: unknown image option(s) {unknown}; valid: flip, crop=PIXELS")
-                inputs[name] = Image(column, size=(dims[0], dims[1]), channels=dims[2] if len(dims) == 3 else 3,
-                                     random_flip="flip" in options, random_crop=crop[0] if crop else 0)
+                inputs[name] = Image(
+                    column,
+                    size=(dims[0], dims[1]),
+                    channels=dims[2] if len(dims) == 3 else 3,
+                    random_flip="flip" in options,
+                    random_crop=crop[0] if crop else 0,
+                )
             elif kind == "sequence" and rest:
                 parts = rest.split(":")
                 if len(parts) not in (2, 3):
                     raise UsageError(f"--input {item!r}: expected sequence:COLUMN:MAX_LENGTH[:PAD]")
-                inputs[name] = Sequence(parts[0], max_length=int(parts[1]), pad_value=int(parts[2]) if len(parts) == 3 else 0,
-                                        lengths_input=f"{name}_lengths")
+                inputs[name] = Sequence(
+                    parts[0],
+                    max_length=int(parts[1]),
+                    pad_value=int(parts[2]) if len(parts) == 3 else 0,
+                    lengths_input=f"{name}_lengths",
+                )
             elif kind == "dense" and rest:
                 inputs[name] = [c.strip() for c in rest.split(",") if c.strip()]
             elif ":" not in spec and "," not in spec:
                 inputs[name] = spec.strip()
             else:
-                raise UsageError(f"--input {item!r}: SPEC must be COLUMN, dense:COLS, image:COLUMN:HxW[xC] or sequence:COLUMN:MAX_LENGTH[:PAD]")
+                raise UsageError(
+                    f"--input {item!r}: SPEC must be COLUMN, dense:COLS, image:COLUMN:HxW[xC] or sequence:COLUMN:MAX_LENGTH[:PAD]"
+                )
         except ValueError as exc:
             raise UsageError(f"--input {item!r}: {exc}") from exc
     return inputs
-
 
 
 def _strategy_kwargs(pairs: List[str]) -> Dict[str, Any]:
@@ -194,13 +253,14 @@ class _OptimizerFactory:
         return self.cls(params, **self.kwargs)
 
 
-
 def model_inputs(args: argparse.Namespace) -> Tuple[Optional[List[str]], Optional[Dict[str, Any]]]:
     """``(feature_cols, inputs)`` from ``--features`` / ``--input`` (exactly one of them), checked
     with ``--metric`` (which needs ``--validation``)."""
     inputs = parse_inputs(args.inputs) if args.inputs else None
     if bool(inputs) == bool(args.features):
-        raise UsageError("give --features (one positional input) or --input NAME=SPEC (named inputs), not both and not neither")
+        raise UsageError(
+            "give --features (one positional input) or --input NAME=SPEC (named inputs), not both and not neither"
+        )
     if args.metrics and args.validation is None:
         raise UsageError("--metric is computed on held-out rows: give --validation FRACTION as well")
     feature_cols = [c.strip() for c in args.features.split(",") if c.strip()] if args.features else None
@@ -274,7 +334,6 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
     }
 
 
-
 def throughput(history: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Samples/s over the run: global per epoch, and each rank's mean over the epochs, so a slow
     executor stands out in metrics.json."""
@@ -285,7 +344,6 @@ def throughput(history: List[Dict[str, Any]]) -> Dict[str, Any]:
         "rank_samples_per_sec_mean": [round(m, 3) for m in means],
         "slowest_rank": min(range(len(means)), key=means.__getitem__) if means else None,
     }
-
 
 
 def _missing_module_hint(message: str, model_spec: str) -> str:
@@ -309,7 +367,6 @@ def _missing_module_hint(message: str, model_spec: str) -> str:
     )
 
 
-
 def _safe_versions() -> Dict[str, str]:
     try:
         import pyspark
@@ -317,7 +374,6 @@ def _safe_versions() -> Dict[str, str]:
         return _versions(pyspark.__version__)
     except Exception as exc:  # noqa: BLE001 - a failed run still gets its metrics.json
         return {"error": f"{type(exc).__name__}: {exc}"}
-
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -359,4 +415,3 @@ def summary_line(document: Dict[str, Any], output: str) -> str:
         f"sparkdl-train: done in {document['wall_seconds']:.1f}s, {len(document.get('history') or [])} epoch(s): {', '.join(figures)}; "
         f"model in {os.path.join(output, 'model')}, metrics in {os.path.join(output, 'metrics.json')}"
     )
-

@@ -20,9 +20,9 @@ import numbers
 import time
 from typing import Any, Callable, Dict, Mapping, Optional
 
+from sparkdl._version import versions
 from sparkdl.comparison.result import Comparison, ComparisonRow, check_plotting
 from sparkdl.comparison.strategies import Labelled, SlowedModel, labelled_strategies
-from sparkdl._version import versions
 from sparkdl.errors import ConfigError
 from sparkdl.estimator import TorchEstimator
 from sparkdl.tracking import describe_callable
@@ -57,7 +57,9 @@ class CompareSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategies", labelled_strategies(self.strategies))
         if not _is_int(self.epochs) or self.epochs < 1:
-            raise ConfigError(f"epochs={self.epochs!r} must be a positive integer (the budget: epochs every strategy trains)")
+            raise ConfigError(
+                f"epochs={self.epochs!r} must be a positive integer (the budget: epochs every strategy trains)"
+            )
         if not _is_int(self.num_workers) or self.num_workers < 1:
             raise ConfigError(f"num_workers={self.num_workers!r} must be a positive integer")
         t = self.target_loss
@@ -71,7 +73,9 @@ class CompareSettings:
             )
         s = self.slow_s
         if not _is_real(s) or not math.isfinite(s) or s < 0:
-            raise ConfigError(f"slow_s={s!r} must be a number of seconds >= 0 (the slowed rank's sleep per training step)")
+            raise ConfigError(
+                f"slow_s={s!r} must be a number of seconds >= 0 (the slowed rank's sleep per training step)"
+            )
 
     @property
     def slowed(self) -> Optional[Dict[str, Any]]:
@@ -141,7 +145,12 @@ def compare(
             column, an empty shard), found once before anything trains.
     """
     settings = CompareSettings(
-        strategies=strategies, epochs=epochs, num_workers=num_workers, target_loss=target_loss, slow_rank=slow_rank, slow_s=slow_s,
+        strategies=strategies,
+        epochs=epochs,
+        num_workers=num_workers,
+        target_loss=target_loss,
+        slow_rank=slow_rank,
+        slow_s=slow_s,
     )
     refused = [name for name in _REFUSED if name in options]
     if refused:
@@ -153,11 +162,25 @@ def compare(
         check_plotting()  # now, not after every strategy has trained
     factory = model if settings.slow_rank is None else SlowedModel(model, settings.slow_rank, float(settings.slow_s))
     shared = dict(
-        optimizer=optimizer, loss=loss, feature_cols=feature_cols, inputs=inputs, label_col=label_col, num_workers=num_workers,
-        batch_size=batch_size, epochs=epochs, seed=seed, validation=validation, metrics=metrics, progress=progress, **options,
+        optimizer=optimizer,
+        loss=loss,
+        feature_cols=feature_cols,
+        inputs=inputs,
+        label_col=label_col,
+        num_workers=num_workers,
+        batch_size=batch_size,
+        epochs=epochs,
+        seed=seed,
+        validation=validation,
+        metrics=metrics,
+        progress=progress,
+        **options,
     )
     # Every estimator is built (and its settings checked) before the first one trains.
-    estimators = [(label, strategy, TorchEstimator(model=factory, strategy=strategy, **shared)) for label, strategy in settings.strategies]
+    estimators = [
+        (label, strategy, TorchEstimator(model=factory, strategy=strategy, **shared))
+        for label, strategy in settings.strategies
+    ]
     check_data(data, estimators[0][2])
     _warm(data, num_workers)
     rows, dataset = [], None
@@ -174,11 +197,20 @@ def compare(
             continue
         run_info = fitted.run_info
         dataset = dataset or {**run_info["dataset"], "steps_per_epoch": run_info["steps_per_epoch"]}
-        rows.append(ComparisonRow.from_history(
-            label, strategy.describe(), fitted.history, num_workers=num_workers, target_loss=settings.target_loss,
-            train_seconds=run_info.get("train_seconds"), fit_seconds=time.time() - started,
-        ))
-    comparison = Comparison(rows=rows, settings=_settings_document(settings, model, shared, data, dataset), versions=_versions())
+        rows.append(
+            ComparisonRow.from_history(
+                label,
+                strategy.describe(),
+                fitted.history,
+                num_workers=num_workers,
+                target_loss=settings.target_loss,
+                train_seconds=run_info.get("train_seconds"),
+                fit_seconds=time.time() - started,
+            )
+        )
+    comparison = Comparison(
+        rows=rows, settings=_settings_document(settings, model, shared, data, dataset), versions=_versions()
+    )
     if output_dir is not None:
         comparison.save(output_dir, plot=plot)
     return comparison
@@ -194,7 +226,12 @@ def check_data(data: Any, estimator: TorchEstimator) -> None:
     """
     from sparkdl._driver.prepare_data import prepare_data
 
-    prepare_data(data, estimator._data_settings(), estimator.getOrDefault(estimator.numWorkers), getattr(data, "sparkSession", None))
+    prepare_data(
+        data,
+        estimator._data_settings(),
+        estimator.getOrDefault(estimator.numWorkers),
+        getattr(data, "sparkSession", None),
+    )
 
 
 def _warm(data: Any, num_workers: int) -> None:

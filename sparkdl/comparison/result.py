@@ -125,8 +125,15 @@ class ComparisonRow:
 
     @classmethod
     def from_history(
-        cls, label: str, strategy: Mapping[str, Any], history: History, *, num_workers: int,
-        target_loss: Optional[float] = None, train_seconds: Optional[float] = None, fit_seconds: Optional[float] = None,
+        cls,
+        label: str,
+        strategy: Mapping[str, Any],
+        history: History,
+        *,
+        num_workers: int,
+        target_loss: Optional[float] = None,
+        train_seconds: Optional[float] = None,
+        fit_seconds: Optional[float] = None,
     ) -> "ComparisonRow":
         """The row of a finished fit, from its ``model.history``."""
         if not history:
@@ -136,17 +143,27 @@ class ComparisonRow:
         reached = time_to_target(curve, target_loss)
         last = history[-1]
         return cls(
-            label=label, strategy=dict(strategy), samples=sum(int(r["samples"]) for r in history),
-            samples_per_sec=samples_per_sec(steady), steady_epochs=[int(r["epoch"]) for r in steady],
+            label=label,
+            strategy=dict(strategy),
+            samples=sum(int(r["samples"]) for r in history),
+            samples_per_sec=samples_per_sec(steady),
+            steady_epochs=[int(r["epoch"]) for r in steady],
             rank_samples_per_sec=rank_samples_per_sec(steady, num_workers),
-            comm_bytes_per_sample=comm_bytes_per_sample(history, num_workers), loss=float(last["loss"]),
+            comm_bytes_per_sample=comm_bytes_per_sample(history, num_workers),
+            loss=float(last["loss"]),
             validation={key: last[key] for key in validation_figures([last])},
-            time_to_target_s=reached["seconds"] if reached else None, target_epoch=reached["epoch"] if reached else None,
-            train_seconds=train_seconds, fit_seconds=fit_seconds, curve=curve, history=[dict(r) for r in history],
+            time_to_target_s=reached["seconds"] if reached else None,
+            target_epoch=reached["epoch"] if reached else None,
+            train_seconds=train_seconds,
+            fit_seconds=fit_seconds,
+            curve=curve,
+            history=[dict(r) for r in history],
         )
 
     @classmethod
-    def failed(cls, label: str, strategy: Mapping[str, Any], error: Any, fit_seconds: Optional[float] = None) -> "ComparisonRow":
+    def failed(
+        cls, label: str, strategy: Mapping[str, Any], error: Any, fit_seconds: Optional[float] = None
+    ) -> "ComparisonRow":
         """The row of a fit that raised ``error`` (an exception or its text)."""
         text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
         return cls(label=label, strategy=dict(strategy), status="failed", error=text, fit_seconds=fit_seconds)
@@ -192,8 +209,12 @@ class Comparison:
         """Every row (its curve and history included), the settings and the versions."""
         status = "succeeded" if self.ok else f"failed: {', '.join(r.label for r in self.failures)}"
         return {
-            "kind": KIND, "status": status, "created_at": self.created_at, "settings": self.settings,
-            "rows": [row.to_json() for row in self.rows], "versions": self.versions,
+            "kind": KIND,
+            "status": status,
+            "created_at": self.created_at,
+            "settings": self.settings,
+            "rows": [row.to_json() for row in self.rows],
+            "versions": self.versions,
         }
 
     @classmethod
@@ -202,8 +223,12 @@ class Comparison:
         if document.get("kind") != KIND:
             raise ConfigError(f"not a sparkdl compare document (kind={document.get('kind')!r}, expected {KIND!r})")
         rows = [ComparisonRow(**row) for row in document["rows"]]
-        return cls(rows=rows, settings=dict(document["settings"]), versions=dict(document.get("versions") or {}),
-                   created_at=document.get("created_at", ""))
+        return cls(
+            rows=rows,
+            settings=dict(document["settings"]),
+            versions=dict(document.get("versions") or {}),
+            created_at=document.get("created_at", ""),
+        )
 
     def table(self, style: str = "markdown") -> str:
         """The comparison as text: a heading line, the slowed rank when one was, and one row per
@@ -225,7 +250,9 @@ class Comparison:
             lines += ["| " + " | ".join(row) + " |" for row in cells]
         else:
             widths = [max(len(column[i]) for column in [header, *cells]) for i in range(len(header))]
-            lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in [header, *cells]]
+            lines += [
+                "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in [header, *cells]
+            ]
         failed = self.failures
         if failed:
             lines.append("")
@@ -244,8 +271,14 @@ class Comparison:
         s = self.settings
         epochs, target = s.get("epochs"), s.get("target_loss")
         validation = validation_figures([row.validation for row in self.rows if row.ok])
-        header = ["strategy", f"samples/s (epochs {_epochs(epochs)})", "per-rank samples/s", "comm bytes/sample",
-                  f"loss after {epochs} epoch(s)", *validation]
+        header = [
+            "strategy",
+            f"samples/s (epochs {_epochs(epochs)})",
+            "per-rank samples/s",
+            "comm bytes/sample",
+            f"loss after {epochs} epoch(s)",
+            *validation,
+        ]
         if target is not None:
             header.append(f"time to loss ≤ {target:g}")
         header += ["train s", "fit s"]
@@ -254,12 +287,23 @@ class Comparison:
             if not row.ok:
                 first = (row.error or "").splitlines()[0] if row.error else ""
                 reason = first if len(first) <= 80 else first[:77] + "..."
-                cells.append([row.label, f"FAILED ({reason})"] + [_NONE] * (len(header) - 3) + [_number(row.fit_seconds, "{:.1f}")])
+                cells.append(
+                    [row.label, f"FAILED ({reason})"]
+                    + [_NONE] * (len(header) - 3)
+                    + [_number(row.fit_seconds, "{:.1f}")]
+                )
                 continue
-            reached = _NONE if row.time_to_target_s is None else f"{row.time_to_target_s:.2f} s (epoch {row.target_epoch})"
+            reached = (
+                _NONE if row.time_to_target_s is None else f"{row.time_to_target_s:.2f} s (epoch {row.target_epoch})"
+            )
             cells.append(
-                [row.label, _number(row.samples_per_sec, "{:,.0f}"), " / ".join(f"{r:,.0f}" for r in row.rank_samples_per_sec) or _NONE,
-                 _number(row.comm_bytes_per_sample, "{:,.1f}"), _number(row.loss, "{:.4f}")]
+                [
+                    row.label,
+                    _number(row.samples_per_sec, "{:,.0f}"),
+                    " / ".join(f"{r:,.0f}" for r in row.rank_samples_per_sec) or _NONE,
+                    _number(row.comm_bytes_per_sample, "{:,.1f}"),
+                    _number(row.loss, "{:.4f}"),
+                ]
                 + [_number(row.validation.get(key), "{:.4f}") for key in validation]
                 + ([reached] if target is not None else [])
                 + [_number(row.train_seconds, "{:.1f}"), _number(row.fit_seconds, "{:.1f}")]
@@ -298,7 +342,10 @@ class Comparison:
         axis.set_ylabel("loss")
         slowed = self.settings.get("slowed")
         title = f"loss vs time, {self.settings.get('num_workers')} workers, {self.settings.get('epochs')} epoch(s) each"
-        axis.set_title(title + (f"; rank {slowed['rank']} slowed {slowed['seconds_per_step']:g} s/step" if slowed else ""), fontsize="medium")
+        axis.set_title(
+            title + (f"; rank {slowed['rank']} slowed {slowed['seconds_per_step']:g} s/step" if slowed else ""),
+            fontsize="medium",
+        )
         axis.legend(fontsize="small")
         figure.tight_layout()
         if path is not None:
@@ -326,7 +373,9 @@ def check_plotting() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:
-        raise ConfigError("the compare plot (compare.png) needs matplotlib: pip install 'sparkdl-torch[plot]' (or pass plot=False / --no-plot)") from exc
+        raise ConfigError(
+            "the compare plot (compare.png) needs matplotlib: pip install 'sparkdl-torch[plot]' (or pass plot=False / --no-plot)"
+        ) from exc
 
 
 def _epochs(epochs: Any) -> str:

@@ -66,14 +66,18 @@ def labelled_strategies(strategies: Any) -> Labelled:
     if isinstance(strategies, str):
         return parse_strategies(strategies)
     if isinstance(strategies, Strategy):
-        raise ConfigError(f"strategies={strategies!r} must be a list of strategies (e.g. [{strategy_label(strategies)}])")
+        raise ConfigError(
+            f"strategies={strategies!r} must be a list of strategies (e.g. [{strategy_label(strategies)}])"
+        )
     if isinstance(strategies, Mapping):
         pairs = [(str(label), strategy) for label, strategy in strategies.items()]
     else:
         try:
             items = list(strategies)
         except TypeError:
-            raise ConfigError(f"strategies={strategies!r} must be a list of strategies, a mapping label -> strategy, or a text") from None
+            raise ConfigError(
+                f"strategies={strategies!r} must be a list of strategies, a mapping label -> strategy, or a text"
+            ) from None
         pairs = []
         for item in items:
             pairs.extend(parse_strategies(item) if isinstance(item, str) else [(None, item)])  # type: ignore[list-item]
@@ -99,12 +103,16 @@ def parse_strategies(text: str) -> Labelled:
             raise ConfigError(f"strategies={text!r} has an empty entry; separate strategies by single commas")
         name, *settings = [piece.strip() for piece in item.split(":")]
         if name not in names:
-            raise ConfigError(f"strategies: unknown strategy {name!r} in {text!r}; valid names: {', '.join(sorted(names))}")
+            raise ConfigError(
+                f"strategies: unknown strategy {name!r} in {text!r}; valid names: {', '.join(sorted(names))}"
+            )
         kwargs = {}
         for setting in settings:
             key, sep, value = setting.partition("=")
             if not sep or not key.strip():
-                raise ConfigError(f"strategies: {item!r}: settings look like {name}:KEY=VALUE (e.g. model_averaging:sync_every=4)")
+                raise ConfigError(
+                    f"strategies: {item!r}: settings look like {name}:KEY=VALUE (e.g. model_averaging:sync_every=4)"
+                )
             kwargs[key.strip()] = _value(value.strip())
         try:
             strategy = names[name](**kwargs)

@@ -12,9 +12,9 @@ import datetime
 from typing import Any, Dict, Optional, Sequence, Union
 
 from sparkdl.connectors.base import Source
-from sparkdl.filesystem import normalize_url
 from sparkdl.data.dataset import ParquetFiles
 from sparkdl.errors import ConfigError, DataError
+from sparkdl.filesystem import normalize_url
 
 #: Reader features that change what the Parquet files mean: deleted rows still in the files
 #: (deletion vectors), physical column names that differ from the logical ones (column mapping).
@@ -90,7 +90,9 @@ class DeltaSource(Source):
         if not files:
             raise DataError(f"Delta table {self.path!r} has no data files at version {table.version()}")
         return ParquetFiles(
-            url=normalize_url(self.path), files=tuple(files), description=f"Delta table {self.path} version {table.version()}"
+            url=normalize_url(self.path),
+            files=tuple(files),
+            description=f"Delta table {self.path} version {table.version()}",
         )
 
     def _at(self) -> str:

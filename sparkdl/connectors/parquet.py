@@ -8,9 +8,9 @@ from typing import Any, List, Sequence, Union
 import pyarrow.fs as pafs
 
 from sparkdl.connectors.base import Source
-from sparkdl.filesystem import child_url, filesystem_and_path, normalize_url
 from sparkdl.data.dataset import ParquetFiles
 from sparkdl.errors import DataError
+from sparkdl.filesystem import child_url, filesystem_and_path, normalize_url
 
 _GLOB_CHARS = "*?["
 
@@ -51,7 +51,7 @@ def _glob(url: str) -> List[str]:
     first = min(url.index(c) for c in _GLOB_CHARS if c in url)
     base_url = url[:first].rsplit("/", 1)[0]
     fs, base_path = filesystem_and_path(base_url)
-    pattern = base_path.rstrip("/") + url[len(base_url):]
+    pattern = base_path.rstrip("/") + url[len(base_url) :]
     try:
         infos = fs.get_file_info(pafs.FileSelector(base_path, recursive=True))
     except OSError as exc:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any, Dict, Sequence, Union
 
 from sparkdl.connectors.base import Source, _require_spark
-from sparkdl.filesystem import normalize_url
 from sparkdl.data.dataset import ParquetFiles
 from sparkdl.errors import ConfigError, DataError
+from sparkdl.filesystem import normalize_url
 
 
 class SparkTable(Source):

@@ -53,7 +53,6 @@ from sparkdl.data.dataset import DatasetInfo
 from sparkdl.data.plan import InputPlan
 from sparkdl.data.readers.base import Chunk, DataReader, chunk_rows
 from sparkdl.data.selection import EpochPasses, shard_rows, shuffled_batches
-
 from sparkdl.data.spec import DataSpec, Inputs, TransformFn
 from sparkdl.errors import ConfigError, DataError
 
@@ -88,7 +87,15 @@ def decode_threads(spec: DataSpec) -> int:
     return max(1, torch.get_num_threads())
 
 
-def batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, skip: int = 0, epoch_steps: Optional[int] = None) -> Iterator[Batch]:
+def batches(
+    reader: DataReader,
+    dataset: DatasetInfo,
+    spec: DataSpec,
+    rank: int,
+    world_size: int,
+    skip: int = 0,
+    epoch_steps: Optional[int] = None,
+) -> Iterator[Batch]:
     """Endless finished batches of exactly ``spec.batch_size`` rows from this rank's shard.
 
     The first ``skip`` batches are cut but not finished (a resumed run's replay to its
@@ -97,7 +104,9 @@ def batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int,
     """
     plan = dataset.plan
     rows = epoch_rows(dataset, spec, world_size, epoch_steps) if spec.shuffle else None
-    source = reader.chunks(dataset, dataclasses.replace(spec, pass_marks=True) if spec.shuffle else spec, rank, world_size)
+    source = reader.chunks(
+        dataset, dataclasses.replace(spec, pass_marks=True) if spec.shuffle else spec, rank, world_size
+    )
 
     def finish(index: int, arrays: Chunk) -> Batch:
         # Augmented training batches are seeded by their place in the stream; plans without
@@ -142,10 +151,14 @@ def cut_stream(source: Iterator[Chunk], spec: DataSpec, rank: int, epoch_rows: O
         rng = np.random.default_rng(spec.seed + rank)
         return shuffled_batches(source, spec.batch_size, spec.batch_size * spec.shuffle_buffer_batches, rng, passes)
     # Also copies a lone chunk: readers may hand out read-only views of Arrow buffers.
-    return _cut_batches((chunk for chunk in source if chunk), spec.batch_size, spec.batch_size, _concatenate, keep_rest=False)
+    return _cut_batches(
+        (chunk for chunk in source if chunk), spec.batch_size, spec.batch_size, _concatenate, keep_rest=False
+    )
 
 
-def validation_batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int) -> Iterator[Batch]:
+def validation_batches(
+    reader: DataReader, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int
+) -> Iterator[Batch]:
     """One pass over this rank's validation rows in batches of ``spec.batch_size`` (the last
     one may be smaller), finished without augmentation, ``spec.transform_fn`` applied."""
     plan = dataset.plan
@@ -162,7 +175,9 @@ def validation_batches(reader: DataReader, dataset: DatasetInfo, spec: DataSpec,
         source.close()
 
 
-def _cut_batches(source: Iterator[Chunk], batch_size: int, gather_rows: int, merge: Callable[[List[Chunk]], Chunk], keep_rest: bool) -> Iterator[Chunk]:
+def _cut_batches(
+    source: Iterator[Chunk], batch_size: int, gather_rows: int, merge: Callable[[List[Chunk]], Chunk], keep_rest: bool
+) -> Iterator[Chunk]:
     """Batches of ``batch_size`` rows cut from ``source``'s chunks: whenever at least
     ``gather_rows`` rows are pending, ``merge`` makes one chunk of them (a copy), its full batches
     are handed out and the rest stays pending; ``keep_rest`` hands out the rows left when
@@ -177,7 +192,7 @@ def _cut_batches(source: Iterator[Chunk], batch_size: int, gather_rows: int, mer
         merged = merge(pending)
         full = (pending_rows // batch_size) * batch_size
         for start in range(0, full, batch_size):
-            yield {key: values[start:start + batch_size] for key, values in merged.items()}
+            yield {key: values[start : start + batch_size] for key, values in merged.items()}
         pending = [{key: values[full:] for key, values in merged.items()}] if full < pending_rows else []
         pending_rows -= full
     if keep_rest and pending_rows:
@@ -206,7 +221,9 @@ def _threads_for(plan: InputPlan, spec: DataSpec) -> int:
     return decode_threads(spec)
 
 
-def _finish_in_order(cuts: Iterator[Chunk], finish: Callable[[int, Chunk], Batch], first_index: int, threads: int) -> Iterator[Batch]:
+def _finish_in_order(
+    cuts: Iterator[Chunk], finish: Callable[[int, Chunk], Batch], first_index: int, threads: int
+) -> Iterator[Batch]:
     """``finish`` over the cut batches, in order, on ``threads`` threads (0: inline) with at most
     ``2 * threads`` batches in flight, so memory stays bounded."""
     if threads == 0:
@@ -236,7 +253,9 @@ def _concatenate(chunks: List[Chunk]) -> Chunk:
     return {key: np.concatenate([c[key] for c in chunks]) for key in chunks[0]}
 
 
-def apply_transform(transform_fn: TransformFn, features: Inputs, labels: Optional[np.ndarray], plan: Optional[InputPlan] = None) -> Batch:
+def apply_transform(
+    transform_fn: TransformFn, features: Inputs, labels: Optional[np.ndarray], plan: Optional[InputPlan] = None
+) -> Batch:
     """Runs the user's per-batch transform and checks what it returns."""
     named = isinstance(features, dict)
     rows = len(next(iter(features.values()))) if named else len(features)
@@ -249,13 +268,16 @@ def apply_transform(transform_fn: TransformFn, features: Inputs, labels: Optiona
         raise ConfigError(f"transform_fn must return numpy labels, got {type(new_labels).__name__}")
     if named:
         if not isinstance(new_features, dict) or not all(isinstance(v, np.ndarray) for v in new_features.values()):
-            raise ConfigError(f"with inputs=, transform_fn must return a dict of named numpy arrays, got {type(new_features).__name__}")
+            raise ConfigError(
+                f"with inputs=, transform_fn must return a dict of named numpy arrays, got {type(new_features).__name__}"
+            )
         sizes = {name: len(v) for name, v in new_features.items()}
         wrong = {name: n for name, n in sizes.items() if n != rows}
         if wrong or (new_labels is not None and len(new_labels) != rows):
             raise ConfigError(
                 f"transform_fn must keep the batch's {rows} rows, returned {wrong or sizes}"
-                + (f" and {len(new_labels)} labels" if new_labels is not None else "") + "; use filters= to drop rows"
+                + (f" and {len(new_labels)} labels" if new_labels is not None else "")
+                + "; use filters= to drop rows"
             )
         out = {name: np.ascontiguousarray(v) if v.dtype != object else v for name, v in new_features.items()}
     else:
@@ -279,7 +301,11 @@ def check_tensorable(inputs: Inputs, plan: InputPlan) -> None:
     for name, values in items:
         if values.dtype == object or values.dtype.kind in "SU":
             sample = values.flat[0] if values.size else None
-            what = "strings or bytes" if values.dtype.kind in "SU" or isinstance(sample, (str, bytes)) else "Python objects"
+            what = (
+                "strings or bytes"
+                if values.dtype.kind in "SU" or isinstance(sample, (str, bytes))
+                else "Python objects"
+            )
             raise DataError(
                 f"model input {name!r} holds {what} "
                 f"(column {_column_of(plan, name)!r}); turn it into numbers in transform_fn (e.g. tokenize it)"
@@ -321,6 +347,8 @@ def frame_batch(plan: InputPlan, columns: Mapping[str, Any], infos: Mapping[str,
     both steps, no augmentation, no label."""
     unlabeled = plan.without_label()
     arrays = unlabeled.extract(columns, infos, source)
-    inputs, _ = unlabeled.finish(arrays, None, lambda position: source if position is None else f"row {position} of {source}")
+    inputs, _ = unlabeled.finish(
+        arrays, None, lambda position: source if position is None else f"row {position} of {source}"
+    )
     check_tensorable(inputs, unlabeled)
     return inputs

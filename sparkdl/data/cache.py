@@ -148,7 +148,10 @@ def _even_row_groups(spark, url: str, num_workers: int, layout: Sequence[str]) -
         with fs.open_input_file(info.path) as handle:
             metadata = pq.ParquetFile(handle).metadata
         split = split or metadata.num_row_groups > 1
-        groups += [(metadata.row_group(i).num_rows, metadata.row_group(i).total_byte_size) for i in range(metadata.num_row_groups)]
+        groups += [
+            (metadata.row_group(i).num_rows, metadata.row_group(i).total_byte_size)
+            for i in range(metadata.num_row_groups)
+        ]
     rows = [count for count, _ in groups if count]
     # Files of one row group each are already as even as the round-robin split (a row or so
     # apart, which matters only for tiny data, where a rewrite could not do better).
@@ -160,7 +163,13 @@ def _even_row_groups(spark, url: str, num_workers: int, layout: Sequence[str]) -
     # Each file is one row group: the block size is above any file's bytes.
     _write(spark.read.parquet(url).repartition(min(count, total_rows)), even, layout, 2 * ROW_GROUP_BYTES)
     _delete(url)
-    logger.info("rewrote the materialized DataFrame as %d row groups of ~%d rows (they were %d to %d rows)", count, total_rows // count, min(rows), max(rows))
+    logger.info(
+        "rewrote the materialized DataFrame as %d row groups of ~%d rows (they were %d to %d rows)",
+        count,
+        total_rows // count,
+        min(rows),
+        max(rows),
+    )
     return even
 
 
@@ -194,7 +203,7 @@ def _make_private(url: str) -> None:
     """Local copies become readable by their owner only (Spark writes with the umask's modes)."""
     if not url.startswith("file://"):
         return
-    root = url[len("file://"):]
+    root = url[len("file://") :]
     for directory, _, files in os.walk(root):
         os.chmod(directory, 0o700)
         for name in files:
@@ -212,7 +221,7 @@ def remove_stale_caches(parent: str | None = None) -> List[str]:
     except OSError:
         return removed
     for name in names:
-        pid = name[len(PRIVATE_DIR_PREFIX):].split("-")[0]
+        pid = name[len(PRIVATE_DIR_PREFIX) :].split("-")[0]
         path = os.path.join(parent, name)
         if not name.startswith(PRIVATE_DIR_PREFIX) or not pid.isdigit() or int(pid) == os.getpid():
             continue
@@ -277,7 +286,7 @@ def _private_root(root: str) -> str:
     them); remote storage (hdfs://, s3a://...) is the store's to protect."""
     if not root.startswith("file://"):
         return root
-    parent = os.path.normpath(root[len("file://"):])
+    parent = os.path.normpath(root[len("file://") :])
     with _lock:
         known, own = parent in _private_dirs, parent in _private_dirs.values()
     if own:

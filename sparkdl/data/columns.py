@@ -169,7 +169,10 @@ def spark_image_structs(values: ColumnData, role: str, column: str, source: str)
     if array is not None:
         if array.null_count:
             raise DataError(f"{role} column {column!r} has {array.null_count} null images in {source}")
-        fields = {name: array.field(name).to_numpy(zero_copy_only=False) for name in ("height", "width", "nChannels", "data", "origin")}
+        fields = {
+            name: array.field(name).to_numpy(zero_copy_only=False)
+            for name in ("height", "width", "nChannels", "data", "origin")
+        }
     else:  # pandas: a struct column of a pandas UDF arrives as a DataFrame
         frame = values
         fields = {name: frame[name].to_numpy() for name in ("height", "width", "nChannels", "data", "origin")}
@@ -189,18 +192,26 @@ def spark_image_structs(values: ColumnData, role: str, column: str, source: str)
     return out
 
 
-def padded_sequences(values: ColumnData, max_length: int, pad_value: int, role: str, column: str, source: str) -> t.Tuple[np.ndarray, np.ndarray]:
+def padded_sequences(
+    values: ColumnData, max_length: int, pad_value: int, role: str, column: str, source: str
+) -> t.Tuple[np.ndarray, np.ndarray]:
     """``[rows, max_length]`` int64 padded with ``pad_value`` (rows truncated to max_length)
     and each row's length after truncation."""
     array = arrow_array(values)
     if array is not None:
         if array.null_count:
-            raise DataError(f"{role} column {column!r} has {array.null_count} null arrays in {source} (empty arrays are fine)")
+            raise DataError(
+                f"{role} column {column!r} has {array.null_count} null arrays in {source} (empty arrays are fine)"
+            )
         if not (pa.types.is_list(array.type) or pa.types.is_large_list(array.type)):
-            raise DataError(f"{role} column {column!r} has type {array.type} in {source}; sparkdl.Sequence needs arrays of integers")
+            raise DataError(
+                f"{role} column {column!r} has type {array.type} in {source}; sparkdl.Sequence needs arrays of integers"
+            )
         flat = array.flatten()
         if not pa.types.is_integer(flat.type):
-            raise DataError(f"{role} column {column!r} holds {flat.type} values in {source}; sparkdl.Sequence needs integers (token ids)")
+            raise DataError(
+                f"{role} column {column!r} holds {flat.type} values in {source}; sparkdl.Sequence needs integers (token ids)"
+            )
         if flat.null_count:
             raise DataError(f"{role} column {column!r} has {flat.null_count} null elements in {source}")
         offsets = array.offsets.to_numpy().astype(np.int64)
@@ -221,7 +232,9 @@ def padded_sequences(values: ColumnData, max_length: int, pad_value: int, role: 
             raise DataError(f"{role} column {column!r} has null arrays in {source} (empty arrays are fine)")
         row = np.asarray(row)
         if row.size and row.dtype.kind not in "iu":
-            raise DataError(f"{role} column {column!r} holds {row.dtype} values in {source}; sparkdl.Sequence needs integers (token ids)")
+            raise DataError(
+                f"{role} column {column!r} holds {row.dtype} values in {source}; sparkdl.Sequence needs integers (token ids)"
+            )
         n = min(len(row), max_length)
         padded[i, :n] = row[:n]
         lengths[i] = n
@@ -249,10 +262,10 @@ def random_crops(images: np.ndarray, padding: int, rng: np.random.Generator) -> 
     size at a random offset."""
     batch, channels, height, width = images.shape
     padded = np.zeros((batch, channels, height + 2 * padding, width + 2 * padding), dtype=images.dtype)
-    padded[:, :, padding:padding + height, padding:padding + width] = images
+    padded[:, :, padding : padding + height, padding : padding + width] = images
     tops = rng.integers(0, 2 * padding + 1, batch)
     lefts = rng.integers(0, 2 * padding + 1, batch)
     out = np.empty_like(images)
     for i in range(batch):
-        out[i] = padded[i, :, tops[i]:tops[i] + height, lefts[i]:lefts[i] + width]
+        out[i] = padded[i, :, tops[i] : tops[i] + height, lefts[i] : lefts[i] + width]
     return out

@@ -123,7 +123,7 @@ class DatasetInfo:
         digest = hashlib.sha256()
         base = self.url.rstrip("/") + "/"
         for file in self.files:
-            name = file.url[len(base):] if file.url.startswith(base) else file.url
+            name = file.url[len(base) :] if file.url.startswith(base) else file.url
             digest.update(f"{name}\0{','.join(map(str, file.row_groups))}\n".encode())
         if not self.files:
             digest.update(f"{self.url}\0{self.num_rows}\0{self.num_row_groups}".encode())
@@ -232,8 +232,15 @@ def inspect_dataset(
     if num_rows == 0:
         raise EmptyDatasetError(f"dataset {url!r} is empty: its Parquet files hold 0 rows")
     return DatasetInfo(
-        url, num_rows, num_row_groups, unischema is not None, plan, tuple(infos[c] for c in plan.columns),
-        files=tuple(files), explicit_files=explicit, filter_columns=tuple(filter_cols),
+        url,
+        num_rows,
+        num_row_groups,
+        unischema is not None,
+        plan,
+        tuple(infos[c] for c in plan.columns),
+        files=tuple(files),
+        explicit_files=explicit,
+        filter_columns=tuple(filter_cols),
     )
 
 
@@ -245,7 +252,9 @@ def _type_key(arrow_type: pa.DataType) -> str:
     return str(arrow_type)
 
 
-def _check_same_types(columns: Sequence[str], reference: Tuple[str, pa.Schema], other: Tuple[str, pa.Schema], url: str) -> None:
+def _check_same_types(
+    columns: Sequence[str], reference: Tuple[str, pa.Schema], other: Tuple[str, pa.Schema], url: str
+) -> None:
     (ref_file, ref_schema), (file, schema) = reference, other
     for name in columns:
         index = schema.get_field_index(name)
@@ -316,8 +325,10 @@ def referenced_columns(filters: Filters, schema: pa.Schema, url: str) -> Tuple[s
     fields = list(schema)
     error = binds(fields)
     if error is not None:
-        raise DataError(f"filters {expression} cannot be applied to dataset {url!r} (columns: {', '.join(schema.names)}): {error}")
-    return tuple(f.name for i, f in enumerate(fields) if binds(fields[:i] + fields[i + 1:]) is not None)
+        raise DataError(
+            f"filters {expression} cannot be applied to dataset {url!r} (columns: {', '.join(schema.names)}): {error}"
+        )
+    return tuple(f.name for i, f in enumerate(fields) if binds(fields[:i] + fields[i + 1 :]) is not None)
 
 
 def _value_kind(arrow_type: pa.DataType) -> str:
@@ -327,7 +338,11 @@ def _value_kind(arrow_type: pa.DataType) -> str:
         return "int"
     if pa.types.is_boolean(arrow_type):
         return "int"
-    if pa.types.is_binary(arrow_type) or pa.types.is_large_binary(arrow_type) or pa.types.is_fixed_size_binary(arrow_type):
+    if (
+        pa.types.is_binary(arrow_type)
+        or pa.types.is_large_binary(arrow_type)
+        or pa.types.is_fixed_size_binary(arrow_type)
+    ):
         return "binary"
     if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
         return "string"
@@ -336,14 +351,14 @@ def _value_kind(arrow_type: pa.DataType) -> str:
     return "other"
 
 
-def describe_column(schema: pa.Schema, name: str, role: str, url: str, packed: Optional[Dict[str, str]] = None) -> ColumnInfo:
+def describe_column(
+    schema: pa.Schema, name: str, role: str, url: str, packed: Optional[Dict[str, str]] = None
+) -> ColumnInfo:
     """What a column of an Arrow schema holds; its input spec decides whether that is usable.
     ``packed``: the dataset's float32-bytes columns (:func:`~sparkdl.data.tensor_bytes.packed_columns`)."""
     index = schema.get_field_index(name)
     if index < 0:
-        raise DataError(
-            f"{role} column {name!r} is not in dataset {url!r}; its columns are: {', '.join(schema.names)}"
-        )
+        raise DataError(f"{role} column {name!r} is not in dataset {url!r}; its columns are: {', '.join(schema.names)}")
     arrow_type = schema.field(index).type
     if packed and name in packed and pa.types.is_binary(arrow_type):
         return ColumnInfo(name, "float", (None,), type_name=f"array<{packed[name]}> (as bytes)", packed=True)
@@ -413,7 +428,9 @@ def _unischema_column(unischema, name: str, role: str) -> ColumnInfo:
             f"its fields are: {', '.join(unischema.fields)}"
         )
     dtype = np.dtype(field.numpy_dtype)
-    kind = {"f": "float", "i": "int", "u": "int", "b": "int", "S": "binary", "U": "string", "O": "string"}.get(dtype.kind, "other")
+    kind = {"f": "float", "i": "int", "u": "int", "b": "int", "S": "binary", "U": "string", "O": "string"}.get(
+        dtype.kind, "other"
+    )
     from petastorm.codecs import ScalarCodec
 
     # Scalar fields are stored as plain Parquet values; other codecs store bytes to decode.

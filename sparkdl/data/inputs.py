@@ -69,11 +69,15 @@ class InputSpec:
         """Raises ConfigError/DataError when the columns cannot feed this input (driver side)."""
         raise NotImplementedError
 
-    def extract(self, key: str, role: str, columns: t.Mapping[str, ColumnData], infos: t.Mapping[str, ColumnInfo], source: str) -> t.Dict[str, np.ndarray]:
+    def extract(
+        self, key: str, role: str, columns: t.Mapping[str, ColumnData], infos: t.Mapping[str, ColumnInfo], source: str
+    ) -> t.Dict[str, np.ndarray]:
         """Row-aligned numpy arrays of a chunk (step 1), under ``key`` and ``key + suffix``."""
         raise NotImplementedError
 
-    def finish(self, key: str, role: str, arrays: t.Mapping[str, np.ndarray], rng: t.Optional[np.random.Generator]) -> t.Dict[str, np.ndarray]:
+    def finish(
+        self, key: str, role: str, arrays: t.Mapping[str, np.ndarray], rng: t.Optional[np.random.Generator]
+    ) -> t.Dict[str, np.ndarray]:
         """The model inputs of one batch (step 2); ``rng`` is set for training batches only."""
         return {key: arrays[key]}
 
@@ -136,12 +140,16 @@ class Image(InputSpec):
             if len(value) == 1:
                 value = value * self.channels
             if len(value) != self.channels:
-                raise ConfigError(f"Image({self.column!r}): {name}={getattr(self, name)!r} needs one value per channel ({self.channels})")
+                raise ConfigError(
+                    f"Image({self.column!r}): {name}={getattr(self, name)!r} needs one value per channel ({self.channels})"
+                )
             object.__setattr__(self, name, value)
         if self.std is not None and any(v <= 0 for v in self.std):
             raise ConfigError(f"Image({self.column!r}): std={self.std!r} must be positive")
         if not isinstance(self.random_crop, int) or self.random_crop < 0:
-            raise ConfigError(f"Image({self.column!r}): random_crop={self.random_crop!r} must be a padding in pixels >= 0")
+            raise ConfigError(
+                f"Image({self.column!r}): random_crop={self.random_crop!r} must be a padding in pixels >= 0"
+            )
 
     def source_columns(self) -> t.Tuple[str, ...]:
         return (self.column,)
@@ -213,7 +221,9 @@ class Image(InputSpec):
             array = np.asarray(picture)
             return array[:, :, None] if array.ndim == 2 else array
         except Exception as exc:  # noqa: BLE001 - Pillow raises many types for bad images
-            raise RowError(row, positions, f"{role} column {self.column!r}: cannot decode an image ({type(exc).__name__}: {exc})") from exc
+            raise RowError(
+                row, positions, f"{role} column {self.column!r}: cannot decode an image ({type(exc).__name__}: {exc})"
+            ) from exc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +259,9 @@ class Sequence(InputSpec):
         for name in ("lengths_input", "mask_input"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.isidentifier()):
-                raise ConfigError(f"Sequence({self.column!r}): {name}={value!r} must be a model input name (an identifier)")
+                raise ConfigError(
+                    f"Sequence({self.column!r}): {name}={value!r} must be a model input name (an identifier)"
+                )
 
     def source_columns(self) -> t.Tuple[str, ...]:
         return (self.column,)
@@ -265,7 +277,9 @@ class Sequence(InputSpec):
         )
 
     def extract(self, key, role, columns, infos, source):
-        padded, lengths = padded_sequences(columns[self.column], self.max_length, self.pad_value, role, self.column, source)
+        padded, lengths = padded_sequences(
+            columns[self.column], self.max_length, self.pad_value, role, self.column, source
+        )
         return {key: padded, key + "\x00lengths": lengths}
 
     def finish(self, key, role, arrays, rng):
@@ -317,7 +331,11 @@ class Dense(InputSpec):
         if len(arrays) == 1 and arrays[0].ndim > 2:
             features = arrays[0]
         else:
-            features = np.concatenate([a.reshape(len(a), -1) for a in arrays], axis=1) if len(arrays) > 1 else arrays[0].reshape(len(arrays[0]), -1)
+            features = (
+                np.concatenate([a.reshape(len(a), -1) for a in arrays], axis=1)
+                if len(arrays) > 1
+                else arrays[0].reshape(len(arrays[0]), -1)
+            )
         features = np.ascontiguousarray(features, dtype=np.float32)
         if np.isnan(features).any():
             bad = [c for c, a in zip(self.columns, arrays) if np.isnan(a.astype(np.float32)).any()]
@@ -346,7 +364,9 @@ class Column(InputSpec):
                 f"or arrays of numbers (sparkdl.Sequence for variable-length labels)"
             )
         if info.kind not in ("float", "int", "bool", "string", "binary"):
-            raise DataError(f"{role} column {self.column!r} in {where} has type {info.type_name}, which sparkdl cannot read as a tensor")
+            raise DataError(
+                f"{role} column {self.column!r} in {where} has type {info.type_name}, which sparkdl cannot read as a tensor"
+            )
 
     def extract(self, key, role, columns, infos, source):
         info = infos[self.column]

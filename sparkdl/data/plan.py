@@ -57,25 +57,35 @@ class InputPlan:
     @classmethod
     def from_inputs(cls, inputs: t.Mapping[str, t.Any], label: t.Any) -> "InputPlan":
         if not isinstance(inputs, t.Mapping) or not inputs:
-            raise ConfigError(f"inputs={inputs!r} must be a non-empty dict: model input name -> column, list of columns or input spec")
+            raise ConfigError(
+                f"inputs={inputs!r} must be a non-empty dict: model input name -> column, list of columns or input spec"
+            )
         resolved = []
         for name, value in inputs.items():
             if not isinstance(name, str) or not name.isidentifier():
-                raise ConfigError(f"inputs: {name!r} is not a valid model input name (a Python identifier, a parameter of forward)")
+                raise ConfigError(
+                    f"inputs: {name!r} is not a valid model input name (a Python identifier, a parameter of forward)"
+                )
             resolved.append((name, _spec(name, value)))
         plan = cls(tuple(resolved), _label_spec(label))
         names = plan.model_input_names()
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
-            raise ConfigError(f"inputs: model input name(s) {', '.join(map(repr, repeated))} given twice (check lengths_input / mask_input)")
+            raise ConfigError(
+                f"inputs: model input name(s) {', '.join(map(repr, repeated))} given twice (check lengths_input / mask_input)"
+            )
         plan.check_repeats()
         return plan
 
     @classmethod
-    def build(cls, feature_cols: t.Optional[t.Sequence[str]], inputs: t.Optional[t.Mapping[str, t.Any]], label: t.Any) -> "InputPlan":
+    def build(
+        cls, feature_cols: t.Optional[t.Sequence[str]], inputs: t.Optional[t.Mapping[str, t.Any]], label: t.Any
+    ) -> "InputPlan":
         """The plan of ``feature_cols=`` or ``inputs=`` (exactly one of them)."""
         if inputs is not None and feature_cols:
-            raise ConfigError("give feature_cols= or inputs=, not both (inputs= names every model input, feature_cols= is one positional input)")
+            raise ConfigError(
+                "give feature_cols= or inputs=, not both (inputs= names every model input, feature_cols= is one positional input)"
+            )
         if inputs is not None:
             return cls.from_inputs(inputs, label)
         return cls.from_feature_cols(feature_cols if feature_cols is not None else (), label)
@@ -137,7 +147,13 @@ class InputPlan:
             roles.setdefault(self.label.source_columns()[0], "label")
         return roles
 
-    def extract(self, columns: t.Mapping[str, ColumnData], infos: t.Mapping[str, ColumnInfo], source: str, positions: t.Optional[np.ndarray] = None) -> t.Dict[str, np.ndarray]:
+    def extract(
+        self,
+        columns: t.Mapping[str, ColumnData],
+        infos: t.Mapping[str, ColumnInfo],
+        source: str,
+        positions: t.Optional[np.ndarray] = None,
+    ) -> t.Dict[str, np.ndarray]:
         """Step 1: row-aligned arrays of a chunk of named columns."""
         out: t.Dict[str, np.ndarray] = {}
         for key, spec in self.inputs:
@@ -149,7 +165,12 @@ class InputPlan:
             out[POSITION_KEY] = positions
         return out
 
-    def finish(self, arrays: t.Mapping[str, np.ndarray], rng: t.Optional[np.random.Generator], locate: t.Callable[[t.Optional[int]], str]) -> t.Tuple[t.Any, t.Optional[np.ndarray]]:
+    def finish(
+        self,
+        arrays: t.Mapping[str, np.ndarray],
+        rng: t.Optional[np.random.Generator],
+        locate: t.Callable[[t.Optional[int]], str],
+    ) -> t.Tuple[t.Any, t.Optional[np.ndarray]]:
         """Step 2: ``(inputs, labels)`` of one batch; ``inputs`` is a dict of model inputs, or
         the one array in positional mode. ``locate(position)`` names a row in errors."""
         try:

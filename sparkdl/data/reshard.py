@@ -78,7 +78,9 @@ class Remainder:
         return np.array_split(self.share, self.steps) if self.steps else []
 
 
-def position_pass(dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_index: int, files: Optional[OpenFiles]) -> Iterator[Chunk]:
+def position_pass(
+    dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_index: int, files: Optional[OpenFiles]
+) -> Iterator[Chunk]:
     """The positions of the rows one reader pass hands out, one chunk per row group — exactly
     the chunks :class:`~sparkdl.data.readers.arrow.ArrowReader` yields, positions only."""
     selector = RowSelector(dataset, spec.holdout, spec.part, spec.filters, rank, world_size)
@@ -100,7 +102,15 @@ def position_pass(dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: i
             yield {_POSITIONS: positions}
 
 
-def stream_positions(dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, start: int, stop: int, epoch_rows: Optional[int] = None) -> List[np.ndarray]:
+def stream_positions(
+    dataset: DatasetInfo,
+    spec: DataSpec,
+    rank: int,
+    world_size: int,
+    start: int,
+    stop: int,
+    epoch_rows: Optional[int] = None,
+) -> List[np.ndarray]:
     """The positions of batches ``start..stop-1`` of rank ``rank``'s stream among ``world_size``,
     whose epochs are ``epoch_rows`` rows (default: as :func:`~sparkdl.data.batching.batches` counts them)."""
     files = OpenFiles(dataset) if spec.filters is not None else None
@@ -141,15 +151,27 @@ def rows_left(dataset: DatasetInfo, spec: DataSpec, old: Sequence[StreamState]) 
     for rank, state in enumerate(old):
         steps = state.steps_per_epoch
         if state.remaining is not None:
-            batches = np.array_split(np.asarray(state.remaining, dtype=np.int64), state.remaining_steps) if state.remaining_steps else []
-            parts.extend(batches[state.remaining_taken:])
+            batches = (
+                np.array_split(np.asarray(state.remaining, dtype=np.int64), state.remaining_steps)
+                if state.remaining_steps
+                else []
+            )
+            parts.extend(batches[state.remaining_taken :])
             next_epochs.add(state.batches_taken // steps)
             continue
-        start = state.epoch_start if state.epoch_start is not None else state.batches_taken - state.batches_taken % steps
-        parts.extend(stream_positions(dataset, spec, rank, world_size, state.batches_taken, start + steps, steps * spec.batch_size))
+        start = (
+            state.epoch_start if state.epoch_start is not None else state.batches_taken - state.batches_taken % steps
+        )
+        parts.extend(
+            stream_positions(
+                dataset, spec, rank, world_size, state.batches_taken, start + steps, steps * spec.batch_size
+            )
+        )
         next_epochs.add(start // steps + 1)
     if len(next_epochs) != 1:
-        raise ValueError(f"the checkpoint's ranks are in different epochs ({sorted(next_epochs)}): it cannot be resharded")
+        raise ValueError(
+            f"the checkpoint's ranks are in different epochs ({sorted(next_epochs)}): it cannot be resharded"
+        )
     rows = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     return rows.astype(np.int64, copy=False), next_epochs.pop()
 
@@ -169,11 +191,18 @@ def order_rows(dataset: DatasetInfo, spec: DataSpec, rows: np.ndarray, world_siz
     ordered = ordered[np.argsort(rank_of[groups], kind="stable")]
     window = spec.batch_size * spec.shuffle_buffer_batches
     for low in range(0, len(ordered), window):
-        ordered[low:low + window] = ordered[low:low + window][rng.permutation(len(ordered[low:low + window]))]
+        ordered[low : low + window] = ordered[low : low + window][rng.permutation(len(ordered[low : low + window]))]
     return ordered
 
 
-def plan_remainder(dataset: DatasetInfo, spec: DataSpec, old: Sequence[StreamState], rank: int, world_size: int, new_steps_per_epoch: int) -> Remainder:
+def plan_remainder(
+    dataset: DatasetInfo,
+    spec: DataSpec,
+    old: Sequence[StreamState],
+    rank: int,
+    world_size: int,
+    new_steps_per_epoch: int,
+) -> Remainder:
     """Rank ``rank``'s part of the interrupted epoch when ``len(old)`` ranks resume as ``world_size``.
 
     Raises:
@@ -199,7 +228,7 @@ def plan_remainder(dataset: DatasetInfo, spec: DataSpec, old: Sequence[StreamSta
 def remainder_batches(dataset: DatasetInfo, spec: DataSpec, remainder: Remainder, rank: int) -> Iterator[Batch]:
     """The finished batches of ``remainder`` not taken yet, reading only the row groups that hold
     its rows, each once (kept while a later batch still needs it)."""
-    parts = remainder.batches()[remainder.taken:]
+    parts = remainder.batches()[remainder.taken :]
     groups = [_groups_of(dataset, part) for part in parts]
     last_use = {}
     for index, part_groups in enumerate(groups):
@@ -267,7 +296,9 @@ def steps_for(dataset: DatasetInfo, spec: DataSpec, num_workers: int) -> int:
     counts = shard_rows(dataset, num_workers, spec.holdout, "train", spec.filters)
     empty = [rank for rank, rows in enumerate(counts) if rows == 0]
     if empty:
-        raise DataError(f"on {num_workers} workers the shard of rank(s) {empty} in {dataset.name} holds no rows (rows per rank: {counts})")
+        raise DataError(
+            f"on {num_workers} workers the shard of rank(s) {empty} in {dataset.name} holds no rows (rows per rank: {counts})"
+        )
     return steps_per_epoch(sum(counts), spec.batch_size, num_workers)
 
 

@@ -246,7 +246,9 @@ def _without(chunk: Chunk, positions: np.ndarray, dropped: np.ndarray) -> Chunk:
     return chunk if keep.all() else {key: values[keep] for key, values in chunk.items()}
 
 
-def shuffled_batches(source: Iterator[Chunk], batch_size: int, buffer_rows: int, rng: np.random.Generator, passes: Optional[EpochPasses]) -> Iterator[Chunk]:
+def shuffled_batches(
+    source: Iterator[Chunk], batch_size: int, buffer_rows: int, rng: np.random.Generator, passes: Optional[EpochPasses]
+) -> Iterator[Chunk]:
     """Batches of ``batch_size`` rows of ``source``'s chunks, shuffled in a bounded buffer:
     whenever ``buffer_rows`` rows are pending they are permuted, full batches are cut and the
     rest stays pending. An empty chunk (``PASS_END``) ends a pass: the pending rows are permuted
@@ -268,7 +270,11 @@ def shuffled_batches(source: Iterator[Chunk], batch_size: int, buffer_rows: int,
         merged: Optional[Chunk] = None
         if pending:
             order = rng.permutation(pending_rows)
-            merged = {key: values[order] for key, values in pending[0].items()} if len(pending) == 1 else _shuffled_concatenation(pending, order)
+            merged = (
+                {key: values[order] for key, values in pending[0].items()}
+                if len(pending) == 1
+                else _shuffled_concatenation(pending, order)
+            )
             pending, pending_rows = [], 0
         if merged is not None and lead is not None:
             need = batch_size - _rows(lead)
@@ -283,7 +289,7 @@ def shuffled_batches(source: Iterator[Chunk], batch_size: int, buffer_rows: int,
         if merged is not None:
             full = _rows(merged) - _rows(merged) % batch_size
             for start in range(0, full, batch_size):
-                batch = {key: values[start:start + batch_size] for key, values in merged.items()}
+                batch = {key: values[start : start + batch_size] for key, values in merged.items()}
                 _served(passes, batch, 0)
                 yield batch
             rest = {key: values[full:] for key, values in merged.items()} if full < _rows(merged) else None
@@ -321,7 +327,7 @@ def _shuffled_concatenation(chunks: List[Chunk], order: np.ndarray) -> Chunk:
         values = np.empty((len(order),) + parts[0].shape[1:], dtype=np.result_type(*parts))
         start = 0
         for part in parts:
-            values[places[start:start + len(part)]] = part
+            values[places[start : start + len(part)]] = part
             start += len(part)
         merged[key] = values
     return merged
@@ -374,7 +380,9 @@ class OpenFiles:
         self._files.clear()
 
 
-def shard_rows(dataset: DatasetInfo, world_size: int, holdout: float = 0.0, part: str = "train", filters=None) -> List[int]:
+def shard_rows(
+    dataset: DatasetInfo, world_size: int, holdout: float = 0.0, part: str = "train", filters=None
+) -> List[int]:
     """Rows each rank's shard holds after the filter and hold-out: computed on the driver, so
     that steps per epoch are exact and an empty shard fails before launch.
 

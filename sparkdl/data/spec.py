@@ -98,5 +98,9 @@ class DataSpec:
             raise ConfigError(f"transform_fn={self.transform_fn!r} is not callable")
         if self.prefetch_row_groups < 1:
             raise ConfigError(f"prefetch_row_groups={self.prefetch_row_groups!r} must be >= 1")
-        if self.decode_threads is not None and (not isinstance(self.decode_threads, int) or isinstance(self.decode_threads, bool) or self.decode_threads < 1):
-            raise ConfigError(f"decode_threads={self.decode_threads!r} must be a positive integer or None (the task's cores)")
+        if self.decode_threads is not None and (
+            not isinstance(self.decode_threads, int) or isinstance(self.decode_threads, bool) or self.decode_threads < 1
+        ):
+            raise ConfigError(
+                f"decode_threads={self.decode_threads!r} must be a positive integer or None (the task's cores)"
+            )

@@ -46,20 +46,27 @@ def pack_dataframe(df, columns: Sequence[str]):
     from pyspark.sql import types as T
 
     packed = set(columns)
-    schema = T.StructType([
-        T.StructField(field.name, T.BinaryType(), True) if field.name in packed else field
-        for field in df.schema.fields
-    ])
+    schema = T.StructType(
+        [
+            T.StructField(field.name, T.BinaryType(), True) if field.name in packed else field
+            for field in df.schema.fields
+        ]
+    )
     out = df.mapInArrow(functools.partial(_pack_batches, tuple(columns)), schema)
-    return out.select(*[
-        F.col(name).alias(name, metadata={METADATA_KEY: DTYPE}) if name in packed else F.col(name)
-        for name in df.columns
-    ])
+    return out.select(
+        *[
+            F.col(name).alias(name, metadata={METADATA_KEY: DTYPE}) if name in packed else F.col(name)
+            for name in df.columns
+        ]
+    )
 
 
 def _pack_batches(columns: Sequence[str], batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     for batch in batches:
-        arrays = [pack_array(batch.column(i)) if name in columns else batch.column(i) for i, name in enumerate(batch.schema.names)]
+        arrays = [
+            pack_array(batch.column(i)) if name in columns else batch.column(i)
+            for i, name in enumerate(batch.schema.names)
+        ]
         yield pa.RecordBatch.from_arrays(arrays, names=batch.schema.names)
 
 
@@ -78,7 +85,9 @@ def pack_array(array: pa.Array) -> pa.Array:
             f"an Arrow batch of {len(array)} rows holds {byte_offsets[-1]:,} bytes of array values, over 2 GiB; "
             f"lower spark.sql.execution.arrow.maxRecordsPerBatch"
         )
-    binary = pa.Array.from_buffers(pa.binary(), len(array), [None, pa.py_buffer(byte_offsets.astype(np.int32)), pa.py_buffer(flat)])
+    binary = pa.Array.from_buffers(
+        pa.binary(), len(array), [None, pa.py_buffer(byte_offsets.astype(np.int32)), pa.py_buffer(flat)]
+    )
     if array.null_count:
         binary = pc.if_else(array.is_null(), pa.scalar(None, pa.binary()), binary)
     return binary
@@ -150,10 +159,22 @@ def row_width(offsets: np.ndarray, name: str, role: str, source: str) -> int:
 def spark_footer_metadata(schema: pa.Schema, packed: Sequence[str]) -> Dict[bytes, bytes]:
     """Footer metadata marking ``packed`` as Spark would, for packed data written without Spark
     (tests, benchmarks): the schema's own metadata plus a Spark schema of its plain columns."""
-    names = {pa.int64(): "long", pa.int32(): "integer", pa.float32(): "float", pa.float64(): "double", pa.binary(): "binary", pa.string(): "string", pa.bool_(): "boolean"}
+    names = {
+        pa.int64(): "long",
+        pa.int32(): "integer",
+        pa.float32(): "float",
+        pa.float64(): "double",
+        pa.binary(): "binary",
+        pa.string(): "string",
+        pa.bool_(): "boolean",
+    }
     fields = [
-        {"name": field.name, "type": names.get(field.type, "binary"), "nullable": True,
-         "metadata": {METADATA_KEY: DTYPE} if field.name in packed else {}}
+        {
+            "name": field.name,
+            "type": names.get(field.type, "binary"),
+            "nullable": True,
+            "metadata": {METADATA_KEY: DTYPE} if field.name in packed else {},
+        }
         for field in schema
     ]
     return {**(schema.metadata or {}), _SPARK_SCHEMA_KEY: json.dumps({"type": "struct", "fields": fields}).encode()}

@@ -56,9 +56,13 @@ class OuterSGD:
 
     def __post_init__(self) -> None:
         if not _real(self.lr) or not self.lr > 0:
-            raise ConfigError(f"OuterSGD.lr={self.lr!r} must be a finite number > 0 (DiLoCo uses 0.7; 1 without momentum is plain averaging)")
+            raise ConfigError(
+                f"OuterSGD.lr={self.lr!r} must be a finite number > 0 (DiLoCo uses 0.7; 1 without momentum is plain averaging)"
+            )
         if not _real(self.momentum) or not 0 <= self.momentum < 1:
-            raise ConfigError(f"OuterSGD.momentum={self.momentum!r} must be a number with 0 <= momentum < 1 (DiLoCo uses 0.9)")
+            raise ConfigError(
+                f"OuterSGD.momentum={self.momentum!r} must be a number with 0 <= momentum < 1 (DiLoCo uses 0.9)"
+            )
         if not isinstance(self.nesterov, bool):
             raise ConfigError(f"OuterSGD.nesterov={self.nesterov!r} must be True or False")
         if self.nesterov and self.momentum == 0:
@@ -80,7 +84,9 @@ def check_outer_optimizer(value: Any) -> Optional[OuterOptimizerFactory]:
     if isinstance(value, dict):
         unknown = sorted(set(value) - {f.name for f in dataclasses.fields(OuterSGD)})
         if unknown:
-            raise ConfigError(f"{SETTING}={value!r}: unknown OuterSGD field(s) {unknown}; valid: lr, momentum, nesterov")
+            raise ConfigError(
+                f"{SETTING}={value!r}: unknown OuterSGD field(s) {unknown}; valid: lr, momentum, nesterov"
+            )
         return OuterSGD(**value)
     raise ConfigError(
         f"{SETTING}={value!r} must be None (plain averaging), a function params -> torch.optim.Optimizer "
@@ -144,7 +150,9 @@ class OuterStep:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         saved = state["global"]
         if [tuple(t.shape) for t in saved] != [tuple(p.shape) for p in self.globals]:
-            raise RuntimeError(f"{SETTING}: the checkpoint's global copy does not match the prepared model's parameters (shapes differ)")
+            raise RuntimeError(
+                f"{SETTING}: the checkpoint's global copy does not match the prepared model's parameters (shapes differ)"
+            )
         with torch.no_grad():
             for held, value in zip(self.globals, saved):
                 held.copy_(value)
@@ -156,7 +164,9 @@ def _build(factory: OuterOptimizerFactory, params: List[torch.nn.Parameter]) -> 
     try:
         built = factory(params)
     except Exception as exc:  # whatever it raised, it raises on every rank: name the setting
-        raise ConfigError(f"{SETTING}={name}: calling it on the global copy's parameters raised {type(exc).__name__}: {exc}") from exc
+        raise ConfigError(
+            f"{SETTING}={name}: calling it on the global copy's parameters raised {type(exc).__name__}: {exc}"
+        ) from exc
     if not isinstance(built, torch.optim.Optimizer):
         raise ConfigError(
             f"{SETTING}={name} returned {type(built).__name__}, not a torch.optim.Optimizer: pass a function "

@@ -32,7 +32,9 @@ def average_states(states: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def averaged_reshard(old: Sequence[Tuple[Dict[str, Any], Dict[str, Any]]], rank: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+def averaged_reshard(
+    old: Sequence[Tuple[Dict[str, Any], Dict[str, Any]]], rank: int
+) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """Old rank ``rank % N``'s pair, its ``"model"`` replaced by the average of every old
     replica (optimizer state stays per rank, as between synchronizations)."""
     user, strategy = old[rank % len(old)]

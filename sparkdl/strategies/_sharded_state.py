@@ -32,7 +32,12 @@ def local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: 
 
     optimizer_state = optimizer.state_dict()
     # Which optimizer-state tensors are shards (Adam's moments), not plain (Adam's step).
-    sharded = [[index, key] for index, entry in optimizer_state["state"].items() for key, value in entry.items() if isinstance(value, DTensor)]
+    sharded = [
+        [index, key]
+        for index, entry in optimizer_state["state"].items()
+        for key, value in entry.items()
+        if isinstance(value, DTensor)
+    ]
     state = {
         index: {key: _local(value) for key, value in entry.items()} for index, entry in optimizer_state["state"].items()
     }
@@ -43,7 +48,9 @@ def local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: 
     }
 
 
-def load_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: Dict[str, Any], rank: int, world_size: int) -> None:
+def load_local_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: Dict[str, Any], rank: int, world_size: int
+) -> None:
     """Copies what :func:`local_state` saved on this rank back into the sharded model and
     optimizer. ConfigError when it was saved by another world size or is not sharded state."""
     meta = saved.get("sharded")
@@ -61,7 +68,9 @@ def load_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
     live = model.state_dict()
     if sorted(live) != sorted(saved["model"]):
         missing, extra = sorted(set(live) - set(saved["model"])), sorted(set(saved["model"]) - set(live))
-        raise ConfigError(f"rank {rank}: the checkpoint's model does not match this model: missing {missing[:5]}, unexpected {extra[:5]}")
+        raise ConfigError(
+            f"rank {rank}: the checkpoint's model does not match this model: missing {missing[:5]}, unexpected {extra[:5]}"
+        )
     with torch.no_grad():
         for name, target in live.items():
             _copy_into(target, saved["model"][name], f"model {name!r}", rank)
@@ -72,7 +81,12 @@ def load_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
     state: Dict[Any, Dict[str, Any]] = {}
     for index, entry in saved["optimizer"]["state"].items():
         param = params[int(index)]
-        state[index] = {key: _like(param, value, f"optimizer state {key!r} of parameter {index}", rank) if (index, key) in shards else value for key, value in entry.items()}
+        state[index] = {
+            key: _like(param, value, f"optimizer state {key!r} of parameter {index}", rank)
+            if (index, key) in shards
+            else value
+            for key, value in entry.items()
+        }
     optimizer.load_state_dict({"state": state, "param_groups": saved["optimizer"]["param_groups"]})
 
 
@@ -82,14 +96,25 @@ def _like(param: torch.Tensor, value: torch.Tensor, what: str, rank: int) -> tor
 
     local = _local(param)
     if not isinstance(param, DTensor) or tuple(value.shape) != tuple(local.shape):
-        raise ConfigError(f"rank {rank}: the checkpoint's {what} has shape {tuple(value.shape)}, this rank's shard {tuple(local.shape)}")
-    return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
+        raise ConfigError(
+            f"rank {rank}: the checkpoint's {what} has shape {tuple(value.shape)}, this rank's shard {tuple(local.shape)}"
+        )
+    return DTensor.from_local(
+        value.to(param.device),
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
 
 
 def _copy_into(target: torch.Tensor, value: torch.Tensor, what: str, rank: int) -> None:
     local = _local(target)
     if tuple(local.shape) != tuple(value.shape):
-        raise ConfigError(f"rank {rank}: the checkpoint's {what} shard has shape {tuple(value.shape)}, this model's {tuple(local.shape)}")
+        raise ConfigError(
+            f"rank {rank}: the checkpoint's {what} shard has shape {tuple(value.shape)}, this model's {tuple(local.shape)}"
+        )
     local.copy_(value)
 
 

@@ -48,7 +48,7 @@ def unflatten_into(flat: torch.Tensor, tensors: List[torch.Tensor]) -> None:
     offset = 0
     for tensor in tensors:
         count = tensor.numel()
-        tensor.detach().copy_(flat[offset:offset + count].view(tensor.shape))
+        tensor.detach().copy_(flat[offset : offset + count].view(tensor.shape))
         offset += count
 
 

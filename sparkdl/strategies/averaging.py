@@ -108,7 +108,13 @@ class ModelAveraging(Strategy):
 
     def __post_init__(self) -> None:
         _check_int("ModelAveraging", "sync_every", self.sync_every, 1, "local optimizer steps between averages, e.g. 8")
-        _check_int("ModelAveraging", "warmup_steps", self.warmup_steps, 0, "steps that average after every step first; 0 for none")
+        _check_int(
+            "ModelAveraging",
+            "warmup_steps",
+            self.warmup_steps,
+            0,
+            "steps that average after every step first; 0 for none",
+        )
         # A dict (what --strategy-arg outer_optimizer={...} parses to) becomes an OuterSGD.
         object.__setattr__(self, "outer_optimizer", check_outer_optimizer(self.outer_optimizer))
 
@@ -154,7 +160,13 @@ class ElasticAveraging(Strategy):
     alpha: Optional[float] = None
 
     def __post_init__(self) -> None:
-        _check_int("ElasticAveraging", "sync_every", self.sync_every, 1, "local optimizer steps between elastic updates, e.g. 4")
+        _check_int(
+            "ElasticAveraging",
+            "sync_every",
+            self.sync_every,
+            1,
+            "local optimizer steps between elastic updates, e.g. 4",
+        )
         if self.alpha is not None:
             ok = isinstance(self.alpha, numbers.Real) and not isinstance(self.alpha, bool) and math.isfinite(self.alpha)
             if not (ok and 0 < self.alpha < 1):
@@ -295,7 +307,13 @@ class _ModelAveragingRuntime(_PeriodicSyncRuntime):
 
     strategy_name = "ModelAveraging"
 
-    def __init__(self, env: "DistEnv", sync_every: int, warmup_steps: int, outer_optimizer: Optional[OuterOptimizerFactory] = None) -> None:
+    def __init__(
+        self,
+        env: "DistEnv",
+        sync_every: int,
+        warmup_steps: int,
+        outer_optimizer: Optional[OuterOptimizerFactory] = None,
+    ) -> None:
         super().__init__(env, sync_every, warmup_steps)
         self.outer_factory = outer_optimizer
         #: One global copy and outer optimizer per prepared module (empty without outer_optimizer).
@@ -338,7 +356,9 @@ class _ModelAveragingRuntime(_PeriodicSyncRuntime):
                 f"resume with the setting the checkpoint was written with, or start fresh (resume=False)"
             )
         if saved is not None and len(saved) != len(self.outer):
-            raise RuntimeError(f"ModelAveraging: the checkpoint holds outer state for {len(saved)} module(s), this run prepared {len(self.outer)}")
+            raise RuntimeError(
+                f"ModelAveraging: the checkpoint holds outer state for {len(saved)} module(s), this run prepared {len(self.outer)}"
+            )
         super().load_state_dict(state)
         for outer, part in zip(self.outer, saved or []):
             outer.load_state_dict(part)

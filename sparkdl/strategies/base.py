@@ -14,6 +14,7 @@ from typing import Any, Callable, ClassVar, Dict, Optional, Sequence, Tuple, Typ
 
 import torch
 
+
 @dataclasses.dataclass(frozen=True)
 class DistEnv:
     """Where this task sits in the job, and what strategies may use of the barrier stage.
@@ -152,7 +153,9 @@ class StrategyRuntime(abc.ABC):
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
 
-    def reshard_state(self, old: Sequence[Tuple[Dict[str, Any], Dict[str, Any]]], old_world_size: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    def reshard_state(
+        self, old: Sequence[Tuple[Dict[str, Any], Dict[str, Any]]], old_world_size: int
+    ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         """This rank's (user state, strategy state) when a checkpoint of ``old_world_size`` ranks
         resumes on ``env.world_size`` (elastic resume). ``old[i]`` is old rank ``i``'s pair (the
         user state merged with the replicated state). Called on every rank, after
@@ -180,7 +183,5 @@ def strategy_from_name(name: str, **kwargs: Any) -> Strategy:
     except KeyError:
         from sparkdl.errors import ConfigError
 
-        raise ConfigError(
-            f"strategy={name!r} is unknown; valid: {', '.join(sorted(_REGISTRY))}"
-        ) from None
+        raise ConfigError(f"strategy={name!r} is unknown; valid: {', '.join(sorted(_REGISTRY))}") from None
     return cls(**kwargs)

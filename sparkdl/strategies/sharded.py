@@ -57,7 +57,9 @@ class ShardedDataParallel(Strategy):
 
     def __post_init__(self) -> None:
         if not isinstance(self.reshard_after_forward, bool):
-            raise ConfigError(f"ShardedDataParallel.reshard_after_forward={self.reshard_after_forward!r} must be True or False")
+            raise ConfigError(
+                f"ShardedDataParallel.reshard_after_forward={self.reshard_after_forward!r} must be True or False"
+            )
         if self.shard_modules is not None:
             names = (self.shard_modules,) if isinstance(self.shard_modules, str) else self.shard_modules
             if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) and n for n in names):
@@ -83,8 +85,14 @@ def check_shardable(module: torch.nn.Module, config: ShardedDataParallel) -> Non
     """Raises ConfigError for a model ``fully_shard`` cannot take as it is."""
     params = list(module.parameters())
     if not params:
-        raise ConfigError(f"ShardedDataParallel needs a model with parameters; {type(module).__name__} has none (use AllReduce)")
-    sparse = [name for name, sub in module.named_modules() if getattr(sub, "sparse", False) and isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag))]
+        raise ConfigError(
+            f"ShardedDataParallel needs a model with parameters; {type(module).__name__} has none (use AllReduce)"
+        )
+    sparse = [
+        name
+        for name, sub in module.named_modules()
+        if getattr(sub, "sparse", False) and isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+    ]
     if sparse:
         raise ConfigError(
             f"ShardedDataParallel cannot shard sparse gradients, but {', '.join(map(repr, sparse[:5]))} of "
@@ -102,7 +110,9 @@ def shard_units(module: torch.nn.Module, config: ShardedDataParallel) -> List[Tu
         for entry in config.shard_modules:
             found = [(n, m) for n, m in named if entry in (n, type(m).__name__)]
             if not found:
-                available = ", ".join(sorted({n for n, _ in named} | {type(m).__name__ for _, m in named})[:20]) or "none"
+                available = (
+                    ", ".join(sorted({n for n, _ in named} | {type(m).__name__ for _, m in named})[:20]) or "none"
+                )
                 raise ConfigError(
                     f"ShardedDataParallel.shard_modules entry {entry!r} names no submodule of {type(module).__name__} "
                     f"(by qualified name or class name); available: {available}"
@@ -244,7 +254,9 @@ class _ShardedRuntime(StrategyRuntime):
 
         load_local_state(model, optimizer, state, self.env.rank, self.env.world_size)
 
-    def reshard_state(self, old: Sequence[Tuple[Dict[str, Any], Dict[str, Any]]], old_world_size: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    def reshard_state(
+        self, old: Sequence[Tuple[Dict[str, Any], Dict[str, Any]]], old_world_size: int
+    ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         # Elastic resume re-lays out other strategies' state; FSDP shards are bound to their
         # world size here (each part holds one rank's dim-0 slices, padded for that world size).
         raise self._fail(

@@ -63,7 +63,11 @@ def main(output: str) -> None:
         model = sparkdl.TorchEstimator(
             model=digits_mlp, strategy=sparkdl.ParameterServer(), num_workers=2, batch_size=32, epochs=2, progress=False
         ).fit(frame)
-        results["parameter_server"] = {"epochs": len(model.history), "loss": model.history[-1]["loss"], "first_loss": model.history[0]["loss"]}
+        results["parameter_server"] = {
+            "epochs": len(model.history),
+            "loss": model.history[-1]["loss"],
+            "first_loss": model.history[0]["loss"],
+        }
     finally:
         spark.stop()
     with open(output, "w") as handle:

@@ -67,7 +67,9 @@ def interface_bytes() -> dict:
     state = json.load(open(os.path.join(os.environ["SPARKDL_NETCLUSTER_DIR"], "state.json")))
     sent = {}
     for host, ns in zip(state["host_names"], state["namespaces"]):
-        listed = subprocess.run(["ip", "-n", ns, "-s", "-j", "link", "show"], capture_output=True, text=True, check=True)
+        listed = subprocess.run(
+            ["ip", "-n", ns, "-s", "-j", "link", "show"], capture_output=True, text=True, check=True
+        )
         sent[host] = {link["ifname"]: link["stats64"]["tx"]["bytes"] for link in json.loads(listed.stdout)}
     return sent
 
@@ -82,7 +84,9 @@ def strategy_for(name: str):
     return {
         "allreduce": lambda: sparkdl.AllReduce(),
         "averaging": lambda: sparkdl.ModelAveraging(sync_every=4),
-        "diloco": lambda: sparkdl.ModelAveraging(sync_every=4, outer_optimizer=sparkdl.OuterSGD(lr=0.7, momentum=0.9, nesterov=True)),
+        "diloco": lambda: sparkdl.ModelAveraging(
+            sync_every=4, outer_optimizer=sparkdl.OuterSGD(lr=0.7, momentum=0.9, nesterov=True)
+        ),
         "elastic": lambda: sparkdl.ElasticAveraging(sync_every=4),
         "ps": lambda: sparkdl.ParameterServer(),
         "sharded": lambda: sparkdl.ShardedDataParallel(),
@@ -90,18 +94,30 @@ def strategy_for(name: str):
 
 
 def fit(spark, args, scenario: str, strategy: str, out_dir: str, **overrides) -> dict:
-    import sparkdl
     from models import accuracy, read_digits
 
+    import sparkdl
+
     estimator = sparkdl.TorchEstimator(
-        model=HostRecordingModel(out_dir), feature_cols=["features"], label_col="label", strategy=strategy_for(strategy),
-        num_workers=overrides.pop("num_workers", args.workers), batch_size=32, epochs=overrides.pop("epochs", 3), progress=False,
+        model=HostRecordingModel(out_dir),
+        feature_cols=["features"],
+        label_col="label",
+        strategy=strategy_for(strategy),
+        num_workers=overrides.pop("num_workers", args.workers),
+        batch_size=32,
+        epochs=overrides.pop("epochs", 3),
+        progress=False,
         **overrides,
     )
     model = estimator.fit(args.train)
     features, labels = read_digits(args.test)
-    result = {"accuracy": accuracy(model.module, features, labels), "strategy": model.run_info.get("strategy"),
-              "steps": model.run_info.get("steps"), "attempts": model.run_info.get("attempts"), "workers": model.run_info.get("workers")}
+    result = {
+        "accuracy": accuracy(model.module, features, labels),
+        "strategy": model.run_info.get("strategy"),
+        "steps": model.run_info.get("steps"),
+        "attempts": model.run_info.get("attempts"),
+        "workers": model.run_info.get("workers"),
+    }
     if scenario.startswith("transform"):
         frame = spark.read.parquet(args.test)
         scored = model.transform(frame).select("label", "prediction").collect()
@@ -150,7 +166,12 @@ class RankOneFailsAtStep:
                 if self.how == "blip":
                     link = [sys.executable, os.path.join(REPO, "scripts", "netcluster"), "link", socket.gethostname()]
                     subprocess.run([*link, "down"], check=True, capture_output=True)
-                    threading.Timer(self.blip_s, subprocess.run, args=([*link, "up"],), kwargs={"check": True, "capture_output": True}).start()
+                    threading.Timer(
+                        self.blip_s,
+                        subprocess.run,
+                        args=([*link, "up"],),
+                        kwargs={"check": True, "capture_output": True},
+                    ).start()
                     return torch.nn.functional.cross_entropy(output, label)
                 if self.how == "decommission":
                     import signal
@@ -158,8 +179,11 @@ class RankOneFailsAtStep:
                     state = json.load(open(os.path.join(os.environ["SPARKDL_NETCLUSTER_DIR"], "state.json")))
                     os.kill(state["pids"][f"worker-{socket.gethostname().rsplit('-', 1)[1]}"], signal.SIGPWR)
                     return torch.nn.functional.cross_entropy(output, label)
-                subprocess.run([sys.executable, os.path.join(REPO, "scripts", "netcluster"), "link", socket.gethostname(), "down"],
-                               check=True, capture_output=True)
+                subprocess.run(
+                    [sys.executable, os.path.join(REPO, "scripts", "netcluster"), "link", socket.gethostname(), "down"],
+                    check=True,
+                    capture_output=True,
+                )
         if rank >= 0 and self.step_s:
             time.sleep(self.step_s)  # the step's compute, not a synchronization
         return torch.nn.functional.cross_entropy(output, label)
@@ -197,19 +221,40 @@ def host_lost(spark, args, scenario: str, out_dir: str) -> dict:
     log = LogTimes()
     logging.getLogger("sparkdl").addHandler(log)
     try:
-        result = fit(spark, args, scenario, "allreduce", out_dir, epochs=3, checkpoint_dir=os.path.join(out_dir, "checkpoints"),
-                     checkpoint_every=10, max_failures=1, min_workers=1, loss=RankOneFailsAtStep(marker, at=15, how="unplug"))
+        result = fit(
+            spark,
+            args,
+            scenario,
+            "allreduce",
+            out_dir,
+            epochs=3,
+            checkpoint_dir=os.path.join(out_dir, "checkpoints"),
+            checkpoint_every=10,
+            max_failures=1,
+            min_workers=1,
+            loss=RankOneFailsAtStep(marker, at=15, how="unplug"),
+        )
     finally:
         logging.getLogger("sparkdl").removeHandler(log)
         spark.conf.unset("spark.sparkdl.hostTimeout")
         if os.path.exists(marker):
             cut_host = open(marker).read().split()[0]
-            subprocess.run([sys.executable, os.path.join(REPO, "scripts", "netcluster"), "link", cut_host, "up"], check=True, capture_output=True)
+            subprocess.run(
+                [sys.executable, os.path.join(REPO, "scripts", "netcluster"), "link", cut_host, "up"],
+                check=True,
+                capture_output=True,
+            )
     cut_host, cut_at = open(marker).read().split()
+
     def first(text):
         return next((when - float(cut_at) for when, message in log.records if text in message), None)
-    result.update(cut_host=cut_host, detected_after_s=first("treating the host as lost"), relaunched_after_s=first("attempt 1 failed"),
-                  log=[message[:300] for _, message in log.records])
+
+    result.update(
+        cut_host=cut_host,
+        detected_after_s=first("treating the host as lost"),
+        relaunched_after_s=first("attempt 1 failed"),
+        log=[message[:300] for _, message in log.records],
+    )
     return result
 
 
@@ -225,7 +270,6 @@ class CanaryModel:
         self.out_dir = out_dir
 
     def __call__(self):
-        import torch
         from models import digits_mlp
 
         record_host(self.out_dir)
@@ -268,18 +312,34 @@ class CanaryLoss:
 def canary(spark, args, out_dir: str) -> dict:
     """A parameter-server fit carrying the canaries through sparkdl's own connections (channel,
     store, parameter server); the test captures the wire meanwhile."""
-    import sparkdl
     from models import accuracy, read_digits
+
+    import sparkdl
 
     os.makedirs(out_dir, exist_ok=True)
     model = sparkdl.TorchEstimator(
-        model=CanaryModel(out_dir), loss=CanaryLoss(), feature_cols=["features"], label_col="label", strategy=sparkdl.ParameterServer(),
-        num_workers=2, batch_size=32, epochs=1, progress=False,
+        model=CanaryModel(out_dir),
+        loss=CanaryLoss(),
+        feature_cols=["features"],
+        label_col="label",
+        strategy=sparkdl.ParameterServer(),
+        num_workers=2,
+        batch_size=32,
+        epochs=1,
+        progress=False,
     ).fit(args.train)
     features, labels = read_digits(args.test)
-    grads = {name: open(os.path.join(out_dir, name), "rb").read().hex() for name in sorted(os.listdir(out_dir)) if name.startswith("grad-")}
-    return {"accuracy": accuracy(model.module, features, labels), "grads": grads, "metric": CANARY_METRIC,
-            "encrypt": spark.conf.get("spark.network.crypto.enabled", "false")}
+    grads = {
+        name: open(os.path.join(out_dir, name), "rb").read().hex()
+        for name in sorted(os.listdir(out_dir))
+        if name.startswith("grad-")
+    }
+    return {
+        "accuracy": accuracy(model.module, features, labels),
+        "grads": grads,
+        "metric": CANARY_METRIC,
+        "encrypt": spark.conf.get("spark.network.crypto.enabled", "false"),
+    }
 
 
 def gathered_hosts(ctx):
@@ -319,12 +379,18 @@ def run_scenario(spark, args, scenario: str) -> dict:
     if name == "resolve":  # not a run: what every host's own name resolves to from now on
         import subprocess
 
-        subprocess.run([sys.executable, os.path.join(REPO, "scripts", "netcluster"), "resolve", option], check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, os.path.join(REPO, "scripts", "netcluster"), "resolve", option],
+            check=True,
+            capture_output=True,
+        )
         return {"resolve": option}
     if name == "fit":
         return fit(spark, args, scenario, option or "allreduce", out_dir)
     if name == "fit_checkpointed":  # checkpoints in this application's own directory
-        result = fit(spark, args, scenario, option or "allreduce", out_dir, checkpoint_dir=os.path.join(out_dir, "checkpoints"))
+        result = fit(
+            spark, args, scenario, option or "allreduce", out_dir, checkpoint_dir=os.path.join(out_dir, "checkpoints")
+        )
         result["checkpoints"] = sorted(os.listdir(os.path.join(out_dir, "checkpoints")))
         result["driver_address"] = spark.conf.get("spark.driver.host")
         return result
@@ -350,9 +416,18 @@ def run_scenario(spark, args, scenario: str) -> dict:
     if name == "drain":  # drain:decommission or drain:sigterm
         # Rank 1's host is decommissioned at its 12th step; nothing fails, the run drains.
         os.makedirs(out_dir, exist_ok=True)
-        result = fit(spark, args, scenario, "allreduce", out_dir, epochs=6, checkpoint_dir=os.path.join(out_dir, "checkpoints"),
-                     max_failures=0, min_workers=1,
-                     loss=RankOneFailsAtStep(os.path.join(out_dir, "notice"), at=12, how=option or "decommission", step_s=0.05))
+        result = fit(
+            spark,
+            args,
+            scenario,
+            "allreduce",
+            out_dir,
+            epochs=6,
+            checkpoint_dir=os.path.join(out_dir, "checkpoints"),
+            max_failures=0,
+            min_workers=1,
+            loss=RankOneFailsAtStep(os.path.join(out_dir, "notice"), at=12, how=option or "decommission", step_s=0.05),
+        )
         result["decommissioned"] = open(os.path.join(out_dir, "notice")).read().split()[0]
         return result
     if name == "partition_heals":
@@ -360,8 +435,15 @@ def run_scenario(spark, args, scenario: str) -> dict:
         os.makedirs(out_dir, exist_ok=True)
         spark.conf.set("spark.sparkdl.hostTimeout", "20s")
         try:
-            return fit(spark, args, scenario, "allreduce", out_dir, epochs=2,
-                       loss=RankOneFailsAtStep(os.path.join(out_dir, "cut"), at=15, how="blip", blip_s=8.0))
+            return fit(
+                spark,
+                args,
+                scenario,
+                "allreduce",
+                out_dir,
+                epochs=2,
+                loss=RankOneFailsAtStep(os.path.join(out_dir, "cut"), at=15, how="blip", blip_s=8.0),
+            )
         finally:
             spark.conf.unset("spark.sparkdl.hostTimeout")
     if name == "host_lost":
@@ -370,8 +452,18 @@ def run_scenario(spark, args, scenario: str) -> dict:
         # Rank 1's process dies at its 15th step, once; the relaunch resumes the step-10 checkpoint.
         os.makedirs(out_dir, exist_ok=True)
         loss = RankOneFailsAtStep(os.path.join(out_dir, "died"), at=15, how="exit")
-        return fit(spark, args, scenario, "allreduce", out_dir, epochs=2, checkpoint_dir=os.path.join(out_dir, "checkpoints"),
-                   checkpoint_every=10, max_failures=1, loss=loss)
+        return fit(
+            spark,
+            args,
+            scenario,
+            "allreduce",
+            out_dir,
+            epochs=2,
+            checkpoint_dir=os.path.join(out_dir, "checkpoints"),
+            checkpoint_every=10,
+            max_failures=1,
+            loss=loss,
+        )
     raise SystemExit(f"unknown scenario {scenario}")
 
 
@@ -393,9 +485,12 @@ def main() -> int:
 
     address = state["cluster_addresses"][int(args.host[1:])]
     builder = (
-        SparkSession.builder.master(args.master or state["master_url"]).appName("sparkdl-multihost")
-        .config("spark.driver.host", address).config("spark.driver.bindAddress", address)
-        .config("spark.ui.enabled", "false").config("spark.executor.instances", str(state["hosts"] - 1))
+        SparkSession.builder.master(args.master or state["master_url"])
+        .appName("sparkdl-multihost")
+        .config("spark.driver.host", address)
+        .config("spark.driver.bindAddress", address)
+        .config("spark.ui.enabled", "false")
+        .config("spark.executor.instances", str(state["hosts"] - 1))
         .config("spark.executor.memory", "768m")
         .config("spark.executorEnv.PYTHONPATH", REPO + os.pathsep + os.path.join(REPO, "tests"))
         .config("spark.sparkdl.cacheDir", os.path.join(args.out, "cache"))
@@ -425,7 +520,12 @@ def main() -> int:
                 line.update(run_scenario(spark, args, scenario))
                 line["ok"] = True
             except Exception as exc:  # noqa: BLE001 - reported to the test, which asserts on it
-                line.update(ok=False, error_type=type(exc).__name__, error=str(exc)[:4000], traceback=traceback.format_exc()[-3000:])
+                line.update(
+                    ok=False,
+                    error_type=type(exc).__name__,
+                    error=str(exc)[:4000],
+                    traceback=traceback.format_exc()[-3000:],
+                )
             line["seconds"] = round(time.monotonic() - started, 2)
             line["wall"] = [round(time.time() - (time.monotonic() - started), 3), round(time.time(), 3)]
             line["tx"] = sent_between(before, interface_bytes())

@@ -27,20 +27,20 @@ def wait_for_server(host: str, port: int, timeout_s: float = 240.0) -> None:
             return
         except OSError:
             if time.monotonic() > deadline:
-                raise SystemExit(f"the Connect server at {host}:{port} did not listen within {timeout_s:g}s")
+                raise SystemExit(f"the Connect server at {host}:{port} did not listen within {timeout_s:g}s") from None
             time.sleep(0.5)  # a port has no readiness event: bounded poll
 
 
 def main() -> int:
     remote, out = sys.argv[1], sys.argv[2]
-    host, port = remote[len("sc://"):].rsplit(":", 1)
+    host, port = remote[len("sc://") :].rsplit(":", 1)
     wait_for_server(host, int(port))
     import torch
+    from models import accuracy, digits_mlp, read_digits
     from pyspark.sql import SparkSession
 
     import sparkdl
     from examples.digits import write_split
-    from models import accuracy, digits_mlp, read_digits
 
     spark = SparkSession.builder.remote(remote).getOrCreate()
     train, test = write_split(os.path.join(out, "digits"))
@@ -49,8 +49,15 @@ def main() -> int:
     def estimator(**overrides):
         records = overrides.pop("records")
         return sparkdl.TorchEstimator(
-            model=digits_mlp, optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), feature_cols=["features"],
-            label_col="label", num_workers=2, batch_size=32, epochs=3, progress=records.append, **overrides,
+            model=digits_mlp,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+            feature_cols=["features"],
+            label_col="label",
+            num_workers=2,
+            batch_size=32,
+            epochs=3,
+            progress=records.append,
+            **overrides,
         )
 
     lines = []
@@ -58,11 +65,25 @@ def main() -> int:
     started = time.monotonic()
     try:
         model = estimator(records=records).fit(spark.read.parquet(train))
-        lines.append({"scenario": "fit", "ok": True, "epochs": [r.get("epoch") for r in records if "epoch" in r],
-                      "accuracy": accuracy(model.module, features, labels), "seconds": time.monotonic() - started,
-                      "channel_host": sparkdl_channel_host(spark)})
+        lines.append(
+            {
+                "scenario": "fit",
+                "ok": True,
+                "epochs": [r.get("epoch") for r in records if "epoch" in r],
+                "accuracy": accuracy(model.module, features, labels),
+                "seconds": time.monotonic() - started,
+                "channel_host": sparkdl_channel_host(spark),
+            }
+        )
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        lines.append({"scenario": "fit", "ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]})
+        lines.append(
+            {
+                "scenario": "fit",
+                "ok": False,
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc()[-3000:],
+            }
+        )
     # An address the executors cannot reach (every host has 198.19.255.1 on its own docker0).
     spark.conf.set("spark.sparkdl.clientHost", "198.19.255.1")
     started = time.monotonic()
@@ -70,8 +91,15 @@ def main() -> int:
         estimator(records=[]).fit(spark.read.parquet(train))
         lines.append({"scenario": "unreachable", "ok": True})
     except Exception as exc:  # noqa: BLE001 - expected
-        lines.append({"scenario": "unreachable", "ok": False, "error_type": type(exc).__name__, "error": str(exc)[:4000],
-                      "seconds": time.monotonic() - started})
+        lines.append(
+            {
+                "scenario": "unreachable",
+                "ok": False,
+                "error_type": type(exc).__name__,
+                "error": str(exc)[:4000],
+                "seconds": time.monotonic() - started,
+            }
+        )
     finally:
         spark.conf.unset("spark.sparkdl.clientHost")
     for line in lines:

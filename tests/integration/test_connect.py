@@ -39,7 +39,9 @@ def _wait_for_port(port: int, server: subprocess.Popen, log: str, timeout_s: flo
                 return
         except OSError:
             time.sleep(0.5)  # polling a port that has no readiness event; bounded by the deadline
-    raise RuntimeError(f"the Spark Connect server did not listen on {port} within {timeout_s}s:\n{open(log).read()[-3000:]}")
+    raise RuntimeError(
+        f"the Spark Connect server did not listen on {port} within {timeout_s}s:\n{open(log).read()[-3000:]}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +55,27 @@ def connect(tmp_path_factory):
     spark_submit = os.path.join(os.path.dirname(sys.executable), "spark-submit")
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
     command = [
-        spark_submit, "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
-        "--master", "local-cluster[2,1,1024]",
-        "--conf", f"spark.connect.grpc.binding.port={port}", "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
-        "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.driver.bindAddress=127.0.0.1",
-        "--conf", "spark.ui.enabled=false", "--conf", "spark.sql.shuffle.partitions=4",
-        "--conf", f"spark.executorEnv.PYTHONPATH={REPO_ROOT}{os.pathsep}{os.path.join(REPO_ROOT, 'tests')}",
-        "--conf", f"spark.sparkdl.cacheDir={work / 'cache'}",
+        spark_submit,
+        "--class",
+        "org.apache.spark.sql.connect.service.SparkConnectServer",
+        "--master",
+        "local-cluster[2,1,1024]",
+        "--conf",
+        f"spark.connect.grpc.binding.port={port}",
+        "--conf",
+        "spark.connect.grpc.binding.address=127.0.0.1",
+        "--conf",
+        "spark.driver.host=127.0.0.1",
+        "--conf",
+        "spark.driver.bindAddress=127.0.0.1",
+        "--conf",
+        "spark.ui.enabled=false",
+        "--conf",
+        "spark.sql.shuffle.partitions=4",
+        "--conf",
+        f"spark.executorEnv.PYTHONPATH={REPO_ROOT}{os.pathsep}{os.path.join(REPO_ROOT, 'tests')}",
+        "--conf",
+        f"spark.sparkdl.cacheDir={work / 'cache'}",
         "spark-internal",
     ]
     with open(log, "w") as out:
@@ -92,7 +108,7 @@ def test_the_client_has_no_spark_context(connect):
 
     session = Session(connect)
     assert session.connect and session.channel_host() == "127.0.0.1"
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - PySpark's error class for it differs by version
         connect.sparkContext  # noqa: B018 - what makes Connect different
 
 
@@ -100,8 +116,12 @@ def test_fit_and_transform_from_a_connect_client_with_live_progress(connect_digi
     train, test, test_x, test_y = connect_digits
     records = []
     model = sparkdl.TorchEstimator(
-        model=digits_mlp, optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), num_workers=2, batch_size=32,
-        epochs=6, progress=records.append,
+        model=digits_mlp,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+        num_workers=2,
+        batch_size=32,
+        epochs=6,
+        progress=records.append,
     ).fit(train)
     assert [r["epoch"] for r in records] == list(range(1, 7))  # each epoch reached the client while fit ran
     assert accuracy(model.module, test_x, test_y) >= 0.9
@@ -119,8 +139,16 @@ def _rank_sum(ctx):
 
 def test_run_from_a_connect_client(connect, connect_digits):
     train, _, _, _ = connect_digits
-    result = sparkdl.run(_rank_sum, num_workers=2, data=train, feature_cols=["features"], label_col="label", batch_size=32,
-                         spark=connect, progress=False)
+    result = sparkdl.run(
+        _rank_sum,
+        num_workers=2,
+        data=train,
+        feature_cols=["features"],
+        label_col="label",
+        batch_size=32,
+        spark=connect,
+        progress=False,
+    )
     assert result == {"sum": 3.0, "rows": (1437 // 64) * 32, "world": 2}
 
 
@@ -151,8 +179,16 @@ def test_checkpoints_and_recovery_from_a_connect_client(connect_digits, tmp_path
     train, _, _, _ = connect_digits
     killer = _KillOnce(str(tmp_path / "killed-once"), at=27)
     model = sparkdl.TorchEstimator(
-        model=digits_mlp, optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), loss=killer, num_workers=2,
-        batch_size=32, epochs=2, progress=False, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=8, max_failures=1,
+        model=digits_mlp,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+        loss=killer,
+        num_workers=2,
+        batch_size=32,
+        epochs=2,
+        progress=False,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every=8,
+        max_failures=1,
     ).fit(train)
     assert len(model.run_info["attempts"]) == 2 and model.run_info["steps"]["resumed_at"] == 24
     assert [r["epoch"] for r in model.history] == [1, 2]
@@ -180,4 +216,6 @@ def test_the_watchdog_cancels_a_hung_rank_from_a_connect_client(connect):
     assert time.monotonic() - started < 180
     assert info.value.rank == 1 and info.value.exc_type == "WatchdogTimeout"
     assert "while waiting on purpose" in str(info.value)
-    assert sparkdl.run(lambda ctx: ctx.rank, num_workers=2, spark=connect, progress=False) == 0  # the cluster is free again
+    assert (
+        sparkdl.run(lambda ctx: ctx.rank, num_workers=2, spark=connect, progress=False) == 0
+    )  # the cluster is free again

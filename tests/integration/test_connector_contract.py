@@ -22,13 +22,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch.distributed as dist
 
-from sparkdl import connectors
 import sparkdl
+from sparkdl import connectors
+from sparkdl._driver.prepare_data import prepare_dataset
 from sparkdl.data import cache
 from sparkdl.data.dataset import ParquetFiles
-from sparkdl.data.spec import DataSpec
-from sparkdl._driver.prepare_data import prepare_dataset
 from sparkdl.data.readers import reader_from_name
+from sparkdl.data.spec import DataSpec
 from tests.models import pairs
 
 pytestmark = pytest.mark.spark
@@ -99,8 +99,15 @@ def test_every_row_reaches_exactly_one_rank_and_files_are_read_in_place(spark, s
     source, location = source_and_location
     before = cache.cached_urls()
     per_rank = sparkdl.run(
-        _ids_per_rank, num_workers=2, data=source, feature_cols=["features"], label_col="label",
-        batch_size=4, shuffle=False, spark=spark, progress=False,
+        _ids_per_rank,
+        num_workers=2,
+        data=source,
+        feature_cols=["features"],
+        label_col="label",
+        batch_size=4,
+        shuffle=False,
+        spark=spark,
+        progress=False,
     )
     # An epoch is the same number of steps on both ranks, so shards of unequal size wrap around
     # at different times: a run sees every row, some twice; one pass of each shard sees each row

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sparkdl import connectors
 import sparkdl
+from sparkdl import connectors
 from sparkdl.data import cache
 from sparkdl.data.dataset import ParquetFiles
 
@@ -42,8 +42,15 @@ def _all_ids(ctx):
 
 def _run(spark, source, n, batch_size=8):
     return sparkdl.run(
-        _all_ids, num_workers=2, data=source, feature_cols=["features"], label_col="label",
-        batch_size=batch_size, shuffle=False, spark=spark, progress=False,
+        _all_ids,
+        num_workers=2,
+        data=source,
+        feature_cols=["features"],
+        label_col="label",
+        batch_size=batch_size,
+        shuffle=False,
+        spark=spark,
+        progress=False,
     )
 
 
@@ -78,7 +85,9 @@ def test_external_table_in_place_and_what_must_be_materialized(spark, database, 
     frame.createOrReplaceTempView("sparkdl_ids_view")
     for table in (f"{name}.as_json", "sparkdl_ids_view"):
         assert not isinstance(connectors.SparkTable(table).resolve(spark, ["features", "label"]), ParquetFiles)
-    with pytest.raises(sparkdl.DataError, match="cannot be read in place \\(its format is json, not Parquet\\) and materialize='never'"):
+    with pytest.raises(
+        sparkdl.DataError, match="cannot be read in place \\(its format is json, not Parquet\\) and materialize='never'"
+    ):
         connectors.SparkTable(f"{name}.as_json", materialize="never").resolve(spark, ["features", "label"])
     with pytest.raises(sparkdl.DataError, match="no table 'sparkdl_test.nope' in the Spark catalog"):
         connectors.SparkTable(f"{name}.nope").resolve(spark, ["features"])
@@ -95,8 +104,12 @@ def test_fit_on_a_delta_table_version(spark, tmp_path):
 
     def table(start, count):
         ids = np.arange(start, start + count)
-        return pa.table({"features": pa.array(list(np.stack([ids, -ids], 1).astype(np.float32)), type=pa.list_(pa.float32())),
-                         "label": ids % 2})
+        return pa.table(
+            {
+                "features": pa.array(list(np.stack([ids, -ids], 1).astype(np.float32)), type=pa.list_(pa.float32())),
+                "label": ids % 2,
+            }
+        )
 
     write_deltalake(path, table(0, 80))
     write_deltalake(path, table(1000, 48), mode="append")
@@ -104,12 +117,24 @@ def test_fit_on_a_delta_table_version(spark, tmp_path):
     assert _run(spark, connectors.DeltaSource(path), 128) == list(range(80)) + list(range(1000, 1048))
 
     model = sparkdl.TorchEstimator(
-        model=lambda: torch.nn.Linear(2, 2), num_workers=2, batch_size=8, epochs=1, validation=0.25, progress=False,
+        model=lambda: torch.nn.Linear(2, 2),
+        num_workers=2,
+        batch_size=8,
+        epochs=1,
+        validation=0.25,
+        progress=False,
     ).fit(connectors.DeltaSource(path, version=0))
     from sparkdl.data.dataset import inspect_dataset
     from sparkdl.data.selection import shard_rows
 
-    held_out = sum(shard_rows(inspect_dataset(connectors.DeltaSource(path, version=0).resolve(), ["features"], "label"), 2, 0.25, "holdout"))
+    held_out = sum(
+        shard_rows(
+            inspect_dataset(connectors.DeltaSource(path, version=0).resolve(), ["features"], "label"),
+            2,
+            0.25,
+            "holdout",
+        )
+    )
     assert model.run_info["dataset"]["rows"] == 80 and 0 < held_out < 40
     # Trained on the version's rows and validated on exactly the held-out ones, every rank's.
     assert model.history[0]["val_samples"] == held_out and np.isfinite(model.history[0]["val_loss"])

@@ -59,20 +59,30 @@ def test_uneven_row_groups_give_equal_steps_and_the_remainder_opens_the_next_epo
     batch = 16
     epochs = 4
     per_rank = sparkdl.run(
-        _RecordIds(epochs), num_workers=2, data=path, feature_cols=["id"], label_col="label",
-        batch_size=batch, shuffle=False, spark=spark, progress=False,
+        _RecordIds(epochs),
+        num_workers=2,
+        data=path,
+        feature_cols=["id"],
+        label_col="label",
+        batch_size=batch,
+        shuffle=False,
+        spark=spark,
+        progress=False,
     )
     steps = total // (2 * batch)
     for rank_epochs in per_rank:
         assert [s for s, _ in rank_epochs] == [steps] * epochs  # every rank, every epoch: same steps
     # Row groups are the shard unit: global groups (300, 40, 17, 5, 100 rows) 0, 2, 4 go to
     # rank 0 (417 rows) and 1, 3 to rank 1 (45 rows), each read in file order without shuffling.
-    shards = [list(range(0, 300)) + list(range(340, 357)) + list(range(362, 462)), list(range(300, 340)) + list(range(357, 362))]
+    shards = [
+        list(range(0, 300)) + list(range(340, 357)) + list(range(362, 462)),
+        list(range(300, 340)) + list(range(357, 362)),
+    ]
     for rank, (rank_epochs, shard) in enumerate(zip(per_rank, shards)):
         stream = [i for _, ids in rank_epochs for i in ids]
         # One stream across epochs that cycles the shard: an epoch starts where the one before it
         # stopped, and the smaller shard wraps around inside every epoch.
-        assert stream == (shard * (len(stream) // len(shard) + 1))[:len(stream)], f"rank {rank}"
+        assert stream == (shard * (len(stream) // len(shard) + 1))[: len(stream)], f"rank {rank}"
     # Rank 0's epoch 1 is rows 0-223 (14 steps of 16); epoch 2 opens with the rows past them, not
     # with row 0 again, and after its shard's last row (461) wraps to row 0.
     assert per_rank[0][1][1][:2] == [224, 225] and per_rank[0][1][1][-32:-30] == [461, 0]
@@ -83,11 +93,18 @@ def test_uneven_row_groups_give_equal_steps_and_the_remainder_opens_the_next_epo
 def test_fewer_row_groups_than_workers_stride_rows(spark, tmp_path):
     path, total = _write_ids(tmp_path / "single", [[100]])
     per_rank = sparkdl.run(
-        _RecordIds(1), num_workers=2, data=path, feature_cols=["id"], label_col="label",
-        batch_size=10, shuffle=False, spark=spark, progress=False,
+        _RecordIds(1),
+        num_workers=2,
+        data=path,
+        feature_cols=["id"],
+        label_col="label",
+        batch_size=10,
+        shuffle=False,
+        spark=spark,
+        progress=False,
     )
-    (steps0, ids0), = per_rank[0]
-    (steps1, ids1), = per_rank[1]
+    ((steps0, ids0),) = per_rank[0]
+    ((steps1, ids1),) = per_rank[1]
     assert steps0 == steps1 == 5
     assert ids0 == list(range(0, 100, 2))
     assert ids1 == list(range(1, 100, 2))
@@ -98,8 +115,15 @@ def test_same_seed_same_batches_different_seed_different_order(spark, tmp_path):
 
     def fingerprint(seed):
         per_rank = sparkdl.run(
-            _RecordIds(3), num_workers=2, data=path, feature_cols=["id"], label_col="label",
-            batch_size=8, seed=seed, spark=spark, progress=False,
+            _RecordIds(3),
+            num_workers=2,
+            data=path,
+            feature_cols=["id"],
+            label_col="label",
+            batch_size=8,
+            seed=seed,
+            spark=spark,
+            progress=False,
         )
         return [[ids for _, ids in rank_epochs] for rank_epochs in per_rank]
 
@@ -117,15 +141,20 @@ def test_same_seed_same_batches_different_seed_different_order(spark, tmp_path):
 
 
 def test_fit_is_deterministic_for_a_fixed_seed(spark, tmp_path):
-    from tests.models import digits_mlp
     from examples.digits import write_dataset
+    from tests.models import digits_mlp
 
     path = write_dataset(str(tmp_path / "digits"))
 
     def fit():
         return sparkdl.TorchEstimator(
-            model=digits_mlp, optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
-            num_workers=2, batch_size=32, epochs=6, seed=3, progress=False,
+            model=digits_mlp,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+            num_workers=2,
+            batch_size=32,
+            epochs=6,
+            seed=3,
+            progress=False,
         ).fit(path)
 
     a, b = fit(), fit()
@@ -176,7 +205,14 @@ def test_petastorm_unischema_dataset_is_read_with_make_reader(spark, tmp_path):
         return shapes, predicted
 
     shapes, predicted = sparkdl.run(
-        train_fn, num_workers=2, data=url, feature_cols=["image"], label_col="label", batch_size=8, spark=spark, progress=False
+        train_fn,
+        num_workers=2,
+        data=url,
+        feature_cols=["image"],
+        label_col="label",
+        batch_size=8,
+        spark=spark,
+        progress=False,
     )
     assert shapes == {(8, 4, 4)}
     assert predicted == [0, 1]
@@ -192,8 +228,15 @@ def test_dataframe_with_several_numeric_and_array_columns(spark):
         return features.tolist(), labels.tolist()
 
     features, labels = sparkdl.run(
-        train_fn, num_workers=2, data=df, feature_cols=["a", "vec", "b"], label_col="label",
-        batch_size=8, shuffle=False, spark=spark, progress=False,
+        train_fn,
+        num_workers=2,
+        data=df,
+        feature_cols=["a", "vec", "b"],
+        label_col="label",
+        batch_size=8,
+        shuffle=False,
+        spark=spark,
+        progress=False,
     )
     for (a, v0, v1, b), label in zip(features, labels):
         assert v0 == pytest.approx(a * 10) and v1 == pytest.approx(a * 100)

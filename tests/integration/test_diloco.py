@@ -30,7 +30,12 @@ def test_killed_diloco_run_resumes_bit_exactly(spark, digits_df, digits_split, t
     attempts = resumed.run_info["attempts"]
     assert len(attempts) == 2 and "WorkerLost" in attempts[0]["error"]
     assert resumed.run_info["steps"]["resumed_at"] == 24
-    assert resumed.run_info["strategy"]["outer_optimizer"] == {"name": "OuterSGD", "lr": 0.7, "momentum": 0.9, "nesterov": True}
+    assert resumed.run_info["strategy"]["outer_optimizer"] == {
+        "name": "OuterSGD",
+        "lr": 0.7,
+        "momentum": 0.9,
+        "nesterov": True,
+    }
     assert [r["loss"] for r in resumed.history] == [r["loss"] for r in reference.history]
     assert [r["comm_bytes"] for r in resumed.history] == [r["comm_bytes"] for r in reference.history]
     for key, value in reference.module.state_dict().items():

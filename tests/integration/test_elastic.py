@@ -29,14 +29,20 @@ EPOCHS = 2
 
 @pytest.fixture(scope="module")
 def ids_data(tmp_path_factory) -> str:
+    return write_ids_data(tmp_path_factory)
+
+
+def write_ids_data(tmp_path_factory) -> str:
     """Rows that carry their id (== their position) as the first feature."""
     path = tmp_path_factory.mktemp("elastic") / "ids.parquet"
     ids = np.arange(ROWS)
-    table = pa.table({
-        "id": ids.astype(np.float64),
-        "x0": np.sin(ids).astype(np.float32),
-        "label": (ids % 2).astype(np.int64),
-    })
+    table = pa.table(
+        {
+            "id": ids.astype(np.float64),
+            "x0": np.sin(ids).astype(np.float32),
+            "label": (ids % 2).astype(np.int64),
+        }
+    )
     pq.write_table(table, path, row_group_size=ROWS // GROUPS)
     return str(path)
 
@@ -55,8 +61,15 @@ class _IdLoop:
     file per attempt and rank), checkpoints once at global step ``checkpoint_at`` and, on the
     first attempt, kills rank ``kill_rank``'s process right after that checkpoint is complete."""
 
-    def __init__(self, log_dir: str, checkpoint_at: int, kill_rank: int, apply_model: bool = True, epochs: int = EPOCHS) -> None:
-        self.log_dir, self.checkpoint_at, self.kill_rank, self.apply_model = log_dir, checkpoint_at, kill_rank, apply_model
+    def __init__(
+        self, log_dir: str, checkpoint_at: int, kill_rank: int, apply_model: bool = True, epochs: int = EPOCHS
+    ) -> None:
+        self.log_dir, self.checkpoint_at, self.kill_rank, self.apply_model = (
+            log_dir,
+            checkpoint_at,
+            kill_rank,
+            apply_model,
+        )
         self.epochs = epochs
 
     def __call__(self, ctx):
@@ -89,14 +102,23 @@ class _IdLoop:
                     weights = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
                     state = {"loop": [epoch, step, global_step]}
                     identical = ctx.replicas_identical
-                    ctx.save_checkpoint({**state, **({} if identical else weights)}, step=global_step, replicated=weights if identical else None)
+                    ctx.save_checkpoint(
+                        {**state, **({} if identical else weights)},
+                        step=global_step,
+                        replicated=weights if identical else None,
+                    )
                     if ctx.rank == self.kill_rank:
                         open(marker, "w").close()
                         os._exit(9)
             epoch, step = epoch + 1, 0
         final = ctx.final_module(model)
         log.close()
-        return {"start": start, "final": final.state_dict(), "resumed_from": ctx.resumed_from, "world_size": ctx.world_size}
+        return {
+            "start": start,
+            "final": final.state_dict(),
+            "resumed_from": ctx.resumed_from,
+            "world_size": ctx.world_size,
+        }
 
 
 def _epoch_ids(log_dir: str, attempt: int, epoch: int, until_step=None) -> collections.Counter:
@@ -113,17 +135,31 @@ def _epoch_ids(log_dir: str, attempt: int, epoch: int, until_step=None) -> colle
 
 def _run(spark, ids_data, loop, num_workers, checkpoint_dir, strategy):
     return sparkdl.run(
-        loop, num_workers=num_workers, strategy=strategy, data=ids_data, feature_cols=["id", "x0"], label_col="label",
-        batch_size=BATCH, seed=0, spark=spark, progress=False, checkpoint_dir=checkpoint_dir, checkpoint_async=False,
+        loop,
+        num_workers=num_workers,
+        strategy=strategy,
+        data=ids_data,
+        feature_cols=["id", "x0"],
+        label_col="label",
+        batch_size=BATCH,
+        seed=0,
+        spark=spark,
+        progress=False,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_async=False,
     )
 
 
 ALL_ROWS = collections.Counter(range(ROWS))
 
 
-@pytest.mark.parametrize("strategy", [sparkdl.AllReduce(), sparkdl.ModelAveraging(sync_every=4)], ids=["allreduce", "model_averaging"])
+@pytest.mark.parametrize(
+    "strategy", [sparkdl.AllReduce(), sparkdl.ModelAveraging(sync_every=4)], ids=["allreduce", "model_averaging"]
+)
 @pytest.mark.parametrize("old_world, new_world", [(2, 1), (1, 2)])
-def test_a_checkpoint_resumes_on_another_number_of_workers_with_every_row_once(spark, ids_data, tmp_path, strategy, old_world, new_world):
+def test_a_checkpoint_resumes_on_another_number_of_workers_with_every_row_once(
+    spark, ids_data, tmp_path, strategy, old_world, new_world
+):
     log_dir, checkpoint_dir = tmp_path / "log", str(tmp_path / "ckpt")
     log_dir.mkdir()
     steps = ROWS // (BATCH * old_world)
@@ -228,8 +264,17 @@ def _occupy_a_slot(spark, directory: str) -> threading.Thread:
 
 def _estimator(directory, loss, **overrides):
     settings = dict(
-        model=_linear, loss=loss, feature_cols=["id", "x0"], label_col="label", num_workers=2, batch_size=BATCH,
-        epochs=3, seed=0, progress=True, max_failures=1, optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
+        model=_linear,
+        loss=loss,
+        feature_cols=["id", "x0"],
+        label_col="label",
+        num_workers=2,
+        batch_size=BATCH,
+        epochs=3,
+        seed=0,
+        progress=True,
+        max_failures=1,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
     )
     settings.update(overrides)
     return sparkdl.TorchEstimator(**settings)
@@ -240,8 +285,12 @@ def test_a_relaunch_with_a_slot_taken_continues_on_fewer_workers_down_to_min_wor
     threads = _occupy_a_slot(spark, directory)
     try:
         model = _estimator(
-            directory, _KillAfterOccupied(directory, at=22), min_workers=1, checkpoint_dir=str(tmp_path / "ckpt"),
-            checkpoint_every=4, checkpoint_async=False,
+            directory,
+            _KillAfterOccupied(directory, at=22),
+            min_workers=1,
+            checkpoint_dir=str(tmp_path / "ckpt"),
+            checkpoint_every=4,
+            checkpoint_async=False,
         ).fit(ids_data)
     finally:
         open(os.path.join(directory, "release"), "w").close()
@@ -260,7 +309,10 @@ def test_a_relaunch_below_min_workers_fails_naming_both_settings(spark, ids_data
     directory = str(tmp_path)
     threads = _occupy_a_slot(spark, directory)
     try:
-        with pytest.raises(sparkdl.InsufficientSlotsError, match=r"found 1 free task slot\(s\), fewer than min_workers=2 \(num_workers=2\)"):
+        with pytest.raises(
+            sparkdl.InsufficientSlotsError,
+            match=r"found 1 free task slot\(s\), fewer than min_workers=2 \(num_workers=2\)",
+        ):
             _estimator(directory, _KillAfterOccupied(directory, at=3), min_workers=2, progress=False).fit(ids_data)
     finally:
         open(os.path.join(directory, "release"), "w").close()
@@ -268,7 +320,9 @@ def test_a_relaunch_below_min_workers_fails_naming_both_settings(spark, ids_data
             thread.join(timeout=60)
 
 
-def test_a_first_launch_with_a_slot_taken_starts_on_fewer_workers_down_to_min_workers(spark, ids_data, tmp_path, capsys):
+def test_a_first_launch_with_a_slot_taken_starts_on_fewer_workers_down_to_min_workers(
+    spark, ids_data, tmp_path, capsys
+):
     """min_workers applies to the first launch too: another job holds one of the two slots, so
     after slot_wait_s the fit starts on the one that is free, and says so."""
     directory = str(tmp_path)
@@ -276,14 +330,19 @@ def test_a_first_launch_with_a_slot_taken_starts_on_fewer_workers_down_to_min_wo
     threads = _occupy_a_slot(spark, directory)
     try:
         _wait_for(os.path.join(directory, "occupier-queued"))
-        model = _estimator(directory, torch.nn.functional.cross_entropy, min_workers=1, slot_wait_s=2.0, max_failures=0).fit(ids_data)
+        model = _estimator(
+            directory, torch.nn.functional.cross_entropy, min_workers=1, slot_wait_s=2.0, max_failures=0
+        ).fit(ids_data)
     finally:
         open(os.path.join(directory, "release"), "w").close()
         for thread in threads:
             thread.join(timeout=60)
     assert model.run_info["workers"] == [1] and len(model.run_info["attempts"]) == 1
     out = capsys.readouterr().out
-    assert "attempt 1: only 1 free task slot(s) for num_workers=2 within slot_wait_s=2s (min_workers=1): continuing on 1 worker(s), starting there" in out
+    assert (
+        "attempt 1: only 1 free task slot(s) for num_workers=2 within slot_wait_s=2s (min_workers=1): continuing on 1 worker(s), starting there"
+        in out
+    )
     assert [r["samples"] for r in model.history] == [ROWS, ROWS, ROWS]
 
 
@@ -305,6 +364,8 @@ def test_a_relaunch_without_min_workers_waits_for_a_taken_slot_at_most_slot_wait
     assert "the relaunch after a failure (attempt 2) found 1 free task slot(s) of the num_workers=2" in message, message
     assert "slot_wait_s=3s" in message and "min_workers" in message, message
     out = capsys.readouterr().out
-    assert "attempt 2: waiting up to slot_wait_s=3s for 2 free task slots (1 free now; held or awaited by stage" in out, out
+    assert (
+        "attempt 2: waiting up to slot_wait_s=3s for 2 free task slots (1 free now; held or awaited by stage" in out
+    ), out
     # The failed attempt's own clean-up (the lost rank's report, the cancel: seconds), then 3 s.
     assert failed_after < 3.0 + 30, failed_after

@@ -22,8 +22,15 @@ APP = os.path.join(REPO_ROOT, "tests", "integration", "encrypted_cluster_app.py"
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     output = tmp_path_factory.mktemp("encrypted") / "results.json"
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
-    done = subprocess.run([sys.executable, APP, str(output)], env=env, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+    env = {
+        **os.environ,
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+    }
+    done = subprocess.run(
+        [sys.executable, APP, str(output)], env=env, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT
+    )
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-5000:])
     return json.loads(output.read_text())
 

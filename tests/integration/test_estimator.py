@@ -100,7 +100,10 @@ def test_scalar_output_gives_a_double_column(spark):
     rng = np.random.default_rng(1)
     x = rng.normal(size=(256, 3)).astype(np.float32)
     y = x @ np.array([1.0, -2.0, 0.5], dtype=np.float32)
-    df = spark.createDataFrame([(float(a), float(b), float(c), float(t)) for (a, b, c), t in zip(x, y)], "a double, b double, c double, y double")
+    df = spark.createDataFrame(
+        [(float(a), float(b), float(c), float(t)) for (a, b, c), t in zip(x, y)],
+        "a double, b double, c double, y double",
+    )
 
     def regression_loss(output, label):
         return torch.nn.functional.mse_loss(output.squeeze(-1), label)
@@ -158,7 +161,9 @@ def test_same_dataframe_is_materialized_once(fitted, digits_df):
 def test_estimator_in_a_pipeline(spark, digits_df, digits_test_df):
     from pyspark.ml import Pipeline, PipelineModel
 
-    estimator = sparkdl.TorchEstimator(model=digits_mlp, optimizer=_sgd, num_workers=2, batch_size=64, epochs=3, progress=False)
+    estimator = sparkdl.TorchEstimator(
+        model=digits_mlp, optimizer=_sgd, num_workers=2, batch_size=64, epochs=3, progress=False
+    )
     pipeline_model = Pipeline(stages=[estimator]).fit(digits_df)
     assert isinstance(pipeline_model, PipelineModel)
     out = pipeline_model.transform(digits_test_df).select("prediction", "label").toPandas()
@@ -193,14 +198,23 @@ def test_notebook_style_closures_travel_by_value(spark, digits_df, digits_split)
 
 
 @pytest.mark.parametrize(
-    "strategy", [sparkdl.AllReduce(), sparkdl.ModelAveraging(sync_every=2), sparkdl.ParameterServer()], ids=lambda s: type(s).__name__,
+    "strategy",
+    [sparkdl.AllReduce(), sparkdl.ModelAveraging(sync_every=2), sparkdl.ParameterServer()],
+    ids=lambda s: type(s).__name__,
 )
 def test_a_lone_rank_sends_nothing_and_metrics_are_named_as_on_the_command_line(spark, digits_df, strategy):
     # One worker (what a shrinking relaunch can leave): no peer, so no model-sync bytes. And
     # metrics=["accuracy"] is the CLI's --metric accuracy (one vocabulary).
     model = sparkdl.TorchEstimator(
-        model=digits_mlp, optimizer=_sgd, strategy=strategy, num_workers=1, batch_size=32, epochs=1, progress=False,
-        validation=0.2, metrics=["accuracy"],
+        model=digits_mlp,
+        optimizer=_sgd,
+        strategy=strategy,
+        num_workers=1,
+        batch_size=32,
+        epochs=1,
+        progress=False,
+        validation=0.2,
+        metrics=["accuracy"],
     ).fit(digits_df)
     record = model.history[-1]
     assert record["comm_bytes"] == 0 and record["samples"] > 0

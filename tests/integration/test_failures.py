@@ -67,7 +67,9 @@ def test_a_nan_loss_on_one_rank_names_that_rank_and_step_though_it_spreads(spark
 
     # Rank 1's NaN gradients reach rank 0 through the allreduce, so rank 0's loss is NaN from
     # step 6; both ranks notice at the same periodic check, and rank 1's step 5 is the cause.
-    estimator = sparkdl.TorchEstimator(model=digits_mlp, loss=loss_nan_on_rank_1_at_step_5, num_workers=2, batch_size=16, epochs=1, progress=False)
+    estimator = sparkdl.TorchEstimator(
+        model=digits_mlp, loss=loss_nan_on_rank_1_at_step_5, num_workers=2, batch_size=16, epochs=1, progress=False
+    )
     with pytest.raises(sparkdl.TrainingError) as info:
         estimator.fit(digits_df)
     assert info.value.rank == 1 and info.value.exc_type == "NonFiniteLossError"
@@ -119,6 +121,7 @@ def test_a_setting_a_rank_refuses_is_a_config_error_on_the_driver_and_not_retrie
     """ShardedDataParallel(shard_modules=...) naming no submodule, found by the ranks (a custom
     loop: the driver never sees the model): ``except sparkdl.ConfigError`` catches it, with the
     rank, its host and traceback kept, and max_failures does not relaunch what can only repeat."""
+
     def train_fn(ctx):
         ctx.prepare_model(torch.nn.Sequential(torch.nn.Linear(4, 4)))
 
@@ -127,7 +130,9 @@ def test_a_setting_a_rank_refuses_is_a_config_error_on_the_driver_and_not_retrie
         sparkdl.run(train_fn, num_workers=2, spark=spark, progress=False, strategy=strategy, max_failures=2)
     error = info.value
     assert isinstance(error, sparkdl.TrainingError) and error.rank in (0, 1), str(error)
-    assert "shard_modules entry 'encoder' names no submodule of Sequential" in str(error) and "ran on host" in str(error)
+    assert "shard_modules entry 'encoder' names no submodule of Sequential" in str(error) and "ran on host" in str(
+        error
+    )
     assert "sharded.py" in error.remote_traceback
     assert "attempt 2" not in str(error)  # raised at once: a relaunch fails the same way
 
@@ -138,9 +143,14 @@ def test_shard_modules_naming_no_submodule_fails_fit_before_launch(spark, digits
     launched = []
     monkeypatch.setattr(driver, "_launch_once", lambda *args, **kwargs: launched.append(1))
     estimator = sparkdl.TorchEstimator(
-        model=digits_mlp, num_workers=2, progress=False, strategy=sparkdl.ShardedDataParallel(shard_modules=["encoder"]),
+        model=digits_mlp,
+        num_workers=2,
+        progress=False,
+        strategy=sparkdl.ShardedDataParallel(shard_modules=["encoder"]),
     )
-    with pytest.raises(sparkdl.ConfigError, match="shard_modules entry 'encoder' names no submodule of Sequential") as info:
+    with pytest.raises(
+        sparkdl.ConfigError, match="shard_modules entry 'encoder' names no submodule of Sequential"
+    ) as info:
         estimator.fit(digits_df)
     assert not isinstance(info.value, sparkdl.TrainingError) and not launched  # the driver's check: no barrier stage
 
@@ -211,7 +221,9 @@ def test_null_features_are_reported_with_the_column(spark, tmp_path, row, raised
     x[row, 2] = np.nan
     table = pa.table({"f": pa.array(list(x), type=pa.list_(pa.float32())), "label": np.zeros(64, dtype=np.int64)})
     pq.write_table(table, path + "/p.parquet", row_group_size=8)
-    estimator = sparkdl.TorchEstimator(model=lambda: torch.nn.Linear(4, 2), feature_cols=["f"], num_workers=2, batch_size=8, progress=False)
+    estimator = sparkdl.TorchEstimator(
+        model=lambda: torch.nn.Linear(4, 2), feature_cols=["f"], num_workers=2, batch_size=8, progress=False
+    )
     # Row 5 is in the batch the driver checks before launch (a DataError, nothing launched);
     # row 50 is found by a rank (a TrainingError); both name the column and where it is.
     with pytest.raises(raised, match="feature column\\(s\\) f contain NaN or null values in .*p.parquet"):
@@ -237,7 +249,9 @@ def _driver_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def test_a_connection_flood_on_the_driver_channel_neither_breaks_the_fit_nor_leaks(spark, tmp_path, monkeypatch, caplog):
+def test_a_connection_flood_on_the_driver_channel_neither_breaks_the_fit_nor_leaks(
+    spark, tmp_path, monkeypatch, caplog
+):
     import re
     import socket
     import threading
@@ -275,7 +289,10 @@ def test_a_connection_flood_on_the_driver_channel_neither_breaks_the_fit_nor_lea
     def flood():
         held = []
         try:
-            wait_for(lambda: servers and all(os.path.exists(os.path.join(markers, f"started-{r}")) for r in range(2)), "both ranks")
+            wait_for(
+                lambda: servers and all(os.path.exists(os.path.join(markers, f"started-{r}")) for r in range(2)),
+                "both ranks",
+            )
             server = servers[0]
             for _ in range(total // batch):
                 held += [socket.create_connection(server.address, timeout=10) for _ in range(batch)]
@@ -301,9 +318,16 @@ def test_a_connection_flood_on_the_driver_channel_neither_breaks_the_fit_nor_lea
     assert result == 42
     assert seen["held"] == total
     assert seen["peak_server_threads"] <= 64 + 2  # the pending cap + the two ranks
-    wait_for(lambda: threading.active_count() <= base_threads and _driver_fds() <= base_fds + 2, "threads and fds back to baseline")
+    wait_for(
+        lambda: threading.active_count() <= base_threads and _driver_fds() <= base_fds + 2,
+        "threads and fds back to baseline",
+    )
     lines = [r.getMessage() for r in caplog.records if r.name == "sparkdl.channel"]
-    print(f"driver flood of {total}: peak {seen['peak_server_threads']} channel threads; {len(lines)} warning lines:", *lines, sep="\n  ")
+    print(
+        f"driver flood of {total}: peak {seen['peak_server_threads']} channel threads; {len(lines)} warning lines:",
+        *lines,
+        sep="\n  ",
+    )
     assert len(lines) < 20, lines
     counts = [re.search(r"dropped ([\d,]+) more unauthenticated connections", line) for line in lines]
     assert any(counts), lines

@@ -94,7 +94,9 @@ def _estimator(**kwargs) -> sparkdl.TorchEstimator:
     )
 
 
-def test_a_flood_of_idle_connections_on_the_driver_slows_a_fit_but_does_not_fail_it(spark, digits_df, digits_split, monkeypatch, caplog):
+def test_a_flood_of_idle_connections_on_the_driver_slows_a_fit_but_does_not_fail_it(
+    spark, digits_df, digits_split, monkeypatch, caplog
+):
     from sparkdl._driver import driver
 
     floods: List[_Flood] = []
@@ -127,17 +129,25 @@ def test_a_flood_of_idle_connections_on_the_driver_slows_a_fit_but_does_not_fail
     finally:
         for flood in floods:
             flood.stop()
-    print(f"fit: {quiet_s:.1f} s without a flood, {flooded_s:.1f} s with {', '.join(str(f.opened) for f in floods)} idle connections")
+    print(
+        f"fit: {quiet_s:.1f} s without a flood, {flooded_s:.1f} s with {', '.join(str(f.opened) for f in floods)} idle connections"
+    )
     assert len(floods) == 2, "the fit did not use the flooded channel and store (one attempt: one of each)"
     for flood in floods:
         assert not flood.errors, flood.errors
         assert flood.opened >= FLOOD
     # Both servers were flooded for real while the ranks connected: they shed flood connections.
     shed = {
-        name: [r.getMessage() for r in caplog.records if r.name == name and ("to make room" in r.getMessage() or "more unauthenticated" in r.getMessage())]
+        name: [
+            r.getMessage()
+            for r in caplog.records
+            if r.name == name and ("to make room" in r.getMessage() or "more unauthenticated" in r.getMessage())
+        ]
         for name in ("sparkdl.channel", "sparkdl.rendezvous")
     }
     assert all(shed.values()), shed
-    assert [attempt["error"] for attempt in model.run_info["attempts"]] == [None]  # one attempt, not rescued by a relaunch
+    assert [attempt["error"] for attempt in model.run_info["attempts"]] == [
+        None
+    ]  # one attempt, not rescued by a relaunch
     assert accuracy(model.module, test_x, test_y) >= 0.9
     assert flooded_s < min(FIT_BOUND_S, 3 * quiet_s + 60), (flooded_s, quiet_s)

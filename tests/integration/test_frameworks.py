@@ -34,8 +34,15 @@ def digits_paths(tmp_path_factory):
 
 def _run(train_fn, train_path, **kwargs):
     return sparkdl.run(
-        train_fn, num_workers=WORKERS, data=train_path, feature_cols=["features"], label_col="label",
-        batch_size=32, progress=False, timeout_s=60, **kwargs,
+        train_fn,
+        num_workers=WORKERS,
+        data=train_path,
+        feature_cols=["features"],
+        label_col="label",
+        batch_size=32,
+        progress=False,
+        timeout_s=60,
+        **kwargs,
     )
 
 
@@ -71,13 +78,15 @@ def _trainer_fn(ctx):
 
     group = dist.group.WORLD
     module, trainer = fit_trainer(epochs=EPOCHS)
-    assert trainer.world_size == ctx.world_size and trainer.global_rank == ctx.rank, (trainer.world_size, trainer.global_rank)
+    assert trainer.world_size == ctx.world_size and trainer.global_rank == ctx.rank, (
+        trainer.world_size,
+        trainer.global_rank,
+    )
     return _across_ranks(ctx, module.net, module.steps, group)
 
 
 def _fabric_fn(ctx):
     import torch.distributed as dist
-
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from examples.lightning_digits import fit_fabric
@@ -182,7 +191,9 @@ def test_a_framework_starting_its_own_processes_fails_fast_naming_the_rank(spark
         _run(_ddp_spawn_fn, digits_paths[0], watchdog_timeout_s=60)
     message = str(raised.value)
     # Every rank fails so: one rank's report, or both grouped ("ranks 0, 1"), by when the stage is cancelled.
-    assert "ProcessSpawnError" in message and re.search(r"ranks? 0(, 1)?: a Lightning strategy tried to start", message), message
+    assert "ProcessSpawnError" in message and re.search(
+        r"ranks? 0(, 1)?: a Lightning strategy tried to start", message
+    ), message
     assert isinstance(raised.value, sparkdl.ConfigError)  # a setting: raised as one, not retried
     assert f"use strategy='ddp', devices=1 and num_nodes={WORKERS}" in message, message
     assert time.monotonic() - started < 60

@@ -47,21 +47,32 @@ def _discovery_script(directory) -> str:
 def _what_failed(stderr: str) -> str:
     """The app's Python traceback and the JVM's exception lines, without the JVM's stack frames
     (a stopped application's worker threads print long stacks that would hide the cause)."""
-    lines = [line for line in stderr.splitlines() if not line.lstrip().startswith("at ") and not line.startswith("\tat ")]
+    lines = [
+        line for line in stderr.splitlines() if not line.lstrip().startswith("at ") and not line.startswith("\tat ")
+    ]
     text = "\n".join(lines)
     start = text.rfind("Traceback (most recent call last)")
-    return text[start:start + 6000] if start >= 0 else text[-6000:]
+    return text[start : start + 6000] if start >= 0 else text[-6000:]
 
 
 @pytest.fixture(scope="module")
 def gpu_app(tmp_path_factory):
     directory = tmp_path_factory.mktemp("gpu-scheduling")
     output = directory / "results.json"
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
+    env = {
+        **os.environ,
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+    }
     env.pop("CUDA_VISIBLE_DEVICES", None)
     done = subprocess.run(
         [sys.executable, APP, _discovery_script(directory), str(output)],
-        env=env, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO_ROOT,
     )
     assert done.returncode == 0, (done.stdout[-3000:], _what_failed(done.stderr))
     return json.loads(output.read_text())
@@ -87,7 +98,10 @@ def test_each_rank_sees_the_gpu_spark_assigned_and_falls_back_to_cpu_without_cud
         assert rank["env_in_task"] == "4,6"
     # The fallback warning reached the driver from both ranks.
     for index in (0, 1):
-        assert any(m.startswith("WARNING") and f"[rank {index}]" in m and "torch has no CUDA" in m for m in gpu_app["auto_logs"])
+        assert any(
+            m.startswith("WARNING") and f"[rank {index}]" in m and "torch has no CUDA" in m
+            for m in gpu_app["auto_logs"]
+        )
 
 
 @pytest.mark.slow
@@ -122,5 +136,9 @@ def test_use_gpu_false_ignores_assigned_gpus_and_precision_reaches_the_tasks(gpu
 def test_use_gpu_true_on_an_application_without_gpu_resources_fails_before_launch(spark):
     with pytest.raises(ConfigError) as raised:
         sparkdl.run(lambda ctx: None, num_workers=2, use_gpu=True, spark=spark, progress=False)
-    for setting in ("spark.task.resource.gpu.amount", "spark.executor.resource.gpu.amount", "spark.executor.resource.gpu.discoveryScript"):
+    for setting in (
+        "spark.task.resource.gpu.amount",
+        "spark.executor.resource.gpu.amount",
+        "spark.executor.resource.gpu.discoveryScript",
+    ):
         assert setting in str(raised.value)

@@ -104,8 +104,13 @@ def test_a_gru_learns_a_variable_length_token_task_with_a_dense_side_input(spark
         model=TokenCounter,
         optimizer=lambda p: torch.optim.Adam(p, lr=0.01),
         inputs={"tokens": sparkdl.Sequence("tokens", max_length=32, lengths_input="lengths"), "dense": ["dense"]},
-        label_col="label", num_workers=2, batch_size=32, epochs=8, progress=False,
-        validation=0.1, metrics={"accuracy": _accuracy},
+        label_col="label",
+        num_workers=2,
+        batch_size=32,
+        epochs=8,
+        progress=False,
+        validation=0.1,
+        metrics={"accuracy": _accuracy},
     )
     model = estimator.fit(train)
     predicted = np.array([np.argmax(r["prediction"]) for r in model.transform(test).select("prediction").collect()])
@@ -130,13 +135,21 @@ def test_wide_and_deep_learns_a_per_user_effect_through_an_id_embedding(spark):
     test = spark.createDataFrame(test_rows, schema)
 
     def ids_are_int64(inputs, labels):
-        assert inputs["user"].dtype == np.int64 and inputs["dense"].dtype == np.float32 and inputs["dense"].shape[1] == 2
+        assert (
+            inputs["user"].dtype == np.int64 and inputs["dense"].dtype == np.float32 and inputs["dense"].shape[1] == 2
+        )
         return inputs, labels
 
     model = sparkdl.TorchEstimator(
-        model=WideAndDeep, optimizer=lambda p: torch.optim.Adam(p, lr=0.02),
-        inputs={"user": "user_id", "dense": ["x0", "x1"]}, label_col="label",
-        num_workers=2, batch_size=64, epochs=8, progress=False, transform_fn=ids_are_int64,
+        model=WideAndDeep,
+        optimizer=lambda p: torch.optim.Adam(p, lr=0.02),
+        inputs={"user": "user_id", "dense": ["x0", "x1"]},
+        label_col="label",
+        num_workers=2,
+        batch_size=64,
+        epochs=8,
+        progress=False,
+        transform_fn=ids_are_int64,
     ).fit(train)
     predicted = np.array([np.argmax(r["prediction"]) for r in model.transform(test).collect()])
     accuracy = float((predicted == np.array([r[3] for r in test_rows])).mean())
@@ -166,12 +179,18 @@ def mixed_dataset(tmp_path_factory):
     rng = np.random.default_rng(3)
     path = tmp_path_factory.mktemp("mixed")
     rows = 240
-    images = [png_bytes(rng.integers(0, 256, (6 if i % 2 else 9, 6 if i % 2 else 9, 3), dtype=np.uint8)) for i in range(rows)]
+    images = [
+        png_bytes(rng.integers(0, 256, (6 if i % 2 else 9, 6 if i % 2 else 9, 3), dtype=np.uint8)) for i in range(rows)
+    ]
     tokens = [rng.integers(1, 50, rng.integers(0, 12)).tolist() for _ in range(rows)]
-    table = pa.table({
-        "image": pa.array(images, type=pa.binary()), "tokens": pa.array(tokens, type=pa.list_(pa.int32())),
-        "user": np.arange(rows), "label": np.arange(rows) % 5,
-    })
+    table = pa.table(
+        {
+            "image": pa.array(images, type=pa.binary()),
+            "tokens": pa.array(tokens, type=pa.list_(pa.int32())),
+            "user": np.arange(rows),
+            "label": np.arange(rows) % 5,
+        }
+    )
     pq.write_table(table, os.path.join(path, "part-0.parquet"), row_group_size=40)
     return str(path)
 
@@ -181,8 +200,16 @@ def test_both_readers_hand_out_the_same_dict_batches(spark, mixed_dataset):
     inputs = {"image": sparkdl.Image("image", size=(6, 6), channels=3, random_flip=True, random_crop=1), "user": "user"}
     runs = {
         reader: sparkdl.run(
-            _record_batches, num_workers=2, data=mixed_dataset, inputs=inputs, label_col="label", batch_size=16,
-            seed=7, reader=reader, spark=spark, progress=False,
+            _record_batches,
+            num_workers=2,
+            data=mixed_dataset,
+            inputs=inputs,
+            label_col="label",
+            batch_size=16,
+            seed=7,
+            reader=reader,
+            spark=spark,
+            progress=False,
         )
         for reader in ("petastorm", "arrow")
     }
@@ -192,20 +219,38 @@ def test_both_readers_hand_out_the_same_dict_batches(spark, mixed_dataset):
     users1 = {u for batch in rank1 for u in batch[0]}
     assert not users0 & users1 and len(users0 | users1) == 240  # disjoint shards, every row seen
     # Petastorm's make_batch_reader cannot stack variable-length lists: refused before launch.
-    with pytest.raises(sparkdl.ConfigError, match="reader='petastorm' cannot read the variable-length arrays of sparkdl.Sequence input\\(s\\) 'tokens'"):
-        sparkdl.run(_record_batches, num_workers=2, data=mixed_dataset, inputs={"tokens": sparkdl.Sequence("tokens", max_length=8)},
-                    label_col="label", reader="petastorm", spark=spark, progress=False)
+    with pytest.raises(
+        sparkdl.ConfigError,
+        match="reader='petastorm' cannot read the variable-length arrays of sparkdl.Sequence input\\(s\\) 'tokens'",
+    ):
+        sparkdl.run(
+            _record_batches,
+            num_workers=2,
+            data=mixed_dataset,
+            inputs={"tokens": sparkdl.Sequence("tokens", max_length=8)},
+            label_col="label",
+            reader="petastorm",
+            spark=spark,
+            progress=False,
+        )
 
 
 def test_kill_and_resume_is_exact_with_dict_batches(png_digits, tmp_path):
     from tests.integration.test_recovery import _KillOnce
 
     train, _, _, _ = png_digits
-    settings = dict(epochs=3, checkpoint_every=8, max_failures=1, seed=0,
-                    inputs={"image": sparkdl.Image("png", size=(8, 8), channels=1, random_crop=1, random_flip=True)})
+    settings = dict(
+        epochs=3,
+        checkpoint_every=8,
+        max_failures=1,
+        seed=0,
+        inputs={"image": sparkdl.Image("png", size=(8, 8), channels=1, random_crop=1, random_flip=True)},
+    )
     reference = _cnn_estimator(sparkdl.AllReduce(), checkpoint_dir=str(tmp_path / "reference"), **settings).fit(train)
     killer = _KillOnce(str(tmp_path / "killed-once"), at=27)
-    resumed = _cnn_estimator(sparkdl.AllReduce(), checkpoint_dir=str(tmp_path / "resumed"), loss=killer, **settings).fit(train)
+    resumed = _cnn_estimator(
+        sparkdl.AllReduce(), checkpoint_dir=str(tmp_path / "resumed"), loss=killer, **settings
+    ).fit(train)
     assert len(resumed.run_info["attempts"]) == 2 and resumed.run_info["steps"]["resumed_at"] == 24
     assert [r["loss"] for r in resumed.history] == [r["loss"] for r in reference.history]
     for name, value in reference.module.state_dict().items():
@@ -229,7 +274,10 @@ def image_files(tmp_path_factory, digits_split):
 def _collect_images(ctx):
     out = []
     for inputs, labels in ctx.epoch_batches():
-        out += [(round(float(img[0].sum()), 3), round(float(img[2].sum()), 3), int(y)) for img, y in zip(inputs["image"], labels)]
+        out += [
+            (round(float(img[0].sum()), 3), round(float(img[2].sum()), 3), int(y))
+            for img, y in zip(inputs["image"], labels)
+        ]
     gathered = [None] * ctx.world_size
     torch.distributed.all_gather_object(gathered, out)
     return sorted(x for part in gathered for x in part)
@@ -239,20 +287,33 @@ def test_spark_image_and_binary_file_sources_decode_to_the_same_rgb_pixels(spark
     from pyspark.sql import functions as F
 
     label = F.regexp_extract(F.col("path"), r"/(\d)/[^/]*$", 1).cast("long")
-    binary = spark.read.format("binaryFile").option("pathGlobFilter", "*.png").option("recursiveFileLookup", "true").load(image_files)
+    binary = (
+        spark.read.format("binaryFile")
+        .option("pathGlobFilter", "*.png")
+        .option("recursiveFileLookup", "true")
+        .load(image_files)
+    )
     binary = binary.withColumn("label", label)
     images = spark.read.format("image").option("recursiveFileLookup", "true").load(image_files)
     images = images.withColumn("path", F.col("image.origin")).withColumn("label", label)
     common = dict(num_workers=2, label_col="label", batch_size=40, shuffle=False, spark=spark, progress=False)
-    from_binary = sparkdl.run(_collect_images, data=binary, inputs={"image": sparkdl.Image("content", size=(8, 8))}, **common)
-    from_struct = sparkdl.run(_collect_images, data=images, inputs={"image": sparkdl.Image("image", size=(8, 8))}, **common)
+    from_binary = sparkdl.run(
+        _collect_images, data=binary, inputs={"image": sparkdl.Image("content", size=(8, 8))}, **common
+    )
+    from_struct = sparkdl.run(
+        _collect_images, data=images, inputs={"image": sparkdl.Image("image", size=(8, 8))}, **common
+    )
     assert len(from_binary) == 400 and from_binary == from_struct
     # Red is the digit, blue its inverse: channel 0 and 2 sums differ, so the order is RGB.
     assert all(abs(r + b - 64.0) < 1e-2 for r, b, _ in from_binary)
 
     model = sparkdl.TorchEstimator(
         model=lambda: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(192, 10)),
-        inputs={"image": sparkdl.Image("image", size=(8, 8))}, label_col="label", epochs=1, num_workers=2, progress=False,
+        inputs={"image": sparkdl.Image("image", size=(8, 8))},
+        label_col="label",
+        epochs=1,
+        num_workers=2,
+        progress=False,
     )
     with pytest.raises(sparkdl.ConfigError, match="forward does not accept the input\\(s\\) 'image'"):
         model.fit(images)
@@ -286,21 +347,42 @@ def test_petastorm_unischema_image_fields_map_onto_image_inputs(spark, tmp_path)
     expected = sorted((i, round(float(i) / 255 * 75, 3), (3, 5, 5)) for i in range(96))
     spark_schema = StructType([StructField("picture", BinaryType()), StructField("label", LongType())])
     for name, codec, encode in [
-        ("ndarray", NdarrayCodec(), lambda p: NdarrayCodec().encode(UnischemaField("picture", np.uint8, (5, 5, 3), NdarrayCodec(), False), p)),
-        ("png", CompressedImageCodec("png"), lambda p: CompressedImageCodec("png").encode(UnischemaField("picture", np.uint8, (5, 5, 3), CompressedImageCodec("png"), False), p)),
+        (
+            "ndarray",
+            NdarrayCodec(),
+            lambda p: NdarrayCodec().encode(UnischemaField("picture", np.uint8, (5, 5, 3), NdarrayCodec(), False), p),
+        ),
+        (
+            "png",
+            CompressedImageCodec("png"),
+            lambda p: CompressedImageCodec("png").encode(
+                UnischemaField("picture", np.uint8, (5, 5, 3), CompressedImageCodec("png"), False), p
+            ),
+        ),
     ]:
-        schema = Unischema("Pictures", [
-            UnischemaField("picture", np.uint8, (5, 5, 3), codec, False),
-            UnischemaField("label", np.int64, (), ScalarCodec(LongType()), False),
-        ])
+        schema = Unischema(
+            "Pictures",
+            [
+                UnischemaField("picture", np.uint8, (5, 5, 3), codec, False),
+                UnischemaField("label", np.int64, (), ScalarCodec(LongType()), False),
+            ],
+        )
         url = "file://" + str(tmp_path / name)
         with materialize_dataset(spark, url, schema, row_group_size_mb=1):
             rows = [(bytearray(encode(p)), i) for i, p in enumerate(pictures)]
             spark.createDataFrame(rows, spark_schema).repartition(2).write.mode("overwrite").parquet(url)
         for reader in ("arrow", "petastorm"):
             seen = sparkdl.run(
-                _image_sums, num_workers=2, data=url, inputs={"picture": sparkdl.Image("picture", size=(5, 5))}, label_col="label",
-                batch_size=8, shuffle=False, reader=reader, spark=spark, progress=False,
+                _image_sums,
+                num_workers=2,
+                data=url,
+                inputs={"picture": sparkdl.Image("picture", size=(5, 5))},
+                label_col="label",
+                batch_size=8,
+                shuffle=False,
+                reader=reader,
+                spark=spark,
+                progress=False,
             )
             # Each label's picture holds that value everywhere; shards may wrap by a row or two.
             assert set(seen) <= set(expected) and len(set(seen)) >= 90, (name, reader, seen[:3])

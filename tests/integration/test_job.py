@@ -20,18 +20,50 @@ SPARK_SUBMIT = os.path.join(os.path.dirname(sys.executable), "spark-submit")
 
 
 def _submit(master, data, output, *extra, timeout=300):
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
+    env = {
+        **os.environ,
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+    }
     command = [
-        SPARK_SUBMIT, "--master", master,
-        "--conf", "spark.driver.host=127.0.0.1",
-        "--conf", "spark.ui.enabled=false",
-        "--conf", f"spark.sparkdl.cacheDir={output}-cache",
-        "--driver-java-options", f"-Dlog4j.configurationFile=file:{REPO_ROOT}/jobs/log4j2.properties",
-        "--py-files", os.path.join(REPO_ROOT, "tests", "models.py"),
+        SPARK_SUBMIT,
+        "--master",
+        master,
+        "--conf",
+        "spark.driver.host=127.0.0.1",
+        "--conf",
+        "spark.ui.enabled=false",
+        "--conf",
+        f"spark.sparkdl.cacheDir={output}-cache",
+        "--driver-java-options",
+        f"-Dlog4j.configurationFile=file:{REPO_ROOT}/jobs/log4j2.properties",
+        "--py-files",
+        os.path.join(REPO_ROOT, "tests", "models.py"),
         os.path.join(REPO_ROOT, "jobs", "train.py"),
-        "--data", data, "--model", "models:digits_mlp", "--features", "features", "--label", "label",
-        "--strategy", "allreduce", "--num-workers", "2", "--epochs", "3", "--batch-size", "32",
-        "--optimizer", "sgd", "--lr", "0.05", "--output", output, *extra,
+        "--data",
+        data,
+        "--model",
+        "models:digits_mlp",
+        "--features",
+        "features",
+        "--label",
+        "label",
+        "--strategy",
+        "allreduce",
+        "--num-workers",
+        "2",
+        "--epochs",
+        "3",
+        "--batch-size",
+        "32",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--output",
+        output,
+        *extra,
     ]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -75,6 +107,22 @@ def test_spark_submit_failure_exits_nonzero_with_a_clear_message(tmp_path):
 def test_bad_model_spec_is_a_usage_error(tmp_path):
     from sparkdl.cli import main
 
-    assert main(["--data", str(tmp_path), "--model", "no_such_module:f", "--features", "x", "--label", "y", "--output", str(tmp_path / "o")]) == 2
+    assert (
+        main(
+            [
+                "--data",
+                str(tmp_path),
+                "--model",
+                "no_such_module:f",
+                "--features",
+                "x",
+                "--label",
+                "y",
+                "--output",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 2
+    )
     metrics = json.load(open(tmp_path / "o" / "metrics.json"))
     assert "cannot import 'no_such_module'" in metrics["error"]

@@ -14,9 +14,18 @@ import sparkdl
 
 pytestmark = pytest.mark.spark
 
-TORCHRUN = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"]
+TORCHRUN = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+]
 
-DDP_SCRIPT = '''
+DDP_SCRIPT = """
 import json, os, sys
 import torch, torch.distributed as dist
 import sparkdl
@@ -46,7 +55,7 @@ with open(os.path.join(out_dir, "rank%%d.json" %% rank), "w") as handle:
 print("checksum %%.8f" %% sum(p.double().sum().item() for p in model.parameters()))
 print("done rank %%d after %%d steps" %% (rank, steps), file=sys.stderr)
 dist.destroy_process_group()
-''' % {"vars": TORCHRUN}
+""" % {"vars": TORCHRUN}
 
 
 def test_a_plain_ddp_script_runs_unchanged(spark, digits_df, tmp_path, capsys):
@@ -54,8 +63,15 @@ def test_a_plain_ddp_script_runs_unchanged(spark, digits_df, tmp_path, capsys):
     script.write_text(DDP_SCRIPT)
     received = []
     result = sparkdl.launch(
-        str(script), str(tmp_path), num_workers=2, data=digits_df, feature_cols=["features"], label_col="label",
-        batch_size=32, spark=spark, progress=received.append,
+        str(script),
+        str(tmp_path),
+        num_workers=2,
+        data=digits_df,
+        feature_cols=["features"],
+        label_col="label",
+        batch_size=32,
+        spark=spark,
+        progress=received.append,
     )
     facts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert isinstance(result, sparkdl.ScriptResult) and result.exit_code == 0
@@ -65,7 +81,13 @@ def test_a_plain_ddp_script_runs_unchanged(spark, digits_df, tmp_path, capsys):
     assert facts[0]["steps"] == facts[1]["steps"] == facts[0]["len"] == 1437 // 64
     for rank, fact in enumerate(facts):
         env = fact["env"]
-        assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == (str(rank), "2", "0", "1", str(rank))
+        assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == (
+            str(rank),
+            "2",
+            "0",
+            "1",
+            str(rank),
+        )
         assert env["MASTER_ADDR"] and int(env["MASTER_PORT"]) > 0 and env["TORCHELASTIC_RUN_ID"].startswith("sparkdl-")
         assert fact["world"] == 2
         # The secret never reaches the child's command line (nor its environment's fd name).
@@ -73,7 +95,10 @@ def test_a_plain_ddp_script_runs_unchanged(spark, digits_df, tmp_path, capsys):
         assert fact["secret_fd"] is None
     assert facts[0]["env"]["TORCHELASTIC_RUN_ID"] == facts[1]["env"]["TORCHELASTIC_RUN_ID"]
     captured = capsys.readouterr()
-    checksums = {r: [l for l in captured.out.splitlines() if l.startswith(f"[sparkdl rank {r}] checksum ")] for r in range(2)}
+    checksums = {
+        r: [line for line in captured.out.splitlines() if line.startswith(f"[sparkdl rank {r}] checksum ")]
+        for r in range(2)
+    }
     assert len(checksums[0]) == 1 and len(checksums[1]) == 1, captured.out
     # DDP kept the replicas identical: the same weights on both ranks.
     assert checksums[0][0].split()[-1] == checksums[1][0].split()[-1]
@@ -103,7 +128,7 @@ def test_a_callable_target_returns_rank_zeros_value(spark, tmp_path):
     assert value["pid"] != os.getpid()  # it ran in a child, not in the task's (or the driver's) process
 
 
-FAILING_SCRIPT = '''
+FAILING_SCRIPT = """
 import os, sys, time
 with open(os.path.join(sys.argv[1], "pid" + os.environ["RANK"]), "w") as handle:
     handle.write(str(os.getpid()))
@@ -112,7 +137,7 @@ if os.environ["RANK"] == "1":
     sys.exit(3)
 import threading
 threading.Event().wait()  # rank 0 is busy (no store, no peer involved) until its task is killed
-'''
+"""
 
 
 def _alive(pid: int) -> bool:
@@ -176,17 +201,35 @@ def test_run_sets_the_torchrun_environment_and_the_shard_dataset_resumes(spark, 
         except RuntimeError as exc:
             both = str(exc)
         facts = {
-            "env": env, "same": same, "len": len(dataset), "exact": torch.equal(fourth[0], again[0]) and torch.equal(fourth[1], again[1]),
-            "rest": rest, "full": full, "worker_error": worker_error, "both": both, "initialized": dist.is_initialized(),
+            "env": env,
+            "same": same,
+            "len": len(dataset),
+            "exact": torch.equal(fourth[0], again[0]) and torch.equal(fourth[1], again[1]),
+            "rest": rest,
+            "full": full,
+            "worker_error": worker_error,
+            "both": both,
+            "initialized": dist.is_initialized(),
         }
         gathered = [None] * ctx.world_size
         dist.all_gather_object(gathered, facts)
         return gathered
 
-    facts = sparkdl.run(train_fn, num_workers=2, data=digits_df, feature_cols=["features"], label_col="label", batch_size=32, spark=spark, progress=False)
+    facts = sparkdl.run(
+        train_fn,
+        num_workers=2,
+        data=digits_df,
+        feature_cols=["features"],
+        label_col="label",
+        batch_size=32,
+        spark=spark,
+        progress=False,
+    )
     steps = 1437 // 64
     for rank, fact in enumerate(facts):
-        assert fact["env"]["RANK"] == str(rank) and fact["env"]["WORLD_SIZE"] == "2" and fact["env"]["LOCAL_RANK"] == "0"
+        assert (
+            fact["env"]["RANK"] == str(rank) and fact["env"]["WORLD_SIZE"] == "2" and fact["env"]["LOCAL_RANK"] == "0"
+        )
         assert fact["env"]["MASTER_PORT"] and fact["env"]["TORCHELASTIC_RUN_ID"]
         assert fact["same"] and fact["len"] == steps and fact["exact"] and fact["initialized"]
         assert fact["rest"] == steps - 4 and fact["full"] == steps
@@ -203,11 +246,11 @@ def test_shard_dataset_and_report_outside_a_task():
         sparkdl.report(loss=1.0)
 
 
-CLI_SCRIPT = '''
+CLI_SCRIPT = """
 import os, sys
 print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], "args", sys.argv[1:])
 sys.exit(4 if os.environ["RANK"] == "0" else 0)
-'''
+"""
 
 
 def test_the_cli_exits_with_the_scripts_status(tmp_path):
@@ -219,15 +262,31 @@ def test_the_cli_exits_with_the_scripts_status(tmp_path):
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=repo, PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
     done = subprocess.run(
-        [sys.executable, "-c", "import sys; from sparkdl.cli import sparkdl_main; sys.exit(sparkdl_main())", "launch", "--master", "local[2]", "--num-workers", "2", str(script), "--", "--lr", "0.1"],
-        capture_output=True, text=True, timeout=300, env=env,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from sparkdl.cli import sparkdl_main; sys.exit(sparkdl_main())",
+            "launch",
+            "--master",
+            "local[2]",
+            "--num-workers",
+            "2",
+            str(script),
+            "--",
+            "--lr",
+            "0.1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert done.returncode == 4, done.stderr[-3000:]
     assert "[sparkdl rank 1] rank 1 of 2 args ['--lr', '0.1']" in done.stdout, done.stdout[-3000:]
     assert "exited with status 4 on rank 0" in done.stderr
 
 
-RANK1_FAILS = '''
+RANK1_FAILS = """
 import os, sys, time
 rank = os.environ["RANK"]
 for i in range(4):
@@ -236,7 +295,7 @@ if rank == "1":
     print("rank 1 gives up", file=sys.stderr)
     sys.exit(3)
 time.sleep(600)  # rank 0 works on until its task is killed
-'''
+"""
 
 
 def test_the_cli_reports_a_failed_rank_in_one_paragraph(tmp_path):
@@ -250,29 +309,44 @@ def test_the_cli_reports_a_failed_rank_in_one_paragraph(tmp_path):
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=repo, PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
     done = subprocess.run(
-        [sys.executable, "-c", "import sys; from sparkdl.cli import sparkdl_main; sys.exit(sparkdl_main())", "launch", "--master", "local[2]", "--num-workers", "2", str(script)],
-        capture_output=True, text=True, timeout=300, env=env,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from sparkdl.cli import sparkdl_main; sys.exit(sparkdl_main())",
+            "launch",
+            "--master",
+            "local[2]",
+            "--num-workers",
+            "2",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     err = done.stderr
     assert done.returncode == 3, err[-3000:]
     assert err.count("exited with status 3 on rank 1") == 1, err
-    paragraph = err[err.index("sparkdl launch: training failed on rank 1"):]
+    paragraph = err[err.index("sparkdl launch: training failed on rank 1") :]
     assert "rank 1 step 3" in paragraph and "rank 1 gives up" in paragraph, err
     lines = err.splitlines()
     assert not [line for line in lines if line.startswith("\tat ") or "at org.apache" in line], err
     assert "TaskSetManager" not in err and "PythonException" not in err and "without saying bye" not in err, err
     assert len(lines) < 30, f"{len(lines)} lines on stderr:\n{err}"
     # Local mode: the executor's console is this one; each line of the ranks' output is shown once.
-    assert done.stdout.count("[sparkdl rank 1] rank 1 step 2") == 1 and "rank 1 step 2" not in err.replace(paragraph, ""), done.stdout
+    assert done.stdout.count("[sparkdl rank 1] rank 1 step 2") == 1 and "rank 1 step 2" not in err.replace(
+        paragraph, ""
+    ), done.stdout
 
 
-BOTH_FAIL = '''
+BOTH_FAIL = """
 import torch.distributed as dist, sys
 dist.init_process_group("gloo")
 dist.barrier()  # both ranks fail at the same moment
 print("giving up after the barrier")
 sys.exit(3)
-'''
+"""
 
 
 def test_identical_failures_of_several_ranks_are_reported_once(spark, tmp_path):

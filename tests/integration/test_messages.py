@@ -33,14 +33,17 @@ def test_a_nan_in_the_features_is_one_paragraph_naming_the_column(spark, digits_
     from pyspark.sql import functions as F
 
     poisoned = digits_df.withColumn(
-        "features", F.when(F.monotonically_increasing_id() == 5, F.array_repeat(F.lit(math.nan), 64)).otherwise(F.col("features"))
+        "features",
+        F.when(F.monotonically_increasing_id() == 5, F.array_repeat(F.lit(math.nan), 64)).otherwise(F.col("features")),
     )
     # Found before launch when the row is in the batch the driver checks, else by a rank.
     with pytest.raises((sparkdl.DataError, sparkdl.TrainingError)) as info:
         _estimator(epochs=2, shuffle=False).fit(poisoned)
     message = str(info.value)
     if isinstance(info.value, sparkdl.TrainingError):
-        assert info.value.exc_type == "DataError" and "DataError" in info.value.remote_traceback  # still there for whoever needs it
+        assert (
+            info.value.exc_type == "DataError" and "DataError" in info.value.remote_traceback
+        )  # still there for whoever needs it
     assert "feature column(s) features contain NaN or null values in the DataFrame" in message
     assert "Traceback" not in message and "sparkdl-cache" not in message and len(message) < 600
 
@@ -83,12 +86,19 @@ def test_a_failure_that_repeats_at_the_same_step_is_not_retried_again(spark, cap
     assert notices == 1
 
 
-def test_a_checkpoint_dir_that_cannot_be_written_is_named_before_training_and_not_retried(spark, digits_df, tmp_path, caplog):
+def test_a_checkpoint_dir_that_cannot_be_written_is_named_before_training_and_not_retried(
+    spark, digits_df, tmp_path, caplog
+):
     not_a_directory = tmp_path / "taken-by-a-file"
     not_a_directory.write_text("x")
     with caplog.at_level(logging.INFO, logger="sparkdl"), pytest.raises(sparkdl.ConfigError) as info:
         _estimator(epochs=2, checkpoint_dir=str(not_a_directory / "ckpt")).fit(digits_df)
     message = str(info.value)
-    assert message.startswith(f"checkpoint_dir='file://{not_a_directory}/ckpt' cannot be written") and "Not a directory" in message, message
+    assert (
+        message.startswith(f"checkpoint_dir='file://{not_a_directory}/ckpt' cannot be written")
+        and "Not a directory" in message
+    ), message
     # Checked on the driver before the barrier stage: no rank started, nothing was relaunched.
-    assert "attempt 1 failed" not in caplog.text and "rank 0" not in caplog.text and "epoch 1" not in caplog.text, caplog.text[-2000:]
+    assert "attempt 1 failed" not in caplog.text and "rank 0" not in caplog.text and "epoch 1" not in caplog.text, (
+        caplog.text[-2000:]
+    )

@@ -30,14 +30,24 @@ STRATEGIES = ["allreduce", "averaging", "diloco", "elastic", "ps", "sharded"]
 
 def _cluster_env(name: str, state_dir: str) -> dict:
     return {
-        **os.environ, "SPARKDL_NETCLUSTER_NAME": name, "SPARKDL_NETCLUSTER_DIR": state_dir,
+        **os.environ,
+        "SPARKDL_NETCLUSTER_NAME": name,
+        "SPARKDL_NETCLUSTER_DIR": state_dir,
         "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-        "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
     }
 
 
 def _netcluster(env: dict, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, SCRIPT, *args], env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, SCRIPT, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 @contextlib.contextmanager
@@ -55,8 +65,11 @@ def cluster_up(prefix: str, state_dir: str, *up_args: str):
         yield env, json.loads(started.stdout.strip().splitlines()[0])
     finally:
         stopped = _netcluster(env, "down")
-        left = [line for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines()
-                if line.startswith(f"{name}-")]
+        left = [
+            line
+            for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines()
+            if line.startswith(f"{name}-")
+        ]
         assert stopped.returncode == 0 and not left, f"down: {stopped.stderr[-2000:]}; namespaces left: {left}"
 
 
@@ -72,9 +85,15 @@ def _drive(env: dict, out_dir, *scenarios: str, conf=(), timeout: float = 600) -
     command = [sys.executable, SCRIPT, "exec", "h0", "--", sys.executable, APP, "--out", str(out_dir)]
     for setting in conf:
         command += ["--conf", setting]
-    done = subprocess.run([*command, *scenarios], env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    lines = [json.loads(line[len("MULTIHOST "):]) for line in done.stdout.splitlines() if line.startswith("MULTIHOST ")]
-    assert done.returncode == 0 and len(lines) == len(scenarios), f"exit {done.returncode}; stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-5000:]}"
+    done = subprocess.run(
+        [*command, *scenarios], env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+    )
+    lines = [
+        json.loads(line[len("MULTIHOST ") :]) for line in done.stdout.splitlines() if line.startswith("MULTIHOST ")
+    ]
+    assert done.returncode == 0 and len(lines) == len(scenarios), (
+        f"exit {done.returncode}; stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-5000:]}"
+    )
     return lines
 
 
@@ -111,7 +130,9 @@ def test_every_strategy_trains_across_hosts_whose_names_resolve_to_loopback(netc
         assert {rank["gloo"] for rank in line["ranks"]} == {"eth0"}, line
     transform = lines["transform"]
     _trained_across_hosts(transform)
-    assert transform["transform"]["rows"] == 360 and transform["transform"]["accuracy"] == pytest.approx(transform["accuracy"])
+    assert transform["transform"]["rows"] == 360 and transform["transform"]["accuracy"] == pytest.approx(
+        transform["accuracy"]
+    )
     resume = lines["resume"]
     _trained_across_hosts(resume)
     # Rank 1's process died at its 15th step on one host; the relaunch resumed the step-10
@@ -125,7 +146,9 @@ def test_collectives_stay_on_the_cluster_network_whatever_the_host_names_resolve
     host has and none can reach (docker0): the collectives still run over eth0, where Spark
     reaches the executors."""
     env, _state = netcluster
-    lines = _drive(env, tmp_path, "resolve:second", "fit:allreduce", "resolve:unreachable", "fit:sharded", "resolve:cluster")
+    lines = _drive(
+        env, tmp_path, "resolve:second", "fit:allreduce", "resolve:unreachable", "fit:sharded", "resolve:cluster"
+    )
     for line in (lines[1], lines[3]):
         _trained_across_hosts(line)
         for host in WORKERS:
@@ -159,7 +182,10 @@ def test_the_cluster_script_needs_root_and_says_so_in_one_line(tmp_path):
     env = _cluster_env("sdtnoroot", str(tmp_path))
     done = subprocess.run(
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, SCRIPT, "up"],
-        env=env, capture_output=True, text=True, timeout=60,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 2, done
     assert done.stderr.strip().splitlines() == [
@@ -186,7 +212,9 @@ def test_a_host_lost_mid_fit_is_detected_within_the_bound_and_the_run_goes_on_wi
     (line,) = _drive(env, tmp_path, "host_lost")
     assert line["ok"], f"{line.get('error')}\n{line.get('traceback', '')}"
     first, second = line["attempts"]
-    assert "HostLost: no word from rank 1 on host sparkdl-h" in first["error"] and second["error"] is None, line["attempts"]
+    assert "HostLost: no word from rank 1 on host sparkdl-h" in first["error"] and second["error"] is None, line[
+        "attempts"
+    ]
     assert line["cut_host"] in first["error"]
     # Silence counts from the rank's last heartbeat (every 2 s, so up to 2 s before the cut) and
     # is checked once a second: detection lies within [20 - 2, 20 + 1] s of the cut, plus noise.
@@ -204,12 +232,33 @@ def test_two_applications_from_two_hosts_train_at_once_and_nothing_crosses(netcl
     env, _state = netcluster
     one_core = ["--conf", "spark.cores.max=1", "--conf", "spark.executor.instances=1", "--workers", "1"]
     drivers = {}
-    for name, host, other, scenarios in (("a", "h0", "b", ["fit_checkpointed:allreduce"]),
-                                         ("b", "h2", "a", ["fit_checkpointed:averaging", "fit_on:2"])):
+    for name, host, other, scenarios in (
+        ("a", "h0", "b", ["fit_checkpointed:allreduce"]),
+        ("b", "h2", "a", ["fit_checkpointed:averaging", "fit_on:2"]),
+    ):
         out = tmp_path / name
-        command = [sys.executable, SCRIPT, "exec", host, "--", sys.executable, APP, "--out", str(out), "--host", host,
-                   "--ready", str(tmp_path / f"{name}.ready"), "--wait-for", str(tmp_path / f"{other}.ready"), *one_core, *scenarios]
-        drivers[name] = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+        command = [
+            sys.executable,
+            SCRIPT,
+            "exec",
+            host,
+            "--",
+            sys.executable,
+            APP,
+            "--out",
+            str(out),
+            "--host",
+            host,
+            "--ready",
+            str(tmp_path / f"{name}.ready"),
+            "--wait-for",
+            str(tmp_path / f"{other}.ready"),
+            *one_core,
+            *scenarios,
+        ]
+        drivers[name] = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL
+        )
     lines = {}
     for name, process in drivers.items():
         try:
@@ -218,7 +267,9 @@ def test_two_applications_from_two_hosts_train_at_once_and_nothing_crosses(netcl
             if process.poll() is None:
                 process.kill()
         assert process.returncode == 0, stderr[-4000:]
-        lines[name] = [json.loads(line[len("MULTIHOST "):]) for line in stdout.splitlines() if line.startswith("MULTIHOST ")]
+        lines[name] = [
+            json.loads(line[len("MULTIHOST ") :]) for line in stdout.splitlines() if line.startswith("MULTIHOST ")
+        ]
     (a,), (b, b_too_many) = lines["a"], lines["b"]
     for line in (a, b):
         assert line["ok"] and line["accuracy"] >= 0.6, line
@@ -227,7 +278,12 @@ def test_two_applications_from_two_hosts_train_at_once_and_nothing_crosses(netcl
     # The two fits overlapped in time, each with its own driver address and checkpoints.
     assert a["wall"][0] < b["wall"][1] and b["wall"][0] < a["wall"][1], (a["wall"], b["wall"])
     assert (a["driver_address"], b["driver_address"]) == ("198.18.0.1", "198.18.0.3")
-    assert a["checkpoints"] and b["checkpoints"] and a["strategy"]["name"] == "allreduce" and b["strategy"]["name"] == "model_averaging"
+    assert (
+        a["checkpoints"]
+        and b["checkpoints"]
+        and a["strategy"]["name"] == "allreduce"
+        and b["strategy"]["name"] == "model_averaging"
+    )
     # Two workers with one slot in the application: a fast, clear slot error, not a wait.
     assert not b_too_many["ok"] and b_too_many["error_type"] == "InsufficientSlotsError", b_too_many
     assert "num_workers=2 needs 2 concurrent task slots, but the cluster has 1" in b_too_many["error"], b_too_many
@@ -243,18 +299,54 @@ def test_spark_submit_runs_the_training_job_on_the_cluster_from_the_drivers_host
     data, test = write_split(str(tmp_path / "digits"))
     output = str(tmp_path / "run")
     submit = [
-        os.path.join(os.path.dirname(sys.executable), "spark-submit"), "--master", state["master_url"],
-        "--conf", f"spark.driver.host={state['cluster_addresses'][0]}", "--conf", "spark.ui.enabled=false",
-        "--conf", "spark.executor.memory=768m", "--conf", "spark.executor.instances=2",
-        "--conf", f"spark.sparkdl.cacheDir={tmp_path}/cache",
-        "--driver-java-options", f"-Dlog4j.configurationFile=file:{REPO_ROOT}/jobs/log4j2.properties",
-        "--py-files", os.path.join(REPO_ROOT, "tests", "models.py"),
+        os.path.join(os.path.dirname(sys.executable), "spark-submit"),
+        "--master",
+        state["master_url"],
+        "--conf",
+        f"spark.driver.host={state['cluster_addresses'][0]}",
+        "--conf",
+        "spark.ui.enabled=false",
+        "--conf",
+        "spark.executor.memory=768m",
+        "--conf",
+        "spark.executor.instances=2",
+        "--conf",
+        f"spark.sparkdl.cacheDir={tmp_path}/cache",
+        "--driver-java-options",
+        f"-Dlog4j.configurationFile=file:{REPO_ROOT}/jobs/log4j2.properties",
+        "--py-files",
+        os.path.join(REPO_ROOT, "tests", "models.py"),
         os.path.join(REPO_ROOT, "jobs", "train.py"),
-        "--data", data, "--model", "models:digits_mlp", "--features", "features", "--label", "label",
-        "--num-workers", "2", "--epochs", "3", "--batch-size", "32", "--optimizer", "sgd", "--lr", "0.05", "--output", output,
+        "--data",
+        data,
+        "--model",
+        "models:digits_mlp",
+        "--features",
+        "features",
+        "--label",
+        "label",
+        "--num-workers",
+        "2",
+        "--epochs",
+        "3",
+        "--batch-size",
+        "32",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--output",
+        output,
     ]
-    done = subprocess.run([sys.executable, SCRIPT, "exec", "h0", "--", *submit], env=env, capture_output=True, text=True,
-                          timeout=400, cwd=str(tmp_path), stdin=subprocess.DEVNULL)
+    done = subprocess.run(
+        [sys.executable, SCRIPT, "exec", "h0", "--", *submit],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=str(tmp_path),
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     metrics = json.load(open(os.path.join(output, "metrics.json")))
     assert metrics["status"] == "succeeded" and metrics["spark"]["master"] == state["master_url"]

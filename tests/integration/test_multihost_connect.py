@@ -28,18 +28,40 @@ def connect_cluster(tmp_path_factory):
     work = tmp_path_factory.mktemp("netcluster-connect")
     with cluster_up("sdc", str(work / "cluster"), "--hosts", "4", "--workers", "2") as (env, state):
         submit = [
-            os.path.join(os.path.dirname(sys.executable), "spark-submit"), "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
-            "--master", state["master_url"],
-            "--conf", "spark.connect.grpc.binding.address=198.18.0.1", "--conf", f"spark.connect.grpc.binding.port={PORT}",
-            "--conf", "spark.driver.host=198.18.0.1", "--conf", "spark.driver.bindAddress=198.18.0.1",
-            "--conf", "spark.ui.enabled=false", "--conf", "spark.executor.instances=2", "--conf", "spark.executor.memory=768m",
-            "--conf", f"spark.executorEnv.PYTHONPATH={REPO_ROOT}{os.pathsep}{os.path.join(REPO_ROOT, 'tests')}",
-            "--conf", f"spark.sparkdl.cacheDir={work / 'cache'}",
+            os.path.join(os.path.dirname(sys.executable), "spark-submit"),
+            "--class",
+            "org.apache.spark.sql.connect.service.SparkConnectServer",
+            "--master",
+            state["master_url"],
+            "--conf",
+            "spark.connect.grpc.binding.address=198.18.0.1",
+            "--conf",
+            f"spark.connect.grpc.binding.port={PORT}",
+            "--conf",
+            "spark.driver.host=198.18.0.1",
+            "--conf",
+            "spark.driver.bindAddress=198.18.0.1",
+            "--conf",
+            "spark.ui.enabled=false",
+            "--conf",
+            "spark.executor.instances=2",
+            "--conf",
+            "spark.executor.memory=768m",
+            "--conf",
+            f"spark.executorEnv.PYTHONPATH={REPO_ROOT}{os.pathsep}{os.path.join(REPO_ROOT, 'tests')}",
+            "--conf",
+            f"spark.sparkdl.cacheDir={work / 'cache'}",
             "spark-internal",
         ]
         with open(work / "server.log", "w") as log:
-            server = subprocess.Popen([sys.executable, SCRIPT, "exec", "h0", "--", *submit], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
+            server = subprocess.Popen(
+                [sys.executable, SCRIPT, "exec", "h0", "--", *submit],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         try:
             yield env, work
         finally:
@@ -52,15 +74,33 @@ def connect_cluster(tmp_path_factory):
                     server.wait(timeout=30)
 
 
-def test_a_connect_client_on_another_host_trains_and_an_unreachable_client_address_fails_in_bounded_time(connect_cluster):
+def test_a_connect_client_on_another_host_trains_and_an_unreachable_client_address_fails_in_bounded_time(
+    connect_cluster,
+):
     env, work = connect_cluster
     done = subprocess.run(
-        [sys.executable, SCRIPT, "exec", "h3", "--", sys.executable, CLIENT, f"sc://198.18.0.1:{PORT}", str(work / "client")],
-        env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+        [
+            sys.executable,
+            SCRIPT,
+            "exec",
+            "h3",
+            "--",
+            sys.executable,
+            CLIENT,
+            f"sc://198.18.0.1:{PORT}",
+            str(work / "client"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
     )
     server_log = (work / "server.log").read_text(errors="replace")[-3000:]
     assert done.returncode == 0, f"{done.stderr[-4000:]}\nserver:\n{server_log}"
-    fit, unreachable = [json.loads(line[len("MULTIHOST "):]) for line in done.stdout.splitlines() if line.startswith("MULTIHOST ")]
+    fit, unreachable = [
+        json.loads(line[len("MULTIHOST ") :]) for line in done.stdout.splitlines() if line.startswith("MULTIHOST ")
+    ]
     assert fit["ok"], fit
     # The client listened on its own cluster address (the route to the Connect server), and every
     # epoch reached it while the fit ran.

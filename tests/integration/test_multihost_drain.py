@@ -7,7 +7,6 @@ decommissioned worker stays so. Needs root, as tests/integration/test_multihost.
 
 from __future__ import annotations
 
-
 import pytest
 
 from tests.integration.test_multihost import _drive, cluster_up
@@ -18,16 +17,24 @@ pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 @pytest.fixture
 def decommissioning_cluster(tmp_path_factory):
     state_dir = str(tmp_path_factory.mktemp("netcluster-drain"))
-    with cluster_up("sdd", state_dir, "--hosts", "3", "--spark-conf", "spark.decommission.enabled=true") as (env, _state):
+    with cluster_up("sdd", state_dir, "--hosts", "3", "--spark-conf", "spark.decommission.enabled=true") as (
+        env,
+        _state,
+    ):
         yield env
 
 
-@pytest.mark.parametrize("how, conf", [
-    ("decommission", ["spark.decommission.enabled=true"]),
-    # SIGTERM decommissions instead of killing the executor (Kubernetes, spot reclaim).
-    ("sigterm", ["spark.decommission.enabled=true", "spark.executor.decommission.signal=TERM"]),
-])
-def test_a_decommissioned_host_drains_the_run_with_a_checkpoint_and_it_resumes_there(decommissioning_cluster, tmp_path, how, conf):
+@pytest.mark.parametrize(
+    "how, conf",
+    [
+        ("decommission", ["spark.decommission.enabled=true"]),
+        # SIGTERM decommissions instead of killing the executor (Kubernetes, spot reclaim).
+        ("sigterm", ["spark.decommission.enabled=true", "spark.executor.decommission.signal=TERM"]),
+    ],
+)
+def test_a_decommissioned_host_drains_the_run_with_a_checkpoint_and_it_resumes_there(
+    decommissioning_cluster, tmp_path, how, conf
+):
     (line,) = _drive(decommissioning_cluster, tmp_path, f"drain:{how}", conf=conf)
     assert line["ok"], f"{line.get('error')}\n{line.get('traceback', '')}"
     first, second = line["attempts"]

@@ -26,7 +26,9 @@ AUTH = ["spark.authenticate=true", f"spark.authenticate.secret={SECRET}"]
 
 @pytest.fixture(scope="module")
 def authenticated_cluster(tmp_path_factory):
-    conf = [argument for setting in [*AUTH, "spark.network.crypto.enabled=true"] for argument in ("--spark-conf", setting)]
+    conf = [
+        argument for setting in [*AUTH, "spark.network.crypto.enabled=true"] for argument in ("--spark-conf", setting)
+    ]
     with cluster_up("sde", str(tmp_path_factory.mktemp("netcluster-auth")), "--hosts", "3", *conf) as (env, _state):
         yield env
 
@@ -35,7 +37,11 @@ def _captured_run(env: dict, out_dir, conf: list, *scenarios: str):
     """The app's lines, and every frame that crossed the bridges while it ran."""
     capture, stop = str(out_dir / "wire.bin"), str(out_dir / "stop")
     os.makedirs(out_dir, exist_ok=True)
-    recorder = subprocess.Popen([sys.executable, SCRIPT, "capture", capture, "--stop", stop, "--max-s", "500"], env=env, stdin=subprocess.DEVNULL)
+    recorder = subprocess.Popen(
+        [sys.executable, SCRIPT, "capture", capture, "--stop", stop, "--max-s", "500"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         while not os.path.exists(capture + ".ready"):  # the socket is open: bounded poll
@@ -44,12 +50,16 @@ def _captured_run(env: dict, out_dir, conf: list, *scenarios: str):
         command = [sys.executable, SCRIPT, "exec", "h0", "--", sys.executable, APP, "--out", str(out_dir / "app")]
         for setting in conf:
             command += ["--conf", setting]
-        done = subprocess.run([*command, *scenarios], env=env, capture_output=True, text=True, timeout=500, stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            [*command, *scenarios], env=env, capture_output=True, text=True, timeout=500, stdin=subprocess.DEVNULL
+        )
     finally:
         open(stop, "w").close()
         recorder.wait(timeout=60)
     assert done.returncode == 0, done.stderr[-4000:]
-    lines = [json.loads(line[len("MULTIHOST "):]) for line in done.stdout.splitlines() if line.startswith("MULTIHOST ")]
+    lines = [
+        json.loads(line[len("MULTIHOST ") :]) for line in done.stdout.splitlines() if line.startswith("MULTIHOST ")
+    ]
     return lines, open(capture, "rb").read()
 
 

@@ -15,7 +15,9 @@ import pytest
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
-NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "notebook.ipynb")
+NOTEBOOK = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "notebook.ipynb"
+)
 EPOCHS = 6  # what the notebook's fit cell asks for
 
 
@@ -39,8 +41,16 @@ def _recording_client(notebook: Any, **kwargs: Any) -> Any:
         def process_message(self, msg: Dict[str, Any], cell: Any, cell_index: int) -> Any:
             kind = msg["msg_type"]
             if kind in ("display_data", "update_display_data"):
-                self.displays.append({"type": kind, "cell": cell_index, "at": time.monotonic(), "sent": msg["header"]["date"], "data": msg["content"].get("data", {}),
-                                      "display_id": msg["content"].get("transient", {}).get("display_id")})
+                self.displays.append(
+                    {
+                        "type": kind,
+                        "cell": cell_index,
+                        "at": time.monotonic(),
+                        "sent": msg["header"]["date"],
+                        "data": msg["content"].get("data", {}),
+                        "display_id": msg["content"].get("transient", {}).get("display_id"),
+                    }
+                )
             return super().process_message(msg, cell, cell_index)
 
     return RecordingClient(notebook, **kwargs)
@@ -71,7 +81,9 @@ def executed(tmp_path_factory):
 
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     env_dir = tmp_path_factory.mktemp("notebook")
-    client = _recording_client(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(env_dir)}})
+    client = _recording_client(
+        notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(env_dir)}}
+    )
     # The kernel is started from this interpreter (ipykernel's native "python3" is sys.executable);
     # its executors run the same one.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -81,8 +93,13 @@ def executed(tmp_path_factory):
 
 def test_every_cell_ran_without_an_error(executed):
     notebook, _ = executed
-    errors = [(i, out.get("ename"), out.get("evalue")) for i, cell in enumerate(notebook.cells) if cell.cell_type == "code"
-              for out in cell.get("outputs", []) if out.output_type == "error"]
+    errors = [
+        (i, out.get("ename"), out.get("evalue"))
+        for i, cell in enumerate(notebook.cells)
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+        if out.output_type == "error"
+    ]
     assert errors == []
     assert all(cell.get("execution_count") for cell in notebook.cells if cell.cell_type == "code")
 

@@ -35,14 +35,23 @@ def executor_python(tmp_path_factory):
     venv.EnvBuilder(with_pip=False).create(str(root))
     site = subprocess.run(
         [str(root / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.strip()
     with open(os.path.join(site, "pinned-stack.pth"), "w") as handle:
         handle.write(sysconfig.get_paths()["purelib"] + "\n")  # .venv's site-packages, as a plain path
     python = str(root / "bin" / "python")
     probe = subprocess.run(
-        [python, "-c", "import torch, pyspark, pyarrow\ntry:\n import sparkdl\nexcept ImportError:\n print('no sparkdl')"],
-        capture_output=True, text=True, cwd=str(root), env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        [
+            python,
+            "-c",
+            "import torch, pyspark, pyarrow\ntry:\n import sparkdl\nexcept ImportError:\n print('no sparkdl')",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=str(root),
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
     )
     assert probe.returncode == 0 and probe.stdout.strip() == "no sparkdl", probe.stdout + probe.stderr
     return python
@@ -53,18 +62,44 @@ def _submit(executor_python, tmp_path, py_files, output):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
     command = [
-        os.path.join(BIN, "spark-submit"), "--master", "local[2]",
-        "--conf", "spark.driver.host=127.0.0.1",
-        "--conf", "spark.ui.enabled=false",
-        "--conf", f"spark.pyspark.python={executor_python}",  # executors: no sparkdl
-        "--conf", f"spark.pyspark.driver.python={sys.executable}",  # driver: .venv, with sparkdl
-        "--conf", f"spark.sparkdl.cacheDir={tmp_path}/cache",
-        "--driver-java-options", f"-Dlog4j.configurationFile=file:{REPO_ROOT}/jobs/log4j2.properties",
-        "--py-files", ",".join(py_files),
+        os.path.join(BIN, "spark-submit"),
+        "--master",
+        "local[2]",
+        "--conf",
+        "spark.driver.host=127.0.0.1",
+        "--conf",
+        "spark.ui.enabled=false",
+        "--conf",
+        f"spark.pyspark.python={executor_python}",  # executors: no sparkdl
+        "--conf",
+        f"spark.pyspark.driver.python={sys.executable}",  # driver: .venv, with sparkdl
+        "--conf",
+        f"spark.sparkdl.cacheDir={tmp_path}/cache",
+        "--driver-java-options",
+        f"-Dlog4j.configurationFile=file:{REPO_ROOT}/jobs/log4j2.properties",
+        "--py-files",
+        ",".join(py_files),
         os.path.join(REPO_ROOT, "jobs", "train.py"),
-        "--data", data, "--model", "models:digits_mlp", "--features", "features", "--label", "label",
-        "--num-workers", "2", "--epochs", "2", "--batch-size", "32", "--optimizer", "sgd", "--lr", "0.05",
-        "--output", output,
+        "--data",
+        data,
+        "--model",
+        "models:digits_mlp",
+        "--features",
+        "features",
+        "--label",
+        "label",
+        "--num-workers",
+        "2",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "32",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--output",
+        output,
     ]
     # cwd away from the repository, so nothing finds sparkdl/ by accident.
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=str(tmp_path))
@@ -74,7 +109,11 @@ def test_missing_sparkdl_on_executors_fails_with_how_to_ship_it(executor_python,
     output = str(tmp_path / "run")
     result = _submit(executor_python, tmp_path, [os.path.join(REPO_ROOT, "tests", "models.py")], output)
     assert result.returncode == 1, (result.stdout + result.stderr)[-3000:]
-    message = next(line for line in (result.stdout + result.stderr).splitlines() if line.startswith("sparkdl-train: training failed"))
+    message = next(
+        line
+        for line in (result.stdout + result.stderr).splitlines()
+        if line.startswith("sparkdl-train: training failed")
+    )
     assert "No module named 'sparkdl'" in message
     assert "--py-files / --archives" in message  # the launcher's advice
     text = result.stdout + result.stderr
@@ -86,11 +125,17 @@ def test_missing_sparkdl_on_executors_fails_with_how_to_ship_it(executor_python,
 
 def test_sparkdl_zip_on_py_files_trains_on_executors_without_sparkdl(executor_python, tmp_path):
     zip_path = str(tmp_path / "sparkdl.zip")
-    built = subprocess.run([os.path.join(BIN, "sparkdl"), "package", "--output", zip_path], capture_output=True, text=True, timeout=60)
+    built = subprocess.run(
+        [os.path.join(BIN, "sparkdl"), "package", "--output", zip_path], capture_output=True, text=True, timeout=60
+    )
     assert built.returncode == 0, built.stderr
     assert built.stdout.strip() == zip_path
     names = zipfile.ZipFile(zip_path).namelist()
-    assert "sparkdl/__init__.py" in names and "sparkdl/strategies/allreduce.py" in names and "connectors/__init__.py" in names
+    assert (
+        "sparkdl/__init__.py" in names
+        and "sparkdl/strategies/allreduce.py" in names
+        and "connectors/__init__.py" in names
+    )
 
     output = str(tmp_path / "run")
     result = _submit(executor_python, tmp_path, [zip_path, os.path.join(REPO_ROOT, "tests", "models.py")], output)
@@ -113,14 +158,20 @@ def test_building_sparkdl_prints_no_warning_of_its_own_packaging(tmp_path):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(os.path.join(REPO_ROOT, name), source / name)
     for package in ("sparkdl", "connectors"):
-        shutil.copytree(os.path.join(REPO_ROOT, package), source / package, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(
+            os.path.join(REPO_ROOT, package), source / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", str(source), "-w", str(tmp_path / "wheel")],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     output = built.stdout + built.stderr
     assert built.returncode == 0, output
-    ours = [line for line in output.splitlines() if "warning" in line.lower() and "is ignored" not in line]  # pip's own index notes
+    ours = [
+        line for line in output.splitlines() if "warning" in line.lower() and "is ignored" not in line
+    ]  # pip's own index notes
     assert ours == [], output
     [wheel] = os.listdir(tmp_path / "wheel")
     with zipfile.ZipFile(tmp_path / "wheel" / wheel) as archive:

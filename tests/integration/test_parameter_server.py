@@ -87,7 +87,9 @@ def slow_runs(digits_df) -> Callable[[sparkdl.Strategy], Dict[str, Any]]:
                 batch_size=32,
                 progress=False,
             )
-            print(f"\n{strategy}: steps/s per rank {cache[strategy]['steps_per_sec']}, staleness per epoch {cache[strategy]['staleness']}")
+            print(
+                f"\n{strategy}: steps/s per rank {cache[strategy]['steps_per_sec']}, staleness per epoch {cache[strategy]['staleness']}"
+            )
         return cache[strategy]
 
     return get
@@ -169,14 +171,22 @@ def test_a_worker_that_dies_fails_the_fit_naming_it(spark, digits_df):
     started = time.monotonic()
     with pytest.raises(sparkdl.TrainingError) as info:
         sparkdl.run(
-            train_fn, num_workers=2, strategy=sparkdl.ParameterServer(max_staleness=0), data=digits_df,
-            feature_cols=["features"], label_col="label", batch_size=32, progress=False,
+            train_fn,
+            num_workers=2,
+            strategy=sparkdl.ParameterServer(max_staleness=0),
+            data=digits_df,
+            feature_cols=["features"],
+            label_col="label",
+            batch_size=32,
+            progress=False,
         )
     assert time.monotonic() - started < FAILURE_BOUND_S
     first = info.value.failures[0]
     # The launcher names the dead process (WorkerLost); if rank 0's own error wins the race to
     # the driver, it names rank 1 as the peer it lost.
-    assert (first.rank, first.exc_type) == (1, "WorkerLost") or (first.rank == 0 and "rank 1" in first.message), info.value.failures
+    assert (first.rank, first.exc_type) == (1, "WorkerLost") or (first.rank == 0 and "rank 1" in first.message), (
+        info.value.failures
+    )
     for failure in info.value.failures:
         assert failure.rank == 1 or "rank 1" in failure.message, failure
     assert sparkdl.run(lambda ctx: ctx.world_size, num_workers=2, progress=False) == 2

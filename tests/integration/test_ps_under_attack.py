@@ -23,7 +23,6 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
-import torch
 
 import sparkdl
 from sparkdl._net.server import recv_exact
@@ -158,7 +157,11 @@ def test_an_established_worker_keeps_training_while_a_bad_peer_attacks_its_serve
                 # Bulk-synchronous: every step either rank finishes needs the other's push to rank
                 # 1's server, so each step after the attack proves that server kept serving rank 0.
                 strategy=sparkdl.ParameterServer(max_staleness=0),
-                data=digits_df, feature_cols=["features"], label_col="label", batch_size=32, progress=False,
+                data=digits_df,
+                feature_cols=["features"],
+                label_col="label",
+                batch_size=32,
+                progress=False,
                 spark=spark,  # the active session is per thread: this one runs the fit
             )
         except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
@@ -227,7 +230,11 @@ def _relaunched_loop(marker: str, out_dir: str) -> Callable[[Any], int]:
         model = ctx.prepare_model(_torch.nn.Linear(64, 10))
         optimizer = ctx.prepare_optimizer(_torch.optim.SGD(model.parameters(), lr=0.1))
         server = ctx._rank.strategy._server
-        facts = {"host": server.address[0], "port": server.address[1], "secret": _hashlib.sha256(server._secret).hexdigest()}
+        facts = {
+            "host": server.address[0],
+            "port": server.address[1],
+            "secret": _hashlib.sha256(server._secret).hexdigest(),
+        }
         path = _os.path.join(out_dir, f"attempt{attempt}-rank{ctx.rank}.json")
         with open(path + ".tmp", "w") as out:
             _json.dump(facts, out)
@@ -253,7 +260,11 @@ def test_a_relaunch_gets_a_new_secret_and_new_ports(spark, digits_df, tmp_path):
         _relaunched_loop(str(tmp_path / "died"), str(out_dir)),
         num_workers=2,
         strategy=sparkdl.ParameterServer(max_staleness=0),
-        data=digits_df, feature_cols=["features"], label_col="label", batch_size=32, progress=False,
+        data=digits_df,
+        feature_cols=["features"],
+        label_col="label",
+        batch_size=32,
+        progress=False,
         max_failures=1,
     )
     assert attempt == 2

@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 import sparkdl
 from sparkdl.data.dataset import inspect_dataset
-from sparkdl.data.spec import DataSpec
 from sparkdl.data.readers import reader_from_name
 from sparkdl.data.selection import shard_rows
+from sparkdl.data.spec import DataSpec
 from tests.models import accuracy, digits_mlp, pairs
 
 pytestmark = pytest.mark.spark
@@ -26,7 +26,9 @@ def _write_ids(path, row_groups_per_file):
     os.makedirs(path, exist_ok=True)
     next_id = 0
     for index, sizes in enumerate(row_groups_per_file):
-        with pq.ParquetWriter(os.path.join(path, f"part-{index}.parquet"), pa.schema([("id", pa.float64()), ("label", pa.int64())])) as writer:
+        with pq.ParquetWriter(
+            os.path.join(path, f"part-{index}.parquet"), pa.schema([("id", pa.float64()), ("label", pa.int64())])
+        ) as writer:
             for size in sizes:
                 ids = np.arange(next_id, next_id + size)
                 next_id += size
@@ -46,8 +48,16 @@ def test_both_readers_hand_every_rank_the_same_batches(spark, tmp_path):
     path = _write_ids(tmp_path / "ids", [[120, 40, 17], [100, 23]])
     runs = {
         reader: sparkdl.run(
-            _record_ids, num_workers=2, data=path, feature_cols=["id"], label_col="label", batch_size=8, seed=4,
-            reader=reader, spark=spark, progress=False,
+            _record_ids,
+            num_workers=2,
+            data=path,
+            feature_cols=["id"],
+            label_col="label",
+            batch_size=8,
+            seed=4,
+            reader=reader,
+            spark=spark,
+            progress=False,
         )
         for reader in ("petastorm", "arrow")
     }
@@ -88,9 +98,17 @@ def test_fit_with_validation_metrics_filters_and_transform(spark, tmp_path, read
     path = _digits_raw(tmp_path / "digits")
     filters = [("label", "!=", 109)]  # no nines, in training or validation
     estimator = sparkdl.TorchEstimator(
-        model=digits_mlp, optimizer=lambda p: torch.optim.Adam(p, lr=3e-3), num_workers=2, batch_size=32, epochs=6,
-        reader=reader, filters=filters, transform_fn=_undo_encoding, validation=0.2,
-        metrics={"accuracy": _accuracy, "max_label": _max_label}, progress=False,
+        model=digits_mlp,
+        optimizer=lambda p: torch.optim.Adam(p, lr=3e-3),
+        num_workers=2,
+        batch_size=32,
+        epochs=6,
+        reader=reader,
+        filters=filters,
+        transform_fn=_undo_encoding,
+        validation=0.2,
+        metrics={"accuracy": _accuracy, "max_label": _max_label},
+        progress=False,
     )
     model = estimator.fit(path)
     info = inspect_dataset(path, ["features"], "label", filters=filters)
@@ -119,8 +137,16 @@ def test_custom_loop_validates_on_a_separate_dataframe(spark, digits_df, digits_
         return ctx.validate(model, torch.nn.functional.cross_entropy), sizes, ctx.final_module(model).state_dict()
 
     result, sizes, state = sparkdl.run(
-        train_fn, num_workers=2, data=digits_df, feature_cols=["features"], label_col="label", batch_size=32,
-        validation=digits_test_df, metrics={"accuracy": _accuracy}, spark=spark, progress=False,
+        train_fn,
+        num_workers=2,
+        data=digits_df,
+        feature_cols=["features"],
+        label_col="label",
+        batch_size=32,
+        validation=digits_test_df,
+        metrics={"accuracy": _accuracy},
+        spark=spark,
+        progress=False,
     )
     _, (test_x, test_y) = digits_split
     module = digits_mlp()
@@ -163,9 +189,9 @@ def test_petastorm_codec_dataset_reads_identically_with_both_readers(spark, tmp_
         petastorm = np.concatenate([f for f, _ in out["petastorm"][rank]])
         np.testing.assert_array_equal(arrow, petastorm)
         assert arrow.shape[1:] == (3, 4)
-        labels = np.concatenate([l for _, l in out["arrow"][rank]])
+        labels = np.concatenate([labels for _, labels in out["arrow"][rank]])
         np.testing.assert_array_equal(arrow[:, 0, 0], labels)
-    seen = [set(np.concatenate([l for _, l in out["arrow"][rank]]).tolist()) for rank in range(2)]
+    seen = [set(np.concatenate([labels for _, labels in out["arrow"][rank]]).tolist()) for rank in range(2)]
     assert seen[0] | seen[1] == set(range(120)) and not seen[0] & seen[1]
 
 
@@ -174,9 +200,21 @@ def test_nan_met_by_the_arrow_reader_names_column_file_and_row_group(spark, tmp_
     os.makedirs(path)
     x = np.ones((64, 4), dtype=np.float32)
     x[40, 2] = np.nan
-    pq.write_table(pa.table({"f": pa.array(list(x), type=pa.list_(pa.float32())), "label": np.zeros(64, dtype=np.int64)}),
-                   path + "/p.parquet", row_group_size=32)
-    estimator = sparkdl.TorchEstimator(model=lambda: torch.nn.Linear(4, 2), feature_cols=["f"], num_workers=2,
-                                       batch_size=8, reader="arrow", progress=False)
-    with pytest.raises(sparkdl.TrainingError, match="feature column\\(s\\) f contain NaN or null values in row group 1 of file .*p.parquet"):
+    pq.write_table(
+        pa.table({"f": pa.array(list(x), type=pa.list_(pa.float32())), "label": np.zeros(64, dtype=np.int64)}),
+        path + "/p.parquet",
+        row_group_size=32,
+    )
+    estimator = sparkdl.TorchEstimator(
+        model=lambda: torch.nn.Linear(4, 2),
+        feature_cols=["f"],
+        num_workers=2,
+        batch_size=8,
+        reader="arrow",
+        progress=False,
+    )
+    with pytest.raises(
+        sparkdl.TrainingError,
+        match="feature column\\(s\\) f contain NaN or null values in row group 1 of file .*p.parquet",
+    ):
         estimator.fit(path)

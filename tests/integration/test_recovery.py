@@ -77,7 +77,9 @@ def _estimator(strategy, checkpoint_dir, loss=None, **overrides):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_killed_trainer_resumes_from_the_checkpoint_exactly(spark, digits_df, digits_split, tmp_path, strategy):
     reference = _estimator(strategy, str(tmp_path / "reference")).fit(digits_df)
-    assert reference.run_info["attempts"] == [{"attempt": 1, "seconds": pytest.approx(reference.run_info["attempts"][0]["seconds"]), "error": None}]
+    assert reference.run_info["attempts"] == [
+        {"attempt": 1, "seconds": pytest.approx(reference.run_info["attempts"][0]["seconds"]), "error": None}
+    ]
 
     killer = _KillOnce(str(tmp_path / "killed-once"), at=KILL_AT_STEP)
     resumed = _estimator(strategy, str(tmp_path / "resumed"), loss=killer).fit(digits_df)
@@ -94,13 +96,18 @@ def test_killed_trainer_resumes_from_the_checkpoint_exactly(spark, digits_df, di
     assert accuracy(resumed.module, test_x, test_y) >= 0.85
     # Under AllReduce every rank holds the same weights: the checkpoint keeps one copy of them.
     checkpoint = open_store(CheckpointConfig(str(tmp_path / "resumed"))).load_latest()
-    copies = sum("model" in part.user for part in checkpoint.ranks) + sum("model" in (part.replicated or {}) for part in checkpoint.ranks)
+    copies = sum("model" in part.user for part in checkpoint.ranks) + sum(
+        "model" in (part.replicated or {}) for part in checkpoint.ranks
+    )
     assert copies == (1 if isinstance(strategy, sparkdl.AllReduce) else 2)
     # torch DCP's layout: each rank wrote its own part, the manifest names both. Under AllReduce
     # that one copy is split: each rank's part holds a share of the model's tensors.
     directory = tmp_path / "resumed" / f"ckpt-{checkpoint.step:012d}"
     assert sorted(os.listdir(directory)) == [MANIFEST, "rank-00000.pt", "rank-00001.pt"]
-    assert [p["name"] for p in json.loads((directory / MANIFEST).read_text())["parts"]] == ["rank-00000.pt", "rank-00001.pt"]
+    assert [p["name"] for p in json.loads((directory / MANIFEST).read_text())["parts"]] == [
+        "rank-00000.pt",
+        "rank-00001.pt",
+    ]
     parts = [decode_part((directory / f"rank-0000{r}.pt").read_bytes(), checkpoint.step, 2, r) for r in range(2)]
     assert all(bool(part.replicated_leaves) for part in parts) == isinstance(strategy, sparkdl.AllReduce)
     stats = resumed.run_info["checkpoints"]

@@ -12,20 +12,36 @@ import logging
 import pytest
 
 import sparkdl
-from tests.integration.test_elastic import ALL_ROWS, BATCH, ROWS, _epoch_ids, _IdLoop, ids_data  # noqa: F401 - a fixture
+from tests.integration.test_elastic import ALL_ROWS, BATCH, ROWS, _epoch_ids, _IdLoop, write_ids_data
 
 pytestmark = pytest.mark.spark
 
 
+@pytest.fixture(scope="module")
+def ids_data(tmp_path_factory) -> str:
+    return write_ids_data(tmp_path_factory)
+
+
 def _run(spark, df, loop, num_workers, checkpoint_dir):
     return sparkdl.run(
-        loop, num_workers=num_workers, data=df, feature_cols=["id", "x0"], label_col="label", batch_size=BATCH, seed=0,
-        spark=spark, progress=False, checkpoint_dir=checkpoint_dir, checkpoint_async=False,
+        loop,
+        num_workers=num_workers,
+        data=df,
+        feature_cols=["id", "x0"],
+        label_col="label",
+        batch_size=BATCH,
+        seed=0,
+        spark=spark,
+        progress=False,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_async=False,
     )
 
 
 @pytest.mark.parametrize("old_world, new_world", [(2, 2), (2, 1)])
-def test_a_new_driver_resuming_on_a_dataframe_materialized_again_trains_no_row_twice(spark, ids_data, tmp_path, caplog, old_world, new_world):
+def test_a_new_driver_resuming_on_a_dataframe_materialized_again_trains_no_row_twice(
+    spark, ids_data, tmp_path, caplog, old_world, new_world
+):
     from pyspark.sql import functions as F
 
     log_dir, checkpoint_dir = tmp_path / "log", str(tmp_path / "ckpt")
@@ -46,7 +62,10 @@ def test_a_new_driver_resuming_on_a_dataframe_materialized_again_trains_no_row_t
     # Replaying the old positions onto the new copy would train rows here, some of them again.
     assert not after, f"the interrupted epoch went on over other rows: {sum((before & after).values())} rows twice"
     left = steps - (at - steps)
-    assert f"epoch 2 ends here ({left} of its steps per rank skipped) and training resumes at the start of epoch 3" in caplog.text
+    assert (
+        f"epoch 2 ends here ({left} of its steps per rank skipped) and training resumes at the start of epoch 3"
+        in caplog.text
+    )
     assert "the DataFrame" in caplog.text and "train on a Parquet URL" in caplog.text
     # The next epoch, on the new copy: a whole one, every row at most once.
     third = _epoch_ids(str(log_dir), 2, 3)

@@ -28,7 +28,15 @@ class _FactsWithOtherThreadsAtStart:
         self.at_start = (torch.get_num_threads(), os.environ["OMP_NUM_THREADS"])
 
     def __call__(self, ctx):
-        facts = (ctx.rank, ctx.world_size, str(ctx.device), torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS"), self.at_start, os.environ.get("SPARKDL_TEST_WORKERS"))
+        facts = (
+            ctx.rank,
+            ctx.world_size,
+            str(ctx.device),
+            torch.get_num_threads(),
+            os.environ.get("OMP_NUM_THREADS"),
+            self.at_start,
+            os.environ.get("SPARKDL_TEST_WORKERS"),
+        )
         gathered = [None] * ctx.world_size
         dist.all_gather_object(gathered, facts)
         return gathered
@@ -108,7 +116,14 @@ def test_custom_loop_trains_with_the_strategy_helpers(spark, digits_df, digits_s
         return ctx.final_module(model).state_dict(), ctx.comm_bytes
 
     state, comm_bytes = sparkdl.run(
-        train_fn, num_workers=2, data=digits_df, feature_cols=["features"], label_col="label", batch_size=32, spark=spark, progress=False
+        train_fn,
+        num_workers=2,
+        data=digits_df,
+        feature_cols=["features"],
+        label_col="label",
+        batch_size=32,
+        spark=spark,
+        progress=False,
     )
     module = digits_mlp()
     module.load_state_dict(state)
@@ -189,7 +204,13 @@ def test_an_allreduce_fit_closes_its_rendezvous_when_it_returns(spark, digits_df
         return digits_mlp()
 
     sparkdl.TorchEstimator(
-        model=model_fn, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), strategy=sparkdl.AllReduce(), num_workers=2, batch_size=64, epochs=1, progress=False
+        model=model_fn,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        strategy=sparkdl.AllReduce(),
+        num_workers=2,
+        batch_size=64,
+        epochs=1,
+        progress=False,
     ).fit(digits_df)
     with open(record) as handle:
         seen = json.load(handle)

@@ -34,7 +34,13 @@ def _cluster_module():
 
 def _cluster(command, state_dir, timeout=180):
     env = {**os.environ, "PATH": BIN + os.pathsep + os.environ.get("PATH", "")}
-    return subprocess.run([sys.executable, SCRIPT, command, "--dir", str(state_dir)], env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, SCRIPT, command, "--dir", str(state_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture
@@ -61,22 +67,53 @@ def test_spark_submit_trains_on_a_standalone_cluster(standalone, tmp_path):
     assert status.returncode == 0 and "2/2 worker(s) alive" in status.stderr, status.stderr
     data, test = write_split(str(tmp_path / "digits"))  # 1,437 training rows, 360 held out
     output = str(tmp_path / "run")
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
+    env = {
+        **os.environ,
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+    }
     command = [
-        os.path.join(BIN, "spark-submit"), "--master", url,
-        "--conf", "spark.driver.host=127.0.0.1",
-        "--conf", "spark.ui.enabled=false",
-        "--conf", "spark.executor.memory=768m",
+        os.path.join(BIN, "spark-submit"),
+        "--master",
+        url,
+        "--conf",
+        "spark.driver.host=127.0.0.1",
+        "--conf",
+        "spark.ui.enabled=false",
+        "--conf",
+        "spark.executor.memory=768m",
         # Standalone executors register one by one; this tells sparkdl's slot check to wait for
         # both instead of failing on the first (docs/deploy.md; sparkdl._driver.cluster._expected_executors).
-        "--conf", "spark.executor.instances=2",
-        "--conf", f"spark.sparkdl.cacheDir={tmp_path}/cache",
-        "--driver-java-options", f"-Dlog4j.configurationFile=file:{REPO_ROOT}/jobs/log4j2.properties",
-        "--py-files", os.path.join(REPO_ROOT, "tests", "models.py"),
+        "--conf",
+        "spark.executor.instances=2",
+        "--conf",
+        f"spark.sparkdl.cacheDir={tmp_path}/cache",
+        "--driver-java-options",
+        f"-Dlog4j.configurationFile=file:{REPO_ROOT}/jobs/log4j2.properties",
+        "--py-files",
+        os.path.join(REPO_ROOT, "tests", "models.py"),
         os.path.join(REPO_ROOT, "jobs", "train.py"),
-        "--data", data, "--model", "models:digits_mlp", "--features", "features", "--label", "label",
-        "--num-workers", "2", "--epochs", "3", "--batch-size", "32", "--optimizer", "sgd", "--lr", "0.05",
-        "--output", output,
+        "--data",
+        data,
+        "--model",
+        "models:digits_mlp",
+        "--features",
+        "features",
+        "--label",
+        "label",
+        "--num-workers",
+        "2",
+        "--epochs",
+        "3",
+        "--batch-size",
+        "32",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--output",
+        output,
     ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, cwd=str(tmp_path))
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
@@ -132,13 +169,20 @@ def compose_validator():
     installed here, and nothing outside the project. Not covered, unlike `docker-compose config`:
     ${VAR} interpolation (the file has none), docker-compose's own format checks of port strings,
     and its cross-service checks (the test checks depends_on and networks itself)."""
-    result = subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", "bootstrap-airflow"), "--check"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["bash", os.path.join(REPO_ROOT, "scripts", "bootstrap-airflow"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     python = result.stdout.strip().splitlines()[-1]
     schema = os.path.join(os.path.dirname(os.path.dirname(python)), "share", "sparkdl", "compose_spec.json")
 
     def validate(path):
-        return subprocess.run([python, "-c", COMPOSE_VALIDATOR, schema, str(path)], capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [python, "-c", COMPOSE_VALIDATOR, schema, str(path)], capture_output=True, text=True, timeout=120
+        )
 
     return validate
 
@@ -162,11 +206,20 @@ def test_docker_compose_file_is_valid_and_describes_the_cluster(compose_validato
     assert all(str(p).startswith("127.0.0.1:") for p in master["ports"])  # published on loopback only
     for worker in ("spark-worker-1", "spark-worker-2"):
         command = services[worker]["command"]
-        assert command[:2] == ["spark-class", "org.apache.spark.deploy.worker.Worker"] and command[-1] == "spark://spark-master:7077"
+        assert (
+            command[:2] == ["spark-class", "org.apache.spark.deploy.worker.Worker"]
+            and command[-1] == "spark://spark-master:7077"
+        )
         assert services[worker]["depends_on"]["spark-master"]["condition"] == "service_healthy"
     connect = services["spark-connect"]
-    assert connect["command"][:3] == ["spark-submit", "--class", "org.apache.spark.sql.connect.service.SparkConnectServer"]
-    assert "spark://spark-master:7077" in connect["command"] and all(str(p).startswith("127.0.0.1:") for p in connect["ports"])
+    assert connect["command"][:3] == [
+        "spark-submit",
+        "--class",
+        "org.apache.spark.sql.connect.service.SparkConnectServer",
+    ]
+    assert "spark://spark-master:7077" in connect["command"] and all(
+        str(p).startswith("127.0.0.1:") for p in connect["ports"]
+    )
     # The schema really validates: a misspelled key and a malformed port are rejected.
     original = open(compose_file).read()
     for broken_text, complaint in (

@@ -148,4 +148,3 @@ def test_model_averaging_cuts_comm_bytes_by_about_tau(fit):
     # DDP sends every gradient every step; averaging sends the same number of parameter bytes
     # once every 8 steps (the MLP has no buffers), so the ratio is ~8 up to epoch boundaries.
     assert 5 <= allreduce / averaging <= 12, (allreduce, averaging)
-

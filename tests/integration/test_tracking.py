@@ -39,8 +39,12 @@ def test_fit_logs_params_metrics_model_to_mlflow_and_scalars_to_tensorboard(spar
     est = sparkdl.TorchEstimator(
         model=digits_mlp,
         optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
-        num_workers=2, batch_size=32, epochs=EPOCHS, progress=False,
-        mlflow_experiment="digits-tracking", tensorboard_dir=str(tmp_path / "tb"),
+        num_workers=2,
+        batch_size=32,
+        epochs=EPOCHS,
+        progress=False,
+        mlflow_experiment="digits-tracking",
+        tensorboard_dir=str(tmp_path / "tb"),
     )
     model = est.fit(digits_df)
 
@@ -56,13 +60,19 @@ def test_fit_logs_params_metrics_model_to_mlflow_and_scalars_to_tensorboard(spar
     losses = mlflow_store.get_metric_history(run.info.run_id, "loss")
     assert sorted((m.step, m.value) for m in losses) == [(r["epoch"], pytest.approx(r["loss"])) for r in model.history]
     for rank in (0, 1):
-        assert [m.step for m in mlflow_store.get_metric_history(run.info.run_id, f"rank{rank}_samples_per_sec")] == [1, 2, 3]
+        assert [m.step for m in mlflow_store.get_metric_history(run.info.run_id, f"rank{rank}_samples_per_sec")] == [
+            1,
+            2,
+            3,
+        ]
     # The model artifact is a TorchModel directory that loads back to the same weights.
     artifacts = {a.path for a in mlflow_store.list_artifacts(run.info.run_id, "model")}
     assert {"model/metadata.json", "model/state_dict.pt", "model/model_fn.pkl"} <= artifacts
     import mlflow
 
-    local = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="model", dst_path=str(tmp_path / "download"))
+    local = mlflow.artifacts.download_artifacts(
+        run_id=run.info.run_id, artifact_path="model", dst_path=str(tmp_path / "download")
+    )
     loaded = sparkdl.TorchModel.load(local, model=digits_mlp)
     for name, tensor in model.module.state_dict().items():
         assert torch.equal(tensor, loaded.module.state_dict()[name]), name
@@ -85,7 +95,9 @@ class _Exploding(torch.nn.Module):
 
 @pytest.mark.spark
 def test_failed_fit_ends_the_mlflow_run_as_failed(spark, digits_df, mlflow_store):
-    est = sparkdl.TorchEstimator(model=_Exploding, num_workers=2, batch_size=32, epochs=1, progress=False, mlflow_experiment="digits-failing")
+    est = sparkdl.TorchEstimator(
+        model=_Exploding, num_workers=2, batch_size=32, epochs=1, progress=False, mlflow_experiment="digits-failing"
+    )
     with pytest.raises(sparkdl.TrainingError, match="boom in forward"):
         est.fit(digits_df)
     experiment = mlflow_store.get_experiment_by_name("digits-failing")
@@ -105,7 +117,11 @@ def test_tracker_logs_each_epoch_once_and_catches_up_from_history(tmp_path):
     on_record({"rank": 0, "epoch": 1, "custom": 1.0})  # ctx.report(...) metrics: not an epoch record
 
     class Finished:
-        history = [{"epoch": 1, "loss": 2.0}, {"epoch": 2, "loss": 1.0, "note": "text"}, {"epoch": 3, "loss": float("nan")}]
+        history = [
+            {"epoch": 1, "loss": 2.0},
+            {"epoch": 2, "loss": 1.0, "note": "text"},
+            {"epoch": 3, "loss": float("nan")},
+        ]
 
     info = tracker.finish(Finished())
     assert info == {"tensorboard_dir": str(tmp_path / "tb")}

@@ -54,7 +54,9 @@ class _StallOnce:
         return torch.nn.functional.cross_entropy(output, label)
 
 
-def test_a_rank_stalled_in_the_fit_loop_is_named_with_its_phase_and_the_relaunch_completes(spark, digits_df, digits_split, tmp_path):
+def test_a_rank_stalled_in_the_fit_loop_is_named_with_its_phase_and_the_relaunch_completes(
+    spark, digits_df, digits_split, tmp_path
+):
     """One rank, so the stalled rank is certain: with two, the other rank waits in the same step's
     gradient sync, and which of the two stood still first, as the driver's heartbeats saw it, is a
     race (on a loaded machine the waiting rank's heartbeats can be the older ones)."""
@@ -142,7 +144,9 @@ def test_ctrl_c_during_a_fit_cancels_the_spark_job(spark, digits_df, tmp_path, c
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: delivered to the main thread, in fit()
 
     interrupter = threading.Thread(target=interrupt_once_training, name="test-ctrl-c")
-    estimator = _estimator(sparkdl.AllReduce(), None, loss=_ReportPid(fifo), epochs=10_000, max_failures=0, checkpoint_every=None)
+    estimator = _estimator(
+        sparkdl.AllReduce(), None, loss=_ReportPid(fifo), epochs=10_000, max_failures=0, checkpoint_every=None
+    )
     try:
         interrupter.start()
         with caplog.at_level("WARNING", logger="sparkdl"), pytest.raises(KeyboardInterrupt):

@@ -15,18 +15,17 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from tests.models import pairs
 from sparkdl._runtime.validation import validation_source
-from sparkdl.data.batching import validation_batches
 from sparkdl.data import selection
-from sparkdl.data.readers.arrow import ArrowReader
+from sparkdl.data.batching import batches, validation_batches
 from sparkdl.data.dataset import inspect_dataset
-from sparkdl.data.batching import batches
-from sparkdl.data.spec import DataSpec, ValidationSpec
 from sparkdl.data.readers import reader_from_name
+from sparkdl.data.readers.arrow import ArrowReader
 from sparkdl.data.readers.petastorm import PetastormReader
 from sparkdl.data.selection import holdout_mask, shard_rows
+from sparkdl.data.spec import DataSpec, ValidationSpec
 from sparkdl.errors import ConfigError, DataError
+from tests.models import pairs
 
 READERS = [pytest.param("petastorm", marks=pytest.mark.petastorm), "arrow"]
 UNEVEN = [[300, 40, 17, 5], [100], [64, 64]]  # 7 row groups, 590 rows
@@ -47,7 +46,9 @@ def write_ids(path, row_groups_per_file, filesystem=None) -> str:
                 pa.table(
                     {
                         "id": ids.astype(np.float64),
-                        "vec": pa.array(list(np.stack([ids, ids * 2], 1).astype(np.float32)), type=pa.list_(pa.float32())),
+                        "vec": pa.array(
+                            list(np.stack([ids, ids * 2], 1).astype(np.float32)), type=pa.list_(pa.float32())
+                        ),
                         "label": (ids % 3).astype(np.int64),
                         "group": (ids // 100).astype(np.int32),
                         "note": [f"row {i}" for i in ids],
@@ -240,7 +241,10 @@ def test_only_the_needed_columns_are_read(uneven, reader_name, monkeypatch):
     "filters, keep",
     [
         ([("id", ">=", 500)], lambda i: i >= 500),
-        ([[("label", "==", 0), ("id", "<", 100)], [("group", "==", 4)]], lambda i: (i % 3 == 0 and i < 100) or i // 100 == 4),
+        (
+            [[("label", "==", 0), ("id", "<", 100)], [("group", "==", 4)]],
+            lambda i: (i % 3 == 0 and i < 100) or i // 100 == 4,
+        ),
         (pc.field("note").isin(["row 7", "row 589"]), lambda i: i in (7, 589)),
     ],
 )
@@ -271,7 +275,9 @@ def test_row_groups_ruled_out_by_statistics_are_not_read(uneven, monkeypatch):
 
 
 def test_a_filter_on_an_unknown_column_fails_on_the_driver(uneven):
-    with pytest.raises(DataError, match="filters .*cannot be applied to dataset .*columns: id, vec, label, group, note"):
+    with pytest.raises(
+        DataError, match="filters .*cannot be applied to dataset .*columns: id, vec, label, group, note"
+    ):
         inspect_dataset(uneven, ["id"], "label", filters=[("price", ">", 3)])
     with pytest.raises(DataError, match="neither a pyarrow.compute expression nor pyarrow's DNF form"):
         inspect_dataset(uneven, ["id"], "label", filters="id > 3")
@@ -297,9 +303,9 @@ def test_transform_fn_runs_on_every_batch_with_numpy_in_and_out(uneven):
 @pytest.mark.parametrize(
     "transform_fn, message",
     [
-        (lambda f, l: f, "must return a \\(features, labels\\) tuple"),
-        (lambda f, l: (f[:3], l[:3]), "must keep the batch's 16 rows, returned 3 features and 3 labels"),
-        (lambda f, l: (f.tolist(), l), "must return numpy arrays, got \\(list, ndarray\\)"),
+        (lambda f, y: f, "must return a \\(features, labels\\) tuple"),
+        (lambda f, y: (f[:3], y[:3]), "must keep the batch's 16 rows, returned 3 features and 3 labels"),
+        (lambda f, y: (f.tolist(), y), "must return numpy arrays, got \\(list, ndarray\\)"),
     ],
 )
 def test_a_bad_transform_fn_is_named(uneven, transform_fn, message):

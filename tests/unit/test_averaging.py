@@ -17,11 +17,10 @@ import torch
 import torch.distributed as dist
 
 import sparkdl
-from sparkdl.strategies.base import DistEnv
 from sparkdl.errors import ConfigError
 from sparkdl.strategies._tensors import SyncingOptimizer
 from sparkdl.strategies.averaging import ElasticAveraging, ModelAveraging
-from sparkdl.strategies.base import strategy_from_name
+from sparkdl.strategies.base import DistEnv, strategy_from_name
 from tests.gloo import join_group, save_results, spawn_ranks
 
 WORLD = 2
@@ -85,8 +84,14 @@ def _train(runtime: Any, rank: int, steps: int) -> Dict[str, Any]:
         comm.append(runtime.comm_bytes)
     final = runtime.final_module(model)
     record.update(
-        pre=pre, grads=grads, momenta=momenta, post=post, comm=comm,
-        final=_snapshot(final), final_is_model=final is model, comm_final=runtime.comm_bytes,
+        pre=pre,
+        grads=grads,
+        momenta=momenta,
+        post=post,
+        comm=comm,
+        final=_snapshot(final),
+        final_is_model=final is model,
+        comm_final=runtime.comm_bytes,
         syncs=runtime.syncs,
     )
     return record
@@ -111,7 +116,14 @@ def _misuse(env: DistEnv) -> Dict[str, str]:
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
     join_group(rank, port, WORLD)
-    env = DistEnv(rank=rank, world_size=WORLD, device=torch.device("cpu"), backend="gloo", master_addr="127.0.0.1", master_port=port)
+    env = DistEnv(
+        rank=rank,
+        world_size=WORLD,
+        device=torch.device("cpu"),
+        backend="gloo",
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
     try:
         ma = ModelAveraging(sync_every=MA["sync_every"], warmup_steps=MA["warmup_steps"])
         ea_runtime = ElasticAveraging(sync_every=EA["sync_every"]).create_runtime(env)
@@ -170,7 +182,13 @@ def test_model_averaging_average_is_the_mean_and_local_steps_stay_local(ranks):
         post = [r["ma"]["post"][step] for r in ranks]
         if step + 1 in (1, 2, 5, 8):
             for key in keys:
-                np.testing.assert_allclose(post[0][key].double().numpy(), _mean(pre, key), rtol=1e-6, atol=1e-7, err_msg=f"step {step + 1} {key}")
+                np.testing.assert_allclose(
+                    post[0][key].double().numpy(),
+                    _mean(pre, key),
+                    rtol=1e-6,
+                    atol=1e-7,
+                    err_msg=f"step {step + 1} {key}",
+                )
         else:
             for p, q in zip(pre, post):
                 assert all(torch.equal(p[k], q[k]) for k in p), f"step {step + 1} was local but changed the weights"
@@ -185,8 +203,18 @@ def test_model_averaging_continues_from_the_average_with_local_momentum(ranks):
         for step in range(1, MA["steps"]):
             for name in run["grads"][step]:
                 buf = run["momenta"][step][name]
-                np.testing.assert_allclose(buf.numpy(), (MOMENTUM * run["momenta"][step - 1][name] + run["grads"][step][name]).numpy(), rtol=1e-6, atol=1e-7)
-                np.testing.assert_allclose(run["pre"][step][name].numpy(), (run["post"][step - 1][name] - LR * buf).numpy(), rtol=1e-6, atol=1e-7)
+                np.testing.assert_allclose(
+                    buf.numpy(),
+                    (MOMENTUM * run["momenta"][step - 1][name] + run["grads"][step][name]).numpy(),
+                    rtol=1e-6,
+                    atol=1e-7,
+                )
+                np.testing.assert_allclose(
+                    run["pre"][step][name].numpy(),
+                    (run["post"][step - 1][name] - LR * buf).numpy(),
+                    rtol=1e-6,
+                    atol=1e-7,
+                )
     # After the step-8 average the weights agree, the momentum buffers do not.
     assert not _identical([r["ma"]["momenta"][7] for r in ranks], ["linear.weight"])
 
@@ -233,7 +261,13 @@ def test_elastic_update_matches_the_easgd_formulas(ranks):
             diffs = [p[key] - center[key] for p in pre]
             for rank, (p, q) in enumerate(zip(pre, post)):
                 expected = p[key] - alpha * diffs[rank] if synced else p[key]
-                np.testing.assert_allclose(q[key].double().numpy(), expected, rtol=1e-5, atol=1e-6, err_msg=f"step {step + 1} rank {rank} {key}")
+                np.testing.assert_allclose(
+                    q[key].double().numpy(),
+                    expected,
+                    rtol=1e-5,
+                    atol=1e-6,
+                    err_msg=f"step {step + 1} rank {rank} {key}",
+                )
             if synced:
                 center[key] = center[key] + alpha * np.sum(diffs, axis=0)
         # Elastic averaging keeps the replicas apart: they never become identical.
@@ -266,7 +300,14 @@ def test_loops_that_skip_prepare_optimizer_fail_clearly(ranks):
 
 
 def _env(world_size: int) -> DistEnv:
-    return DistEnv(rank=0, world_size=world_size, device=torch.device("cpu"), backend="gloo", master_addr="127.0.0.1", master_port=1)
+    return DistEnv(
+        rank=0,
+        world_size=world_size,
+        device=torch.device("cpu"),
+        backend="gloo",
+        master_addr="127.0.0.1",
+        master_port=1,
+    )
 
 
 @pytest.mark.parametrize(
@@ -300,7 +341,12 @@ def test_strategies_are_registered_exported_and_frozen():
     assert strategy_from_name("model_averaging", sync_every=4) == sparkdl.ModelAveraging(sync_every=4)
     assert strategy_from_name("elastic_averaging", alpha=0.2) == sparkdl.ElasticAveraging(alpha=0.2)
     assert sparkdl.ModelAveraging.identical_final_weights and sparkdl.ElasticAveraging.identical_final_weights
-    assert ModelAveraging(sync_every=4).describe() == {"name": "model_averaging", "sync_every": 4, "warmup_steps": 0, "outer_optimizer": None}
+    assert ModelAveraging(sync_every=4).describe() == {
+        "name": "model_averaging",
+        "sync_every": 4,
+        "warmup_steps": 0,
+        "outer_optimizer": None,
+    }
     with pytest.raises(AttributeError):
         ModelAveraging().sync_every = 2  # type: ignore[misc]
 

@@ -19,7 +19,12 @@ OTHER_UID = 65534  # nobody
 
 
 def _as_other_user(*command: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", *command], capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", *command],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 @pytest.fixture
@@ -81,7 +86,7 @@ def test_a_configured_local_cache_dir_gets_a_private_directory_of_this_driver(sh
     os.makedirs(parent)
     os.chmod(parent, 0o1777)  # a team's shared directory
     root = cache._private_root(f"file://{parent}")
-    path = root[len("file://"):]
+    path = root[len("file://") :]
     assert os.path.dirname(path) == parent and os.path.basename(path).startswith(f"sparkdl-cache-{os.getpid()}-")
     assert stat.S_IMODE(os.lstat(path).st_mode) == 0o700 and cache._private_root(root) == root
     assert cache._private_root("hdfs://namenode/cache") == "hdfs://namenode/cache"  # the store's to protect
@@ -110,7 +115,13 @@ sys.stdin.read()  # blocked in a system call, as a driver waiting on Spark is
 def test_sigterm_deletes_the_copy_and_ends_with_the_signals_status(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    driver = subprocess.Popen([sys.executable, "-c", _HOLDS_A_COPY.format(root=root)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _HOLDS_A_COPY.format(root=root)],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         path = driver.stdout.readline().strip()
         assert os.path.exists(os.path.join(path, "part-0.parquet"))

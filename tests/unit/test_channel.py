@@ -169,9 +169,7 @@ def get(q: queue.Queue):
     return q.get(timeout=WAIT)
 
 
-def assert_good_client_works(
-    server: ChannelServer, secret: bytes, rec: Recorder, rank: int = 0
-) -> None:
+def assert_good_client_works(server: ChannelServer, secret: bytes, rec: Recorder, rank: int = 0) -> None:
     with ChannelClient(server.address, secret, rank=rank) as client:
         client.send({"kind": "progress", "epoch": 1})
         assert get(rec.messages) == (rank, {"kind": "progress", "epoch": 1})
@@ -217,7 +215,9 @@ def _send_from_threads(client, rec, threads: int, per_thread: int, message):
 
 def test_concurrent_sends_from_threads_arrive_intact(server, secret, rec):
     with ChannelClient(server.address, secret, rank=2) as client:
-        got = _send_from_threads(client, rec, 4, 50, lambda t, i: {"kind": "log", "thread": t, "i": i, "pad": "x" * 1000})
+        got = _send_from_threads(
+            client, rec, 4, 50, lambda t, i: {"kind": "log", "thread": t, "i": i, "pad": "x" * 1000}
+        )
     assert all(rank == 2 for rank, _ in got)
     for t in range(4):
         assert [m["i"] for _, m in got if m["thread"] == t] == list(range(50))
@@ -246,6 +246,7 @@ def test_wrong_secret_is_rejected_and_server_keeps_serving(server, secret, rec, 
 
 def test_client_rejects_server_with_bad_magic(secret):
     with socket.create_server((HOST, 0)) as fake:
+
         def serve() -> None:
             conn, _ = fake.accept()
             with conn:
@@ -362,7 +363,9 @@ def test_a_server_that_hangs_up_on_every_connection_is_retried_then_named(secret
             stop.set()
             thread.join(WAIT)
     text = str(info.value)
-    assert "did not complete the handshake within 1.5 s" in text and "closed the connection before its greeting" in text, text
+    assert (
+        "did not complete the handshake within 1.5 s" in text and "closed the connection before its greeting" in text
+    ), text
     assert "bad greeting" not in text and len(accepted) > 2, (text, len(accepted))
 
 
@@ -611,7 +614,9 @@ def test_flood_of_unauthenticated_connections_is_bounded_and_summarized(secret, 
 
     flooder = subprocess.Popen(
         [sys.executable, "-c", _FLOODER, *map(str, server.address)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         with ChannelClient(server.address, secret, rank=0) as client:
@@ -672,7 +677,9 @@ def test_both_modes_round_trip_with_concurrent_senders(make_server, secret, rec,
     assert server.encrypt is encrypt
     with ChannelClient(server.address, secret, rank=5, encrypt=encrypt) as client:
         assert client.encrypt is encrypt
-        got = _send_from_threads(client, rec, 4, 25, lambda t, i: {"kind": "log", "thread": t, "i": i, "line": "ünïcode ✓" * (i + 1)})
+        got = _send_from_threads(
+            client, rec, 4, 25, lambda t, i: {"kind": "log", "thread": t, "i": i, "line": "ünïcode ✓" * (i + 1)}
+        )
     for t in range(4):  # frame counters follow the wire order even with threads racing
         assert [m["i"] for _, m in got if m["thread"] == t] == list(range(25))
     assert get(rec.disconnects) == (5, True)

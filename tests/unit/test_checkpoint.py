@@ -8,10 +8,11 @@ import threading
 import pytest
 import torch
 
-from sparkdl._runtime.checkpoint_writer import CheckpointWriteError, CheckpointWriter, capture, owners, snapshot
 from sparkdl._driver import Decision, FailurePolicy, LaunchConfig
+from sparkdl._net.rendezvous_client import StoreClient
+from sparkdl._net.rendezvous_store import StoreServer
+from sparkdl._runtime.checkpoint_writer import CheckpointWriteError, CheckpointWriter, capture, owners, snapshot
 from sparkdl._runtime.rendezvous import rendezvous, teardown
-from sparkdl._net.rendezvous_store import StoreClient, StoreServer
 from sparkdl.checkpoint import MANIFEST, Checkpoint, CheckpointConfig, open_store, tree_leaves
 from sparkdl.context import TrainContext
 from sparkdl.errors import ConfigError, RankFailure, TrainingError
@@ -55,13 +56,21 @@ def test_failure_policy(exc_type, message, failures_so_far, expected):
 
 def test_an_attempt_that_fails_like_the_previous_one_is_not_retried():
     policy = FailurePolicy(max_failures=5)
-    first = TrainingError([RankFailure(1, "RuntimeError", "bad batch", "", "training step 7 (forward, backward, sync, optimizer)")])
+    first = TrainingError(
+        [RankFailure(1, "RuntimeError", "bad batch", "", "training step 7 (forward, backward, sync, optimizer)")]
+    )
     assert policy.decide(first, 1) is Decision.RETRY
-    again = TrainingError([RankFailure(1, "RuntimeError", "bad batch", "", "training step 7 (forward, backward, sync, optimizer)")])
+    again = TrainingError(
+        [RankFailure(1, "RuntimeError", "bad batch", "", "training step 7 (forward, backward, sync, optimizer)")]
+    )
     assert policy.decide(again, 2, previous=first) is Decision.RAISE
-    elsewhere = TrainingError([RankFailure(1, "RuntimeError", "bad batch", "", "training step 9 (forward, backward, sync, optimizer)")])
+    elsewhere = TrainingError(
+        [RankFailure(1, "RuntimeError", "bad batch", "", "training step 9 (forward, backward, sync, optimizer)")]
+    )
     assert policy.decide(elsewhere, 2, previous=first) is Decision.RETRY
-    other_rank = TrainingError([RankFailure(0, "RuntimeError", "bad batch", "", "training step 7 (forward, backward, sync, optimizer)")])
+    other_rank = TrainingError(
+        [RankFailure(0, "RuntimeError", "bad batch", "", "training step 7 (forward, backward, sync, optimizer)")]
+    )
     assert policy.decide(other_rank, 2, previous=first) is Decision.RETRY
 
 
@@ -81,14 +90,18 @@ def test_the_snapshot_is_a_copy_that_later_training_does_not_change():
     view.mul_(0)
     state["history"].append({"loss": 0.5})
     state["model"]["w2"] = torch.ones(1)
-    assert torch.equal(copy["model"]["w"], torch.zeros(4, 3)) and torch.equal(copy["model"]["v"], torch.tensor([2.0, 3.0, 4.0]))
+    assert torch.equal(copy["model"]["w"], torch.zeros(4, 3)) and torch.equal(
+        copy["model"]["v"], torch.tensor([2.0, 3.0, 4.0])
+    )
     assert copy["history"] == [{"loss": 1.0}] and set(copy["model"]) == {"w", "v"}
     assert copy["model"]["v"].untyped_storage().nbytes() == 3 * 4
     assert copy["pair"][1] == "x" and copy["model"]["w"].data_ptr() != weight.data_ptr()
 
 
 def _adam_state(hidden=16):
-    model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden), torch.nn.Linear(hidden, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden), torch.nn.Linear(hidden, 2)
+    )
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.randn(4, 8)).sum().backward()
     optimizer.step()
@@ -100,14 +113,19 @@ def test_replicated_state_is_split_over_the_ranks_once_and_made_whole_again():
     world_size = 3
     leaves = tree_leaves(state)
     chosen = owners(leaves, world_size)
-    sizes = [sum(leaves[i].numel() * leaves[i].element_size() for i, r in chosen.items() if r == rank) for rank in range(world_size)]
+    sizes = [
+        sum(leaves[i].numel() * leaves[i].element_size() for i, r in chosen.items() if r == rank)
+        for rank in range(world_size)
+    ]
     largest = max(leaf.numel() * leaf.element_size() for leaf in leaves if isinstance(leaf, torch.Tensor))
     assert max(sizes) - min(sizes) <= largest  # balanced up to one tensor
     parts = [capture({"rank": r}, state, {}, None, 0, torch.device("cpu"), r, world_size) for r in range(world_size)]
     held = [i for part in parts for i in part.replicated_leaves]
     assert sorted(held) == sorted(chosen) and len(held) == len(set(held))  # each tensor exactly once
     for part in parts:  # a rank copies only its share: the other tensors are not in its part
-        assert sum(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(part.replicated)) == len(part.replicated_leaves)
+        assert sum(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(part.replicated)) == len(
+            part.replicated_leaves
+        )
     whole = Checkpoint.from_parts(5, world_size, parts)
     assert whole.user_state(2)["rank"] == 2
     merged = whole.user_state(1)
@@ -200,7 +218,7 @@ def test_a_failing_rank_logs_a_write_error_at_close_instead_of_replacing_its_own
     with caplog.at_level("WARNING", logger="sparkdl.rank0"):
         with pytest.raises(ZeroDivisionError):
             try:
-                1 / 0
+                raise ZeroDivisionError
             finally:
                 ctx.close()
     assert any("could not write checkpoint" in r.getMessage() for r in caplog.records)
@@ -211,7 +229,9 @@ def _writers(tmp_path, world_size, stats):
     server = StoreServer("127.0.0.1", b"s" * 32, timeout_s=10)
     clients = [StoreClient(server.address, b"s" * 32, r, datetime.timedelta(seconds=10)) for r in range(world_size)]
     writers = [
-        CheckpointWriter(open_store(CheckpointConfig(str(tmp_path / "ckpt"), keep=2)), r, world_size, stats[r], client=clients[r])
+        CheckpointWriter(
+            open_store(CheckpointConfig(str(tmp_path / "ckpt"), keep=2)), r, world_size, stats[r], client=clients[r]
+        )
         for r in range(world_size)
     ]
     return server, clients, writers
@@ -224,7 +244,10 @@ def test_the_last_rank_to_store_its_part_commits_and_nobody_waits_for_the_others
     state = _adam_state()
     try:
         for step in (10, 20):
-            parts = [capture({"r": r, "step": step}, state, {}, None, step + r, torch.device("cpu"), r, world_size) for r in range(world_size)]
+            parts = [
+                capture({"r": r, "step": step}, state, {}, None, step + r, torch.device("cpu"), r, world_size)
+                for r in range(world_size)
+            ]
             threads = [threading.Thread(target=writers[r].submit, args=(step, parts[r])) for r in range(world_size)]
             for thread in threads:
                 thread.start()
@@ -260,7 +283,10 @@ def test_ranks_that_save_different_steps_in_one_call_get_an_error(tmp_path):
         writers[0].submit(5, capture({}, None, {}, None, 0, torch.device("cpu"), 0, 2))
         writers[0].wait()
         writers[1].submit(6, capture({}, None, {}, None, 0, torch.device("cpu"), 1, 2))
-        with pytest.raises(CheckpointWriteError, match=r"rank 1 could not write checkpoint .*ckpt-000000000006: .*different steps \[5, 6\]"):
+        with pytest.raises(
+            CheckpointWriteError,
+            match=r"rank 1 could not write checkpoint .*ckpt-000000000006: .*different steps \[5, 6\]",
+        ):
             writers[1].wait()
     finally:
         for client in clients:

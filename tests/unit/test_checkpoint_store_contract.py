@@ -31,7 +31,9 @@ from sparkdl.checkpoint import (
 def _damage_newest_file(store, how, target):
     """Rewrites the newest checkpoint's manifest or rank 1's part, through the store's own filesystem."""
     _, fs, root = filesystem.open_url(store.url, "checkpoint_dir")
-    path = filesystem.join(root, f"ckpt-{store.steps()[-1]:012d}/{MANIFEST if target == 'manifest' else 'rank-00001.pt'}")
+    path = filesystem.join(
+        root, f"ckpt-{store.steps()[-1]:012d}/{MANIFEST if target == 'manifest' else 'rank-00001.pt'}"
+    )
     data = filesystem.read_bytes(fs, path)
     damaged = {
         "truncate": data[: len(data) // 2],
@@ -64,8 +66,15 @@ def store_and_damage(request, tmp_path):
 
 def _replicated(step):
     """Model and optimizer state as AllReduce ranks hold it: identical on every rank."""
-    weights = {"0.weight": torch.full((8, 4), float(step)), "0.bias": torch.arange(8.0) + step, "2.weight": torch.ones(3, 8) * step}
-    optimizer = {"state": {0: {"step": torch.tensor(float(step)), "exp_avg": torch.full((8, 4), step / 10)}}, "param_groups": [{"lr": 0.1, "params": [0, 1, 2]}]}
+    weights = {
+        "0.weight": torch.full((8, 4), float(step)),
+        "0.bias": torch.arange(8.0) + step,
+        "2.weight": torch.ones(3, 8) * step,
+    }
+    optimizer = {
+        "state": {0: {"step": torch.tensor(float(step)), "exp_avg": torch.full((8, 4), step / 10)}},
+        "param_groups": [{"lr": 0.1, "params": [0, 1, 2]}],
+    }
     return {"model": weights, "optimizer": optimizer, "epochs": (step, "done")}
 
 
@@ -74,10 +83,15 @@ def _checkpoint(step, world_size=2, scale=1.0, split=True):
     ranks save it), else rank 0 holds all of it (as single-file checkpoints did)."""
     ranks = []
     for r in range(world_size):
-        shared, leaves = share(_replicated(step), r, world_size) if split else (_replicated(step) if r == 0 else None, None)
+        shared, leaves = (
+            share(_replicated(step), r, world_size) if split else (_replicated(step) if r == 0 else None, None)
+        )
         ranks.append(
             RankState(
-                user={"w": torch.arange(6, dtype=torch.float64).reshape(2, 3) * step * scale, "meta": {"step": step, "rank": r}},
+                user={
+                    "w": torch.arange(6, dtype=torch.float64).reshape(2, 3) * step * scale,
+                    "meta": {"step": step, "rank": r},
+                },
                 replicated=shared,
                 strategy={"center": torch.ones(3) * r},
                 torch_rng=torch.get_rng_state(),
@@ -92,7 +106,9 @@ def _checkpoint(step, world_size=2, scale=1.0, split=True):
 
 def _assert_replicated_is_whole(loaded, step):
     expected = _replicated(step)
-    assert loaded.ranks[0].replicated.keys() == expected.keys() and all(part.replicated is None for part in loaded.ranks[1:])
+    assert loaded.ranks[0].replicated.keys() == expected.keys() and all(
+        part.replicated is None for part in loaded.ranks[1:]
+    )
     for name, tensor in expected["model"].items():
         assert torch.equal(loaded.ranks[0].replicated["model"][name], tensor), name
     state = loaded.ranks[0].replicated["optimizer"]["state"][0]

@@ -33,7 +33,12 @@ def test_umbrella_command_dispatches_and_rejects_unknown_commands(capsys):
 def test_console_scripts_are_registered():
     pyproject = open(os.path.join(REPO_ROOT, "pyproject.toml")).read()
     assert 'sparkdl = "sparkdl.cli:sparkdl_main"' in pyproject and 'sparkdl-train = "sparkdl.cli:main"' in pyproject
-    result = subprocess.run([os.path.join(os.path.dirname(sys.executable), "sparkdl"), "--help"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "sparkdl"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0 and "predict" in result.stdout
 
 
@@ -41,20 +46,51 @@ def test_cli_package_keeps_the_one_module_names():
     """sparkdl/cli/ is one module per command; sparkdl.cli.NAME and ``python -m`` stay as they were."""
     import pickle
 
-    for name in ("main", "sparkdl_main", "train", "predict", "predict_main", "describe", "format_description", "inspect_main",
-                 "package", "package_main", "throughput", "rank_rates", "load_factory", "parse_inputs", "build_parser"):
+    for name in (
+        "main",
+        "sparkdl_main",
+        "train",
+        "predict",
+        "predict_main",
+        "describe",
+        "format_description",
+        "inspect_main",
+        "package",
+        "package_main",
+        "throughput",
+        "rank_rates",
+        "load_factory",
+        "parse_inputs",
+        "build_parser",
+    ):
         assert callable(getattr(cli, name)), name
-    assert set(cli.COMMANDS) == {"train", "predict", "inspect", "package", "launch", "compare"} and issubclass(cli.UsageError, Exception)
+    assert set(cli.COMMANDS) == {"train", "predict", "inspect", "package", "launch", "compare"} and issubclass(
+        cli.UsageError, Exception
+    )
     factory = _train._optimizer_factory("sgd", 0.1, 0.9)  # executors import it by reference
     assert type(pickle.loads(pickle.dumps(factory))) is _train._OptimizerFactory
-    result = subprocess.run([sys.executable, "-m", "sparkdl.cli", "--help"], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", "sparkdl.cli", "--help"], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
+    )
     assert result.returncode == 0 and "usage: sparkdl train" in result.stdout
 
 
 class _FakeModel:
     history = [
-        {"epoch": 1, "loss": 2.0, "samples_per_sec": 100.0, "rank0_samples_per_sec": 60.0, "rank1_samples_per_sec": 40.0},
-        {"epoch": 2, "loss": 1.0, "samples_per_sec": 120.0, "rank0_samples_per_sec": 70.0, "rank1_samples_per_sec": 50.0},
+        {
+            "epoch": 1,
+            "loss": 2.0,
+            "samples_per_sec": 100.0,
+            "rank0_samples_per_sec": 60.0,
+            "rank1_samples_per_sec": 40.0,
+        },
+        {
+            "epoch": 2,
+            "loss": 1.0,
+            "samples_per_sec": 120.0,
+            "rank0_samples_per_sec": 70.0,
+            "rank1_samples_per_sec": 50.0,
+        },
     ]
     run_info = {"num_workers": 2, "steps": {"resumed_at": 0}}
 
@@ -99,17 +135,55 @@ def test_train_passes_recovery_and_tracking_options_and_writes_metrics(tmp_path,
     captured = {}
     _fake_spark(monkeypatch, captured)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    code = cli.sparkdl_main([
-        "train", "--data", "/data/x", "--model", "tests.models:digits_mlp", "--features", "features", "--label", "label",
-        "--output", str(tmp_path / "run"), "--checkpoint-dir", "/ckpt/x", "--checkpoint-every", "50", "--max-failures", "3",
-        "--checkpoint-sync", "--no-resume", "--mlflow-experiment", "exp", "--mlflow-tracking-uri", "file:/tmp/mlruns", "--tensorboard-dir", "/tb",
-        "--master", "local[2]", "--reader", "petastorm", "--validation", "0.1", "--precision", "bf16-mixed", "--slot-wait", "90",
-    ])
+    code = cli.sparkdl_main(
+        [
+            "train",
+            "--data",
+            "/data/x",
+            "--model",
+            "tests.models:digits_mlp",
+            "--features",
+            "features",
+            "--label",
+            "label",
+            "--output",
+            str(tmp_path / "run"),
+            "--checkpoint-dir",
+            "/ckpt/x",
+            "--checkpoint-every",
+            "50",
+            "--max-failures",
+            "3",
+            "--checkpoint-sync",
+            "--no-resume",
+            "--mlflow-experiment",
+            "exp",
+            "--mlflow-tracking-uri",
+            "file:/tmp/mlruns",
+            "--tensorboard-dir",
+            "/tb",
+            "--master",
+            "local[2]",
+            "--reader",
+            "petastorm",
+            "--validation",
+            "0.1",
+            "--precision",
+            "bf16-mixed",
+            "--slot-wait",
+            "90",
+        ]
+    )
     assert code == 0
     kwargs = captured["estimator"]
     assert kwargs["slot_wait_s"] == 90.0
     assert (kwargs["reader"], kwargs["validation"], kwargs["precision"]) == ("petastorm", 0.1, "bf16-mixed")
-    assert (kwargs["checkpoint_dir"], kwargs["checkpoint_every"], kwargs["max_failures"], kwargs["resume"]) == ("/ckpt/x", 50, 3, False)
+    assert (kwargs["checkpoint_dir"], kwargs["checkpoint_every"], kwargs["max_failures"], kwargs["resume"]) == (
+        "/ckpt/x",
+        50,
+        3,
+        False,
+    )
     assert kwargs["checkpoint_async"] is False
     assert (kwargs["mlflow_experiment"], kwargs["tensorboard_dir"]) == ("exp", "/tb")
     assert os.environ["MLFLOW_TRACKING_URI"] == "file:/tmp/mlruns"
@@ -117,7 +191,11 @@ def test_train_passes_recovery_and_tracking_options_and_writes_metrics(tmp_path,
     assert captured["conf"] == {"spark.ui.showConsoleProgress": "false"}  # sparkdl prints its own progress
     metrics = json.load(open(tmp_path / "run" / "metrics.json"))
     assert metrics["status"] == "succeeded" and metrics["exit_code"] == 0
-    assert metrics["throughput"] == {"samples_per_sec": [100.0, 120.0], "rank_samples_per_sec_mean": [65.0, 45.0], "slowest_rank": 1}
+    assert metrics["throughput"] == {
+        "samples_per_sec": [100.0, 120.0],
+        "rank_samples_per_sec_mean": [65.0, 45.0],
+        "slowest_rank": 1,
+    }
     assert metrics["config"]["checkpoint_dir"] == "/ckpt/x"
     assert set(metrics["versions"]) >= {"sparkdl", "torch", "pyspark", "petastorm", "pyarrow", "python"}
     assert metrics["started_at"].endswith("Z") and metrics["wall_seconds"] >= 0
@@ -131,7 +209,20 @@ def test_failed_train_records_status_versions_and_exit_code(tmp_path, monkeypatc
         raise sparkdl.TrainingError([])
 
     monkeypatch.setattr(sparkdl.TorchEstimator, "fit", failing_fit)
-    code = cli.main(["--data", "/d", "--model", "tests.models:digits_mlp", "--features", "f", "--label", "l", "--output", str(tmp_path / "o")])
+    code = cli.main(
+        [
+            "--data",
+            "/d",
+            "--model",
+            "tests.models:digits_mlp",
+            "--features",
+            "f",
+            "--label",
+            "l",
+            "--output",
+            str(tmp_path / "o"),
+        ]
+    )
     assert code == 1
     metrics = json.load(open(tmp_path / "o" / "metrics.json"))
     assert metrics["status"] == "failed" and metrics["exit_code"] == 1 and "TrainingError" in metrics["error"]
@@ -139,8 +230,12 @@ def test_failed_train_records_status_versions_and_exit_code(tmp_path, monkeypatc
 
 
 def test_missing_module_hints_name_the_fix():
-    assert "sparkdl package --output sparkdl.zip" in _train._missing_module_hint("No module named 'sparkdl'", "models:f")
-    assert "--py-files sparkdl.zip,models.py" in _train._missing_module_hint("No module named 'sparkdl.data'", "models:f")
+    assert "sparkdl package --output sparkdl.zip" in _train._missing_module_hint(
+        "No module named 'sparkdl'", "models:f"
+    )
+    assert "--py-files sparkdl.zip,models.py" in _train._missing_module_hint(
+        "No module named 'sparkdl.data'", "models:f"
+    )
     assert "--py-files mymodels.py" in _train._missing_module_hint("No module named 'mymodels'", "mymodels:make")
     assert "--archives env.tar.gz#env" in _train._missing_module_hint("No module named 'petastorm'", "models:f")
     assert _train._missing_module_hint("some other failure", "models:f") == ""
@@ -164,11 +259,24 @@ def test_inspect_describes_a_dataset(tmp_path, capsys):
 def test_inspect_describes_a_run_and_a_model(tmp_path, capsys):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "metrics.json").write_text(json.dumps({
-        "status": "succeeded", "exit_code": 0, "wall_seconds": 12.5, "history": _FakeModel.history,
-        "run": {"num_workers": 2, "strategy": {"name": "allreduce"}, "dataset": {"rows": 1797}, "attempts": [{}], "steps": {"resumed_at": 28}},
-        "versions": {"torch": "2.13.0"},
-    }))
+    (run_dir / "metrics.json").write_text(
+        json.dumps(
+            {
+                "status": "succeeded",
+                "exit_code": 0,
+                "wall_seconds": 12.5,
+                "history": _FakeModel.history,
+                "run": {
+                    "num_workers": 2,
+                    "strategy": {"name": "allreduce"},
+                    "dataset": {"rows": 1797},
+                    "attempts": [{}],
+                    "steps": {"resumed_at": 28},
+                },
+                "versions": {"torch": "2.13.0"},
+            }
+        )
+    )
     assert cli.sparkdl_main(["inspect", str(run_dir)]) == 0
     text = capsys.readouterr().out
     assert "succeeded in 12.5s (exit 0)" in text and "resumed at step 28" in text
@@ -191,27 +299,53 @@ def test_package_zips_sparkdl_reproducibly_without_bytecode(tmp_path):
     assert first.read_bytes() == second.read_bytes()  # same sources, same bytes
     names = zipfile.ZipFile(first).namelist()
     assert names == sorted(names) and info["files"] == len(names)
-    assert {"sparkdl/__init__.py", "sparkdl/cli/__init__.py", "sparkdl/cli/_train.py", "sparkdl/tracking.py", "connectors/__init__.py"} <= set(names)
+    assert {
+        "sparkdl/__init__.py",
+        "sparkdl/cli/__init__.py",
+        "sparkdl/cli/_train.py",
+        "sparkdl/tracking.py",
+        "connectors/__init__.py",
+    } <= set(names)
     assert not any(n.endswith(".pyc") or "__pycache__" in n for n in names)
-    sources = {os.path.relpath(os.path.join(d, f), os.path.dirname(os.path.dirname(sparkdl.__file__)))
-               for d, _, files in os.walk(os.path.dirname(sparkdl.__file__)) for f in files if f.endswith(".py")}
+    sources = {
+        os.path.relpath(os.path.join(d, f), os.path.dirname(os.path.dirname(sparkdl.__file__)))
+        for d, _, files in os.walk(os.path.dirname(sparkdl.__file__))
+        for f in files
+        if f.endswith(".py")
+    }
     assert {s for s in sources} <= set(names)  # every module of the package is in the zip
-    assert "connectors/__init__.py" not in zipfile.ZipFile(cli.package(str(tmp_path / "c.zip"), connectors=False)["output"]).namelist()
+    assert (
+        "connectors/__init__.py"
+        not in zipfile.ZipFile(cli.package(str(tmp_path / "c.zip"), connectors=False)["output"]).namelist()
+    )
 
 
 def test_input_arguments_become_input_specs():
     import sparkdl
 
-    inputs = cli.parse_inputs([
-        "image=image:jpeg_bytes:224x224x3:flip:crop=4", "gray=image:png:28x28x1", "tokens=sequence:token_ids:128:-1",
-        "dense=dense:age,income", "user=user_id",
-    ])
+    inputs = cli.parse_inputs(
+        [
+            "image=image:jpeg_bytes:224x224x3:flip:crop=4",
+            "gray=image:png:28x28x1",
+            "tokens=sequence:token_ids:128:-1",
+            "dense=dense:age,income",
+            "user=user_id",
+        ]
+    )
     assert inputs["image"] == sparkdl.Image("jpeg_bytes", size=(224, 224), channels=3, random_flip=True, random_crop=4)
     assert inputs["gray"] == sparkdl.Image("png", size=(28, 28), channels=1)
-    assert inputs["tokens"] == sparkdl.Sequence("token_ids", max_length=128, pad_value=-1, lengths_input="tokens_lengths")
+    assert inputs["tokens"] == sparkdl.Sequence(
+        "token_ids", max_length=128, pad_value=-1, lengths_input="tokens_lengths"
+    )
     assert inputs["dense"] == ["age", "income"] and inputs["user"] == "user_id"
-    for bad, message in [("image", "expected NAME=SPEC"), ("x=image:c:224", "HxW or HxWxC"), ("x=image:c:8x8:blur", "unknown image option"),
-                         ("x=sequence:c", "sequence:COLUMN:MAX_LENGTH"), ("x=a,b", "SPEC must be"), ("x=sequence:c:many", "invalid literal")]:
+    for bad, message in [
+        ("image", "expected NAME=SPEC"),
+        ("x=image:c:224", "HxW or HxWxC"),
+        ("x=image:c:8x8:blur", "unknown image option"),
+        ("x=sequence:c", "sequence:COLUMN:MAX_LENGTH"),
+        ("x=a,b", "SPEC must be"),
+        ("x=sequence:c:many", "invalid literal"),
+    ]:
         with pytest.raises(cli.UsageError, match=message):
             cli.parse_inputs([bad])
     with pytest.raises(cli.UsageError, match="given twice"):
@@ -222,29 +356,81 @@ def test_input_arguments_become_input_specs():
 def test_metric_options_reach_the_estimator_and_compute_what_they_name(tmp_path, monkeypatch, capsys):
     captured = {}
     _fake_spark(monkeypatch, captured)
-    code = cli.main(["--data", "/d", "--model", "tests.models:digits_mlp", "--features", "f", "--label", "l", "--output", str(tmp_path / "o"),
-                     "--validation", "0.2", "--metric", "accuracy", "--metric", "mae"])
+    code = cli.main(
+        [
+            "--data",
+            "/d",
+            "--model",
+            "tests.models:digits_mlp",
+            "--features",
+            "f",
+            "--label",
+            "l",
+            "--output",
+            str(tmp_path / "o"),
+            "--validation",
+            "0.2",
+            "--metric",
+            "accuracy",
+            "--metric",
+            "mae",
+        ]
+    )
     assert code == 0
     metrics = captured["estimator"]["metrics"]
     assert sorted(metrics) == ["accuracy", "mae"]
-    logits, labels = torch.tensor([[2.0, 0.1, 0.3], [0.0, 1.0, 3.0], [1.0, 0.0, 0.0], [0.0, 5.0, 1.0]]), torch.tensor([0, 2, 1, 1])
+    logits, labels = (
+        torch.tensor([[2.0, 0.1, 0.3], [0.0, 1.0, 3.0], [1.0, 0.0, 0.0], [0.0, 5.0, 1.0]]),
+        torch.tensor([0, 2, 1, 1]),
+    )
     assert metrics["accuracy"](logits, labels).item() == 0.75
-    assert metrics["accuracy"](torch.tensor([[1.5], [-0.2], [0.3]]), torch.tensor([1, 0, 0])).item() == pytest.approx(2 / 3)  # binary logits
+    assert metrics["accuracy"](torch.tensor([[1.5], [-0.2], [0.3]]), torch.tensor([1, 0, 0])).item() == pytest.approx(
+        2 / 3
+    )  # binary logits
     assert metrics["mae"](torch.tensor([[1.0], [3.0]]), torch.tensor([2.0, 2.0])).item() == 1.0
     capsys.readouterr()
-    assert cli.main(["--data", "/d", "--model", "tests.models:digits_mlp", "--features", "f", "--label", "l", "--output", str(tmp_path / "p"),
-                     "--metric", "accuracy"]) == 2  # before Spark starts
+    assert (
+        cli.main(
+            [
+                "--data",
+                "/d",
+                "--model",
+                "tests.models:digits_mlp",
+                "--features",
+                "f",
+                "--label",
+                "l",
+                "--output",
+                str(tmp_path / "p"),
+                "--metric",
+                "accuracy",
+            ]
+        )
+        == 2
+    )  # before Spark starts
     assert "--metric is computed on held-out rows: give --validation FRACTION" in capsys.readouterr().err
 
 
 def test_a_run_ends_with_its_final_figures_and_where_the_model_is():
-    document = {"wall_seconds": 12.34, "history": [
-        {"epoch": 1, "loss": 1.5, "val_loss": 1.6, "val_accuracy": 0.5},
-        {"epoch": 2, "loss": 0.25, "val_loss": 0.3, "val_accuracy": 0.9375, "val_samples": 360, "samples_per_sec": 900.0},
-    ]}
+    document = {
+        "wall_seconds": 12.34,
+        "history": [
+            {"epoch": 1, "loss": 1.5, "val_loss": 1.6, "val_accuracy": 0.5},
+            {
+                "epoch": 2,
+                "loss": 0.25,
+                "val_loss": 0.3,
+                "val_accuracy": 0.9375,
+                "val_samples": 360,
+                "samples_per_sec": 900.0,
+            },
+        ],
+    }
     line = _train.summary_line(document, "/runs/a")
-    assert line == ("sparkdl-train: done in 12.3s, 2 epoch(s): final loss 0.2500, val_loss 0.3000, val_accuracy 0.9375; "
-                    "model in /runs/a/model, metrics in /runs/a/metrics.json")
+    assert line == (
+        "sparkdl-train: done in 12.3s, 2 epoch(s): final loss 0.2500, val_loss 0.3000, val_accuracy 0.9375; "
+        "model in /runs/a/model, metrics in /runs/a/metrics.json"
+    )
 
 
 def test_model_module_in_the_current_directory_is_imported_and_shipped_by_value(tmp_path, monkeypatch):
@@ -269,7 +455,13 @@ def test_model_module_in_the_current_directory_is_imported_and_shipped_by_value(
         # Unpickled where the module is not importable (as on an executor): it came by value.
         load = "import pickle, sys; m = pickle.loads(sys.stdin.buffer.read())(); print(type(m).__name__, m.layer.out_features)"
         for pickler in (cloudpickle, spark_cloudpickle):
-            done = subprocess.run([sys.executable, "-c", load], input=pickler.dumps(factory), capture_output=True, timeout=120, cwd=REPO_ROOT)
+            done = subprocess.run(
+                [sys.executable, "-c", load],
+                input=pickler.dumps(factory),
+                capture_output=True,
+                timeout=120,
+                cwd=REPO_ROOT,
+            )
             assert done.returncode == 0 and done.stdout.decode().split() == ["Net", "2"], done.stderr.decode()[-2000:]
     finally:
         module = sys.modules.pop(name, None)
@@ -286,8 +478,21 @@ def test_a_model_module_found_nowhere_gets_advice_the_command_can_follow(tmp_pat
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("PYSPARK_GATEWAY_PORT", raising=False)
     for command in ("train", "compare"):
-        code = cli.sparkdl_main([command, "--data", "/d", "--model", "nowhere_models:make", "--features", "f", "--label", "l",
-                                 "--output", str(tmp_path / command)])
+        code = cli.sparkdl_main(
+            [
+                command,
+                "--data",
+                "/d",
+                "--model",
+                "nowhere_models:make",
+                "--features",
+                "f",
+                "--label",
+                "l",
+                "--output",
+                str(tmp_path / command),
+            ]
+        )
         err = capsys.readouterr().err
         assert code == 2 and "cannot import 'nowhere_models'" in err, err
         assert "run the command where nowhere_models.py is, or add its directory to PYTHONPATH" in err
@@ -308,12 +513,16 @@ def test_pyspark_pandas3_warning_is_filtered_once_sparkdl_runs_spark_and_nothing
         "warnings.warn_explicit('another pyspark FutureWarning', FutureWarning, 'x.py', 1, module='pyspark.sql.other')\n"
         "import pyspark.testing.utils\n"
     )
-    quiet = subprocess.run([sys.executable, "-c", script, "sparkdl"], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    quiet = subprocess.run(
+        [sys.executable, "-c", script, "sparkdl"], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT
+    )
     assert quiet.returncode == 0, quiet.stderr[-2000:]
     assert "PySpark does not yet fully support pandas" not in quiet.stderr
     assert "another pyspark FutureWarning" in quiet.stderr  # only that one message is filtered
     if int(pandas.__version__.split(".")[0]) >= 3:  # the stack where PySpark warns at all
-        plain = subprocess.run([sys.executable, "-c", script, "plain"], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+        plain = subprocess.run(
+            [sys.executable, "-c", script, "plain"], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT
+        )
         assert "PySpark does not yet fully support pandas >= 3.0.0" in plain.stderr
 
 
@@ -326,6 +535,8 @@ def test_the_estimator_takes_the_metric_names_the_command_line_takes():
     for name in METRICS:
         estimator = sparkdl.TorchEstimator(model=make, validation=0.2, metrics=[name], progress=False)
         assert estimator.settings.data.metrics == {name: METRICS[name]}
-    assert sparkdl.TorchEstimator(model=make, validation=0.2, metrics="accuracy").settings.data.metrics == {"accuracy": METRICS["accuracy"]}
+    assert sparkdl.TorchEstimator(model=make, validation=0.2, metrics="accuracy").settings.data.metrics == {
+        "accuracy": METRICS["accuracy"]
+    }
     with pytest.raises(sparkdl.ConfigError, match=r"unknown metric 'acc'; named metrics are accuracy, mae, mse"):
         sparkdl.TorchEstimator(model=make, validation=0.2, metrics=["acc"])

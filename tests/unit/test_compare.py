@@ -13,16 +13,24 @@ import pytest
 import torch
 
 import sparkdl
-from sparkdl.comparison.result import Comparison, ComparisonRow, loss_curve, time_to_target
-from sparkdl.comparison.strategies import SlowedModel, default_strategies, labelled_strategies, parse_strategies
 from sparkdl.cli import sparkdl_main
 from sparkdl.comparison import CompareSettings
+from sparkdl.comparison.result import Comparison, ComparisonRow, loss_curve, time_to_target
+from sparkdl.comparison.strategies import SlowedModel, default_strategies, labelled_strategies, parse_strategies
 
 
 def _history(losses, seconds, samples=1000, comm=5000, rates=((600.0, 400.0))):
     return [
-        {"epoch": i + 1, "loss": loss, "samples": samples, "seconds": s, "samples_per_sec": samples / s, "comm_bytes": comm,
-         "rank0_samples_per_sec": rates[0], "rank1_samples_per_sec": rates[1]}
+        {
+            "epoch": i + 1,
+            "loss": loss,
+            "samples": samples,
+            "seconds": s,
+            "samples_per_sec": samples / s,
+            "comm_bytes": comm,
+            "rank0_samples_per_sec": rates[0],
+            "rank1_samples_per_sec": rates[1],
+        }
         for i, (loss, s) in enumerate(zip(losses, seconds))
     ]
 
@@ -62,10 +70,22 @@ def test_per_rank_rates_weigh_epochs_by_their_time():
 
 def _comparison(slowed=None):
     rows = [
-        ComparisonRow.from_history("AllReduce()", {"name": "allreduce"}, _history([2.0, 1.2, 0.9], [1.0, 1.0, 1.0], comm=6000),
-                                   num_workers=2, target_loss=1.0, train_seconds=3.5, fit_seconds=4.0),
-        ComparisonRow.from_history("ModelAveraging(sync_every=4)", {"name": "model_averaging", "sync_every": 4},
-                                   _history([2.0, 1.4, 1.1], [0.5, 0.5, 0.5], comm=1500), num_workers=2, target_loss=1.0),
+        ComparisonRow.from_history(
+            "AllReduce()",
+            {"name": "allreduce"},
+            _history([2.0, 1.2, 0.9], [1.0, 1.0, 1.0], comm=6000),
+            num_workers=2,
+            target_loss=1.0,
+            train_seconds=3.5,
+            fit_seconds=4.0,
+        ),
+        ComparisonRow.from_history(
+            "ModelAveraging(sync_every=4)",
+            {"name": "model_averaging", "sync_every": 4},
+            _history([2.0, 1.4, 1.1], [0.5, 0.5, 0.5], comm=1500),
+            num_workers=2,
+            target_loss=1.0,
+        ),
         ComparisonRow.failed("ParameterServer()", {"name": "parameter_server"}, RuntimeError("rank 1 lost\nmore"), 1.5),
     ]
     return Comparison(rows=rows, settings={**SETTINGS, "slowed": slowed}, versions={"sparkdl": sparkdl.__version__})
@@ -80,7 +100,9 @@ def test_table_has_one_row_per_strategy_marks_failures_and_says_when_a_worker_wa
     assert "| AllReduce() | 1,000 | 600 / 400 | 12.0 | 0.9000 |" in text and "3.00 s (epoch 3)" in text
     ma = next(line for line in lines if line.startswith("| ModelAveraging"))
     assert ma.split(" | ")[5] == "—"  # never reached the target
-    assert "FAILED (RuntimeError: rank 1 lost)" in text and "ParameterServer() failed: RuntimeError: rank 1 lost" in text
+    assert (
+        "FAILED (RuntimeError: rank 1 lost)" in text and "ParameterServer() failed: RuntimeError: rank 1 lost" in text
+    )
     assert "slowed worker" not in text
     slowed = _comparison({"rank": 1, "seconds_per_step": 0.02}).table("plain")
     assert "slowed worker ON: rank 1 sleeps 0.02 s" in slowed and "| " not in slowed
@@ -120,11 +142,23 @@ def test_the_plot_names_the_plot_extra_when_matplotlib_is_missing(monkeypatch, t
 
 def test_strategies_as_objects_mapping_or_text_get_labels():
     labels = [label for label, _ in labelled_strategies(None)]
-    assert labels == ["AllReduce()", "ModelAveraging(sync_every=4)", "ModelAveraging(sync_every=16)", "ElasticAveraging()",
-                      "ParameterServer()", "ParameterServer(max_staleness=2)"]
+    assert labels == [
+        "AllReduce()",
+        "ModelAveraging(sync_every=4)",
+        "ModelAveraging(sync_every=16)",
+        "ElasticAveraging()",
+        "ParameterServer()",
+        "ParameterServer(max_staleness=2)",
+    ]
     assert len(default_strategies()) == 6
-    parsed = parse_strategies("allreduce, model_averaging:sync_every=4:warmup_steps=2,parameter_server:max_staleness=null")
-    assert [label for label, _ in parsed] == ["AllReduce()", "ModelAveraging(sync_every=4, warmup_steps=2)", "ParameterServer()"]
+    parsed = parse_strategies(
+        "allreduce, model_averaging:sync_every=4:warmup_steps=2,parameter_server:max_staleness=null"
+    )
+    assert [label for label, _ in parsed] == [
+        "AllReduce()",
+        "ModelAveraging(sync_every=4, warmup_steps=2)",
+        "ParameterServer()",
+    ]
     assert parsed[1][1] == sparkdl.ModelAveraging(sync_every=4, warmup_steps=2)
     mapping = labelled_strategies({"sync": sparkdl.AllReduce(), "local": sparkdl.ModelAveraging(sync_every=8)})
     assert [label for label, _ in mapping] == ["sync", "local"]
@@ -144,7 +178,10 @@ def test_strategies_as_objects_mapping_or_text_get_labels():
         ({"epochs": 0}, r"epochs=0 must be a positive integer \(the budget"),
         ({"target_loss": math.nan}, "target_loss=nan must be a finite number"),
         ({"target_loss": math.inf}, "target_loss=inf must be a finite number"),
-        ({"slow_rank": 2, "num_workers": 2}, r"slow_rank=2 must be a rank of the run: an integer from 0 to 1 \(num_workers=2\)"),
+        (
+            {"slow_rank": 2, "num_workers": 2},
+            r"slow_rank=2 must be a rank of the run: an integer from 0 to 1 \(num_workers=2\)",
+        ),
         ({"slow_rank": -1}, "slow_rank=-1"),
         ({"slow_rank": 0, "slow_s": -0.1}, r"slow_s=-0.1 must be a number of seconds >= 0"),
     ],
@@ -174,8 +211,24 @@ def test_compare_refuses_a_strategy_or_checkpoints_before_training():
 )
 def test_cli_bad_input_exits_2_naming_the_option_before_spark_starts(extra, match, tmp_path, capsys):
     started = time.time()
-    code = sparkdl_main(["compare", "--data", str(tmp_path), "--model", "tests.models:digits_mlp", "--features", "features",
-                         "--label", "label", "--num-workers", "2", "--output", str(tmp_path / "out"), *extra])
+    code = sparkdl_main(
+        [
+            "compare",
+            "--data",
+            str(tmp_path),
+            "--model",
+            "tests.models:digits_mlp",
+            "--features",
+            "features",
+            "--label",
+            "label",
+            "--num-workers",
+            "2",
+            "--output",
+            str(tmp_path / "out"),
+            *extra,
+        ]
+    )
     assert code == 2
     assert match in capsys.readouterr().err
     assert time.time() - started < 30  # no Spark session was started for a typo
@@ -223,8 +276,21 @@ def test_a_data_path_that_does_not_exist_is_one_message_before_spark_starts(tmp_
 
     monkeypatch.setattr(_compare, "spark_session", no_spark)
     missing = tmp_path / "missing"
-    code = sparkdl_main(["compare", "--data", str(missing), "--model", "tests.models:digits_mlp", "--features", "features",
-                         "--label", "label", "--output", str(tmp_path / "out")])
+    code = sparkdl_main(
+        [
+            "compare",
+            "--data",
+            str(missing),
+            "--model",
+            "tests.models:digits_mlp",
+            "--features",
+            "features",
+            "--label",
+            "label",
+            "--output",
+            str(tmp_path / "out"),
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert err.splitlines() == [f"sparkdl compare: --data: no dataset at 'file://{missing}': the path does not exist"]
@@ -235,6 +301,9 @@ def test_compare_checks_the_data_once_before_any_strategy_trains(tmp_path, monke
     fits = []
     monkeypatch.setattr(sparkdl.TorchEstimator, "fit", lambda self, data: fits.append(data))
     with pytest.raises(sparkdl.DataError, match="the path does not exist"):
-        sparkdl.compare(model=lambda: torch.nn.Linear(64, 10), data=str(tmp_path / "missing"),
-                        strategies=[sparkdl.AllReduce(), sparkdl.ModelAveraging(sync_every=4)])
+        sparkdl.compare(
+            model=lambda: torch.nn.Linear(64, 10),
+            data=str(tmp_path / "missing"),
+            strategies=[sparkdl.AllReduce(), sparkdl.ModelAveraging(sync_every=4)],
+        )
     assert fits == []

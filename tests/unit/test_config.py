@@ -76,14 +76,22 @@ def test_a_failed_mapinarrow_stage_is_named_by_its_python_error_not_its_sqlstate
         " SQLSTATE: 38000\n\nJVM stacktrace:\norg.apache.spark.SparkException: Job aborted\n"
     )
     failure = _failure_from_spark(RuntimeError(text))
-    assert failure.message.startswith("ModuleNotFoundError: No module named 'sparkdl'") and "--py-files" in failure.message
+    assert (
+        failure.message.startswith("ModuleNotFoundError: No module named 'sparkdl'") and "--py-files" in failure.message
+    )
 
 
 def test_the_host_timeout_reads_spark_durations_and_refuses_what_a_heartbeat_cannot_meet():
     from sparkdl._task.config import DEFAULT_HOST_TIMEOUT_S, host_timeout_s
 
     assert host_timeout_s(None, 2.0) == DEFAULT_HOST_TIMEOUT_S == 45.0
-    assert [host_timeout_s(text, 2.0) for text in ("20s", "20", "1.5min", "2m", "6000ms")] == [20.0, 20.0, 90.0, 120.0, 6.0]
+    assert [host_timeout_s(text, 2.0) for text in ("20s", "20", "1.5min", "2m", "6000ms")] == [
+        20.0,
+        20.0,
+        90.0,
+        120.0,
+        6.0,
+    ]
     assert host_timeout_s("0", 2.0) is None and host_timeout_s("off", 2.0) is None
     for bad in ("5s", "soon", "-3s"):  # under three heartbeats, or no duration at all
         with pytest.raises(ConfigError, match=r"spark.sparkdl.hostTimeout=.* must be a duration of at least 6s"):

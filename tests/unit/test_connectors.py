@@ -15,14 +15,13 @@ import pytest
 from deltalake import DeltaTable, write_deltalake
 
 from sparkdl import connectors
-from tests.models import pairs
-
 from sparkdl._driver.prepare_data import prepare_data, prepare_dataset
 from sparkdl._driver.settings import DataSettings
 from sparkdl.data.dataset import ParquetFiles, inspect_dataset
-from sparkdl.data.spec import DataSpec
 from sparkdl.data.readers import reader_from_name
+from sparkdl.data.spec import DataSpec
 from sparkdl.errors import ConfigError, DataError
+from tests.models import pairs
 
 REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 
@@ -41,7 +40,9 @@ def ids_table(start, count):
 def read_ids(info, reader_name="arrow", world_size=1):
     ids = []
     for rank in range(world_size):
-        for features, _ in pairs(reader_from_name(reader_name).read_pass(info, DataSpec(batch_size=8, shuffle=False), rank, world_size, 0)):
+        for features, _ in pairs(
+            reader_from_name(reader_name).read_pass(info, DataSpec(batch_size=8, shuffle=False), rank, world_size, 0)
+        ):
             ids += features[:, 0].astype(int).tolist()
     return sorted(ids)
 
@@ -60,8 +61,13 @@ def test_parquet_source_directory_file_list_and_glob(tmp_path):
     assert inspect_dataset(whole, ["features"], "label").num_rows == 40
 
     january = connectors.ParquetSource(f"{tmp_path}/2024-01-*/part-*.parquet").resolve()
-    assert january.files == (f"file://{tmp_path}/2024-01-01/part-0.parquet", f"file://{tmp_path}/2024-01-02/part-0.parquet")
-    info = prepare_dataset(connectors.ParquetSource(f"{tmp_path}/2024-01-*/part-*.parquet"), ["features"], num_workers=2, label_col="label")
+    assert january.files == (
+        f"file://{tmp_path}/2024-01-01/part-0.parquet",
+        f"file://{tmp_path}/2024-01-02/part-0.parquet",
+    )
+    info = prepare_dataset(
+        connectors.ParquetSource(f"{tmp_path}/2024-01-*/part-*.parquet"), ["features"], num_workers=2, label_col="label"
+    )
     assert info.explicit_files and read_ids(info, world_size=2) == list(range(20))
 
     listed = connectors.ParquetSource([f"{tmp_path}/2024-02-01/part-0.parquet", f"{tmp_path}/2024-01-01/notes.parquet"])
@@ -97,7 +103,9 @@ def test_delta_latest_version_and_time_travel_by_version(delta_table):
     assert latest.description == f"Delta table {delta_table} version 2"
     assert read_ids(inspect_dataset(latest, ["features"], "label")) == list(range(500, 520))
 
-    first = prepare_dataset(connectors.DeltaSource(delta_table, version=0), ["features"], num_workers=2, label_col="label")
+    first = prepare_dataset(
+        connectors.DeltaSource(delta_table, version=0), ["features"], num_workers=2, label_col="label"
+    )
     assert first.num_rows == 100 and read_ids(first, world_size=2) == list(range(100))
     second = inspect_dataset(connectors.DeltaSource(delta_table, version=1).resolve(), ["features"], "label")
     assert second.num_rows == 150 and read_ids(second) == list(range(150))
@@ -107,7 +115,9 @@ def test_delta_latest_version_and_time_travel_by_version(delta_table):
 
 def test_delta_time_travel_by_timestamp(delta_table):
     def rows_at(timestamp):
-        return inspect_dataset(connectors.DeltaSource(delta_table, timestamp=timestamp).resolve(), ["features"], "label").num_rows
+        return inspect_dataset(
+            connectors.DeltaSource(delta_table, timestamp=timestamp).resolve(), ["features"], "label"
+        ).num_rows
 
     assert rows_at("2024-05-01T18:00:00Z") == 100
     assert rows_at(datetime.datetime(2024, 5, 2, 13, tzinfo=datetime.timezone.utc)) == 150
@@ -159,7 +169,9 @@ def test_delta_errors_are_named(tmp_path, delta_table):
     with pytest.raises(DataError, match="column\\(s\\) day of Delta table .* are partition columns"):
         connectors.DeltaSource(partitioned).resolve(None, ["features", "day"])
     # Without the partition column the files are fine to read in place.
-    info = inspect_dataset(connectors.DeltaSource(partitioned).resolve(None, ["features", "label"]), ["features"], "label")
+    info = inspect_dataset(
+        connectors.DeltaSource(partitioned).resolve(None, ["features", "label"]), ["features"], "label"
+    )
     assert info.num_rows == 40 and len(info.files) == 2
 
 
@@ -168,10 +180,21 @@ def test_petastorm_reads_a_connectors_explicit_file_list_in_its_order(tmp_path):
     for day in ("2024-01-01", "2024-01-02"):
         os.makedirs(tmp_path / day)
         start = 0 if day.endswith("01") else 10
-        pq.write_table(pa.table({"features": pa.array([[float(i)] for i in range(start, start + 10)], pa.list_(pa.float32())),
-                                 "label": list(range(10))}), tmp_path / day / "part-0.parquet")
-    info = prepare_dataset(connectors.ParquetSource(f"{tmp_path}/2024-01-*/part-*.parquet"), ["features"], num_workers=2, label_col="label")
-    assert info.explicit_files and read_ids(info, "petastorm", world_size=2) == read_ids(info, "arrow", world_size=2) == list(range(20))
+        pq.write_table(
+            pa.table(
+                {
+                    "features": pa.array([[float(i)] for i in range(start, start + 10)], pa.list_(pa.float32())),
+                    "label": list(range(10)),
+                }
+            ),
+            tmp_path / day / "part-0.parquet",
+        )
+    info = prepare_dataset(
+        connectors.ParquetSource(f"{tmp_path}/2024-01-*/part-*.parquet"), ["features"], num_workers=2, label_col="label"
+    )
+    assert info.explicit_files and read_ids(info, "petastorm", world_size=2) == read_ids(
+        info, "arrow", world_size=2
+    ) == list(range(20))
 
 
 def test_the_old_top_level_import_path_still_works_and_says_where_connectors_went():

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 
+from sparkdl._driver import LaunchConfig
 from sparkdl._runtime.device import (
     CUDA_VISIBLE_DEVICES,
     DeviceAssignment,
@@ -21,11 +22,14 @@ from sparkdl._runtime.device import (
     selected,
 )
 from sparkdl._runtime.device_feed import DeviceFeed
-from sparkdl._driver import LaunchConfig
 from sparkdl._runtime.host_batches import Prefetcher
 from sparkdl.errors import ConfigError
 
-SETTINGS = ("spark.executor.resource.gpu.amount", "spark.task.resource.gpu.amount", "spark.executor.resource.gpu.discoveryScript")
+SETTINGS = (
+    "spark.executor.resource.gpu.amount",
+    "spark.task.resource.gpu.amount",
+    "spark.executor.resource.gpu.discoveryScript",
+)
 
 
 # ---- select_device ---------------------------------------------------------------------------
@@ -80,7 +84,9 @@ def test_use_gpu_false_is_cpu_even_with_an_assigned_gpu():
 
 
 def test_spark_gpu_without_cuda_in_torch():
-    with pytest.raises(ConfigError, match=r"Spark assigned GPU 1 to this task, but torch has no CUDA: .*CPU-only build"):
+    with pytest.raises(
+        ConfigError, match=r"Spark assigned GPU 1 to this task, but torch has no CUDA: .*CPU-only build"
+    ):
         select_device({"gpu": ["1"]}, True, cuda_available=False, device_count=0)
     with pytest.raises(ConfigError, match=r"torch \(CUDA 12.4\) finds no usable CUDA device"):
         select_device({"gpu": ["1"]}, True, cuda_available=False, device_count=0, cuda_build="12.4")
@@ -310,8 +316,22 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_without_pyspark(tmp_path):
 
     script = os.path.join(REPO_ROOT, "benchmarks", "gpu_check.py")
     output = tmp_path / "check.json"
-    argv = [script, "--device", "cpu", "--tiny", "--steps", "12", "--warmup", "2", "--threads", "1",
-            "--data", str(tmp_path / "data"), "--json", str(output)]
+    argv = [
+        script,
+        "--device",
+        "cpu",
+        "--tiny",
+        "--steps",
+        "12",
+        "--warmup",
+        "2",
+        "--threads",
+        "1",
+        "--data",
+        str(tmp_path / "data"),
+        "--json",
+        str(output),
+    ]
     code = f"import sys, runpy; sys.modules['pyspark'] = None; sys.argv = {argv!r}; runpy.run_path({script!r}, run_name='__main__')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]

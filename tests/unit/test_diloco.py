@@ -16,11 +16,10 @@ import torch.distributed as dist
 
 import sparkdl
 from sparkdl._runtime.checkpoint_writer import capture
-from sparkdl.strategies.base import DistEnv
 from sparkdl.checkpoint import decode_part, encode_part
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.averaging import ModelAveraging
-from sparkdl.strategies.base import strategy_from_name
+from sparkdl.strategies.base import DistEnv, strategy_from_name
 from tests.gloo import join_group, save_results, spawn_ranks
 from tests.unit.test_averaging import _Net, _snapshot, _train
 
@@ -46,7 +45,9 @@ def _batch(rank: int, step: int):
 def _adam_run(env: DistEnv, rank: int, steps: range, restore: Any = None) -> Dict[str, Any]:
     """DiLoCo over Adam on a _Net for ``steps``; ``restore`` is a checkpoint part (bytes) to
     resume from, as FitLoop does: prepare, load the strategy's state, then model and optimizer."""
-    runtime = ModelAveraging(sync_every=TAU, warmup_steps=WARMUP, outer_optimizer=sparkdl.OuterSGD()).create_runtime(env)
+    runtime = ModelAveraging(sync_every=TAU, warmup_steps=WARMUP, outer_optimizer=sparkdl.OuterSGD()).create_runtime(
+        env
+    )
     torch.manual_seed(7 + rank + (100 if restore else 0))
     model = runtime.prepare_model(_Net())
     optimizer = runtime.prepare_optimizer(torch.optim.Adam(model.parameters(), lr=0.01))
@@ -64,9 +65,14 @@ def _adam_run(env: DistEnv, rank: int, steps: range, restore: Any = None) -> Dic
     if steps.stop == RESUME_AT:
         # Through the real checkpoint encoding (torch.save, read back with weights_only=True).
         part = capture(
-            user={"model": model.state_dict(), "optimizer": optimizer.state_dict()}, replicated=None,
-            strategy=runtime.state_dict(), grad_scaler=None, batches_taken=RESUME_AT, device=torch.device("cpu"),
-            rank=rank, world_size=WORLD,
+            user={"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+            replicated=None,
+            strategy=runtime.state_dict(),
+            grad_scaler=None,
+            batches_taken=RESUME_AT,
+            device=torch.device("cpu"),
+            rank=rank,
+            world_size=WORLD,
         )
         out["part"] = encode_part(RESUME_AT, WORLD, rank, part)
         return out
@@ -85,7 +91,9 @@ def _digits(env: DistEnv, rank: int, outer: Any) -> Dict[str, Any]:
     x, y = x_all[rank::WORLD], y_all[rank::WORLD]
     runtime = ModelAveraging(sync_every=DIGITS_TAU, outer_optimizer=outer).create_runtime(env)
     torch.manual_seed(0)
-    model = runtime.prepare_model(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)))
+    model = runtime.prepare_model(
+        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    )
     optimizer = runtime.prepare_optimizer(torch.optim.Adam(model.parameters(), lr=3e-3))
 
     def full_loss(module: torch.nn.Module) -> float:
@@ -97,14 +105,20 @@ def _digits(env: DistEnv, rank: int, outer: Any) -> Dict[str, Any]:
     for _ in range(DIGITS_EPOCHS):
         order = torch.randperm(len(y), generator=generator)
         for start in range(0, len(y) - 31, 32):
-            batch = order[start:start + 32]
+            batch = order[start : start + 32]
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
             optimizer.step()
     final = runtime.final_module(model)
     with torch.no_grad():
         accuracy = (final(x_all).argmax(1) == y_all).double().mean().item()
-    return {"initial": initial, "final": full_loss(final), "accuracy": accuracy, "weights": _snapshot(final), "syncs": runtime.syncs}
+    return {
+        "initial": initial,
+        "final": full_loss(final),
+        "accuracy": accuracy,
+        "weights": _snapshot(final),
+        "syncs": runtime.syncs,
+    }
 
 
 def _bad_factories(env: DistEnv) -> Dict[str, str]:
@@ -136,12 +150,27 @@ def _bad_factories(env: DistEnv) -> Dict[str, str]:
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
     join_group(rank, port, WORLD)
-    env = DistEnv(rank=rank, world_size=WORLD, device=torch.device("cpu"), backend="gloo", master_addr="127.0.0.1", master_port=port)
+    env = DistEnv(
+        rank=rank,
+        world_size=WORLD,
+        device=torch.device("cpu"),
+        backend="gloo",
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
     try:
-        outer = ModelAveraging(sync_every=TAU, warmup_steps=WARMUP, outer_optimizer=sparkdl.OuterSGD()).create_runtime(env)
+        outer = ModelAveraging(sync_every=TAU, warmup_steps=WARMUP, outer_optimizer=sparkdl.OuterSGD()).create_runtime(
+            env
+        )
         results = {
             "plain": _train(ModelAveraging(sync_every=TAU, warmup_steps=WARMUP).create_runtime(env), rank, STEPS),
-            "lr1": _train(ModelAveraging(sync_every=TAU, warmup_steps=WARMUP, outer_optimizer=_plain_identity()).create_runtime(env), rank, STEPS),
+            "lr1": _train(
+                ModelAveraging(sync_every=TAU, warmup_steps=WARMUP, outer_optimizer=_plain_identity()).create_runtime(
+                    env
+                ),
+                rank,
+                STEPS,
+            ),
             "nesterov": _train(outer, rank, STEPS),
             "nesterov_state": outer.state_dict(),
             "uninterrupted": _adam_run(env, rank, range(1, STEPS + 1)),
@@ -149,7 +178,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         }
         results["resumed"] = _adam_run(env, rank, range(RESUME_AT, STEPS + 1), restore=results["interrupted"]["part"])
         results["digits_plain"] = _digits(env, rank, None)
-        results["digits_diloco"] = _digits(env, rank, sparkdl.OuterSGD(lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True))
+        results["digits_diloco"] = _digits(
+            env, rank, sparkdl.OuterSGD(lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+        )
         results["bad"] = _bad_factories(env)
     finally:
         dist.destroy_process_group()
@@ -190,7 +221,7 @@ def test_outer_sgd_lr1_is_plain_averaging_at_every_sync(ranks):
             if key in params and step in OUTER_STEPS:
                 g = held[key]
                 assert torch.equal(got, g - (g - average)), (step, key)
-                u = 2.0 ** -24 if got.dtype == torch.float32 else 2.0 ** -53
+                u = 2.0**-24 if got.dtype == torch.float32 else 2.0**-53
                 bound = 3 * u * torch.maximum(g.abs(), average.abs())
                 assert bool(((got - average).abs() <= bound).all()), (step, key)
             else:
@@ -207,7 +238,13 @@ def test_outer_sgd_lr1_run_matches_plain_averaging_run(ranks):
     weights by ~1e-2 per step. (Measured here: no difference at all, every case was exact.)"""
     for r in ranks:
         for key in _keys(r["plain"]["final"]):
-            np.testing.assert_allclose(r["lr1"]["final"][key].double().numpy(), r["plain"]["final"][key].double().numpy(), rtol=0, atol=1e-6, err_msg=key)
+            np.testing.assert_allclose(
+                r["lr1"]["final"][key].double().numpy(),
+                r["plain"]["final"][key].double().numpy(),
+                rtol=0,
+                atol=1e-6,
+                err_msg=key,
+            )
         assert r["lr1"]["comm"] == r["plain"]["comm"] and r["lr1"]["comm_final"] == r["plain"]["comm_final"]
         assert r["lr1"]["syncs"] == r["plain"]["syncs"] == 5
 
@@ -235,9 +272,13 @@ def test_nesterov_outer_step_matches_the_diloco_rule(ranks):
                 expected = average  # warm-up: the global copy follows the average; buffers: averaged
                 if key in params:
                     held[key] = average
-            np.testing.assert_allclose(posts[0][key].double().numpy(), expected, rtol=1e-5, atol=1e-6, err_msg=f"step {step} {key}")
+            np.testing.assert_allclose(
+                posts[0][key].double().numpy(), expected, rtol=1e-5, atol=1e-6, err_msg=f"step {step} {key}"
+            )
     # Between syncs the replicas train apart (local steps stay local).
-    assert not torch.equal(ranks[0]["nesterov"]["post"][3]["linear.weight"], ranks[1]["nesterov"]["post"][3]["linear.weight"])
+    assert not torch.equal(
+        ranks[0]["nesterov"]["post"][3]["linear.weight"], ranks[1]["nesterov"]["post"][3]["linear.weight"]
+    )
     # Same traffic as plain averaging: the outer step itself sends nothing.
     assert [r["nesterov"]["comm"] for r in ranks] == [r["plain"]["comm"] for r in ranks]
 
@@ -289,7 +330,10 @@ def test_resumed_diloco_run_equals_the_uninterrupted_one_bit_for_bit(ranks):
 def test_bad_outer_factories_fail_naming_the_setting(ranks):
     for r in ranks:
         bad = r["bad"]
-        assert "ModelAveraging.outer_optimizer=" in bad["not_an_optimizer"] and "returned str, not a torch.optim.Optimizer" in bad["not_an_optimizer"]
+        assert (
+            "ModelAveraging.outer_optimizer=" in bad["not_an_optimizer"]
+            and "returned str, not a torch.optim.Optimizer" in bad["not_an_optimizer"]
+        )
         assert "raised ValueError: Invalid learning rate" in bad["raises"]
         assert "built an optimizer over other parameters than the 2 it was given" in bad["other_params"]
         assert "outer_optimizer is set in this run, but the checkpoint was written without it" in bad["resume_without"]
@@ -299,7 +343,10 @@ def test_bad_outer_factories_fail_naming_the_setting(ranks):
 @pytest.mark.parametrize(
     "build, needle",
     [
-        (lambda: ModelAveraging(outer_optimizer=0.7), "ModelAveraging.outer_optimizer=0.7 must be None (plain averaging), a function params"),
+        (
+            lambda: ModelAveraging(outer_optimizer=0.7),
+            "ModelAveraging.outer_optimizer=0.7 must be None (plain averaging), a function params",
+        ),
         (lambda: ModelAveraging(outer_optimizer={"lr": 0.7, "beta": 1}), "unknown OuterSGD field(s) ['beta']"),
         (lambda: sparkdl.OuterSGD(lr=0), "OuterSGD.lr=0 must be a finite number > 0"),
         (lambda: sparkdl.OuterSGD(momentum=1.0), "OuterSGD.momentum=1.0 must be a number with 0 <= momentum < 1"),
@@ -321,7 +368,9 @@ def test_outer_settings_from_the_command_line_describe_and_pickle():
     assert strategy == ModelAveraging(sync_every=64, outer_optimizer=sparkdl.OuterSGD(lr=0.5))
     assert strategy.describe()["outer_optimizer"] == {"name": "OuterSGD", "lr": 0.5, "momentum": 0.9, "nesterov": True}
     assert isinstance(hash(strategy), int)  # frozen configs stay hashable
-    notebook = ModelAveraging(outer_optimizer=lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True))
+    notebook = ModelAveraging(
+        outer_optimizer=lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+    )
     copy = cloudpickle.loads(cloudpickle.dumps(notebook))
     built = copy.outer_optimizer([torch.nn.Parameter(torch.zeros(1))])
     assert isinstance(built, torch.optim.SGD) and built.defaults["nesterov"] is True

@@ -31,7 +31,10 @@ def test_enough_free_slots_run_on_num_workers_silently():
 def test_fewer_free_slots_shrink_the_attempt_and_say_how_it_continues(attempt, has_checkpoints, how):
     decision = ScalingPolicy(4, min_workers=2, slot_wait_s=7).decide(3, attempt, has_checkpoints)
     assert decision.num_workers == 3
-    assert f"attempt {attempt}: only 3 free task slot(s) for num_workers=4 within slot_wait_s=7s (min_workers=2)" in decision.message
+    assert (
+        f"attempt {attempt}: only 3 free task slot(s) for num_workers=4 within slot_wait_s=7s (min_workers=2)"
+        in decision.message
+    )
     assert how in decision.message
     # batch_size is per worker: a shrunk run that goes on says its global batch is smaller.
     assert ("global batch" in decision.message) == (attempt == 1 or has_checkpoints)

@@ -7,15 +7,14 @@ import collections
 import itertools
 
 import numpy as np
-import pyarrow.compute as pc
 import pytest
 
 from sparkdl.data import reshard
 from sparkdl.data.batching import batches, steps_per_epoch
-from sparkdl.data.spec import DataSpec
 from sparkdl.data.dataset import inspect_dataset
 from sparkdl.data.readers.arrow import ArrowReader
 from sparkdl.data.selection import shard_rows
+from sparkdl.data.spec import DataSpec
 from sparkdl.errors import ConfigError
 from tests.unit.test_arrow_reader import UNEVEN, write_ids
 
@@ -44,7 +43,9 @@ def _real_ids(dataset, spec, rank, world_size, start, stop):
 
 
 def _steps(dataset, spec, world_size):
-    return steps_per_epoch(sum(shard_rows(dataset, world_size, spec.holdout, "train", spec.filters)), spec.batch_size, world_size)
+    return steps_per_epoch(
+        sum(shard_rows(dataset, world_size, spec.holdout, "train", spec.filters)), spec.batch_size, world_size
+    )
 
 
 @pytest.mark.parametrize("settings", CASES)
@@ -66,8 +67,12 @@ def test_a_resharded_epoch_reads_each_remaining_row_exactly_once(tmp_path, setti
     start = epoch * old_steps
     old = [reshard.StreamState(start + done, start, old_steps) for _ in range(old_world)]
     # What the old ranks would have read in the whole epoch, and what they did read before it stopped.
-    whole = collections.Counter(i for r in range(old_world) for b in _real_ids(dataset, spec, r, old_world, start, start + old_steps) for i in b)
-    before = collections.Counter(i for r in range(old_world) for b in _real_ids(dataset, spec, r, old_world, start, start + done) for i in b)
+    whole = collections.Counter(
+        i for r in range(old_world) for b in _real_ids(dataset, spec, r, old_world, start, start + old_steps) for i in b
+    )
+    before = collections.Counter(
+        i for r in range(old_world) for b in _real_ids(dataset, spec, r, old_world, start, start + done) for i in b
+    )
     new_steps = _steps(dataset, spec, new_world)
     plans = [reshard.plan_remainder(dataset, spec, old, j, new_world, new_steps) for j in range(new_world)]
     assert len({p.steps for p in plans}) == 1 and plans[0].steps > 0  # every rank runs the same steps
@@ -82,7 +87,9 @@ def test_a_resharded_epoch_reads_each_remaining_row_exactly_once(tmp_path, setti
     # A checkpoint taken two steps into the resharded epoch resumes on yet another number of ranks.
     taken = 2
     states = [reshard.StreamState(p.next_start, None, new_steps, p.share, p.steps, taken) for p in plans]
-    first = collections.Counter(i for p, j in zip(plans, range(new_world)) for b in p.batches()[:taken] for i in b.tolist())
+    first = collections.Counter(
+        i for p, j in zip(plans, range(new_world)) for b in p.batches()[:taken] for i in b.tolist()
+    )
     again = collections.Counter()
     final_steps = _steps(dataset, spec, old_world)
     for j in range(old_world):

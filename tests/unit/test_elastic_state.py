@@ -55,11 +55,21 @@ class _Table:
         out = [torch.empty(s) for s in self.sizes]
         for shard in self.shards:
             for segment in shard_segments(self.spec.layout, self.sizes, shard.rank):
-                out[segment.param][segment.start:segment.stop] = shard.values[segment.offset:segment.offset + segment.size]
+                out[segment.param][segment.start : segment.stop] = shard.values[
+                    segment.offset : segment.offset + segment.size
+                ]
         return out
 
     def states(self, clock: int):
-        return [{"format": 1, "rank": s.rank, "world_size": self.world_size, "tables": [{**s.state_dict(), "worker_clock": clock}]} for s in self.shards]
+        return [
+            {
+                "format": 1,
+                "rank": s.rank,
+                "world_size": self.world_size,
+                "tables": [{**s.state_dict(), "worker_clock": clock}],
+            }
+            for s in self.shards
+        ]
 
     def load(self, states) -> None:
         for shard, state in zip(self.shards, states):
@@ -79,7 +89,9 @@ def test_parameter_server_shards_are_re_laid_out_with_their_optimizer_state(kind
         old.push(clock, grads[clock])
     saved = old.states(clock=3)
     new = _Table(kind, new_world, [torch.zeros(s) for s in SHAPES])
-    new.load([relayout_state(kind, saved, [(new.spec, s.optimizer)], rank, new_world) for rank, s in enumerate(new.shards)])
+    new.load(
+        [relayout_state(kind, saved, [(new.spec, s.optimizer)], rank, new_world) for rank, s in enumerate(new.shards)]
+    )
     assert torch.allclose(_flat_params(new.params()), _flat_params(reference.params()))
     assert all(s.clock.clocks == [3] * new_world for s in new.shards)
     # The moments and step counters moved with the values: the next step is the reference's too.
@@ -101,7 +113,10 @@ def test_a_checkpoint_of_other_parameters_is_refused():
 
 
 def test_model_averaging_starts_new_ranks_from_the_average_of_the_old_replicas():
-    replicas = [{"w": torch.tensor([1.0, 2.0]), "steps": torch.tensor(5)}, {"w": torch.tensor([3.0, 6.0]), "steps": torch.tensor(5)}]
+    replicas = [
+        {"w": torch.tensor([1.0, 2.0]), "steps": torch.tensor(5)},
+        {"w": torch.tensor([3.0, 6.0]), "steps": torch.tensor(5)},
+    ]
     old = [({"model": replica, "optimizer": {"rank": r}}, {"steps": 7}) for r, replica in enumerate(replicas)]
     assert torch.equal(average_states(replicas)["w"], torch.tensor([2.0, 4.0]))
     for rank in range(3):

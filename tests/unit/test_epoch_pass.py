@@ -22,10 +22,10 @@ import pytest
 
 from sparkdl.data import reshard
 from sparkdl.data.batching import batches, steps_per_epoch
-from sparkdl.data.spec import DataSpec
 from sparkdl.data.dataset import inspect_dataset
 from sparkdl.data.readers import reader_from_name
 from sparkdl.data.selection import shard_rows
+from sparkdl.data.spec import DataSpec
 
 BATCH = 32
 EPOCHS = 3
@@ -47,7 +47,9 @@ def write_rows(path: str, row_groups_per_file: List[List[int]]) -> str:
     os.makedirs(path, exist_ok=True)
     next_id = 0
     for index, sizes in enumerate(row_groups_per_file):
-        with pq.ParquetWriter(f"{path}/part-{index}.parquet", pa.schema([("id", pa.int64()), ("label", pa.int64())])) as writer:
+        with pq.ParquetWriter(
+            f"{path}/part-{index}.parquet", pa.schema([("id", pa.int64()), ("label", pa.int64())])
+        ) as writer:
             for size in sizes:
                 ids = np.arange(next_id, next_id + size, dtype=np.int64)
                 next_id += size
@@ -78,11 +80,18 @@ def epoch_figures(reader_name, dataset, spec, world_size):
     got, want = [], []
     for rank in range(world_size):
         shard_ids = set()
-        for ids in stream_ids(reader_name, dataset, dataclasses_replace(spec, shuffle=False), rank, world_size, -(-counts[rank] // spec.batch_size)):
+        for ids in stream_ids(
+            reader_name,
+            dataset,
+            dataclasses_replace(spec, shuffle=False),
+            rank,
+            world_size,
+            -(-counts[rank] // spec.batch_size),
+        ):
             shard_ids.update(ids.tolist())
         taken = stream_ids(reader_name, dataset, spec, rank, world_size, EPOCHS * steps)
         for epoch in range(EPOCHS):
-            seen = collections.Counter(np.concatenate(taken[epoch * steps:(epoch + 1) * steps]).tolist())
+            seen = collections.Counter(np.concatenate(taken[epoch * steps : (epoch + 1) * steps]).tolist())
             assert set(seen) <= shard_ids
             histogram = collections.Counter(seen.values())
             histogram[0] = len(shard_ids - set(seen))
@@ -111,7 +120,13 @@ def test_a_shuffled_epoch_takes_each_row_once_but_the_remainder(tmp_path, reader
 
 @pytest.mark.parametrize(
     "options",
-    [dict(shuffle=False), dict(holdout=0.2), dict(filters=[("id", "<", 1100)]), dict(shuffle_buffer_batches=1), dict(shuffle_buffer_batches=40)],
+    [
+        dict(shuffle=False),
+        dict(holdout=0.2),
+        dict(filters=[("id", "<", 1100)]),
+        dict(shuffle_buffer_batches=1),
+        dict(shuffle_buffer_batches=40),
+    ],
     ids=["ordered", "holdout", "filters", "buffer-1", "buffer-40"],
 )
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -135,13 +150,20 @@ def test_the_position_replay_is_the_real_stream_over_several_epochs(tmp_path, wo
         replay = [b.tolist() for b in reshard.stream_positions(dataset, spec, rank, world_size, 0, 4 * steps)]
         assert replay == real
         told = reshard.stream_positions(dataset, spec, rank, world_size, steps, 3 * steps, epoch_rows=steps * BATCH)
-        assert [b.tolist() for b in told] == real[steps:3 * steps]
+        assert [b.tolist() for b in told] == real[steps : 3 * steps]
 
 
 @pytest.mark.parametrize(
     "shard, chunk, batch, steps, buffer",
     [(5, 2, 8, 2, 2), (3, 3, 4, 5, 1), (100, 10, 4, 8, 3), (97, 13, 5, 9, 4), (40, 7, 8, 5, 2), (41, 41, 8, 5, 8)],
-    ids=["pass-shorter-than-a-batch", "tiny-shard", "shard-over-3-epochs", "odd-sizes", "shard-equals-epoch", "one-row-group"],
+    ids=[
+        "pass-shorter-than-a-batch",
+        "tiny-shard",
+        "shard-over-3-epochs",
+        "odd-sizes",
+        "shard-equals-epoch",
+        "one-row-group",
+    ],
 )
 def test_the_rule_holds_for_any_shard_and_epoch_size(shard, chunk, batch, steps, buffer):
     """The stream alone (position-only chunks, as an elastic replay cuts them): passes shorter
@@ -163,7 +185,9 @@ def test_the_rule_holds_for_any_shard_and_epoch_size(shard, chunk, batch, steps,
     cuts = list(itertools.islice(cut_stream(source(), spec, 0, steps * batch), epochs * steps))
     assert all(len(b[POSITION_KEY]) == batch for b in cuts)
     for epoch in range(epochs):
-        seen = collections.Counter(np.concatenate([b[POSITION_KEY] for b in cuts[epoch * steps:(epoch + 1) * steps]]).tolist())
+        seen = collections.Counter(
+            np.concatenate([b[POSITION_KEY] for b in cuts[epoch * steps : (epoch + 1) * steps]]).tolist()
+        )
         histogram = collections.Counter(seen.values())
         histogram[0] = shard - len(seen)
         assert {t: n for t, n in histogram.items() if n} == expected_counts(shard, steps * batch), epoch

@@ -7,7 +7,13 @@ from sparkdl.errors import RankFailure, TrainingError, format_failures
 
 
 def _failure(rank, message="boom", exc_type="ValueError"):
-    return RankFailure(rank=rank, exc_type=exc_type, message=message, traceback=f"Traceback...\n{exc_type}: {message}\n", phase="training epoch 2")
+    return RankFailure(
+        rank=rank,
+        exc_type=exc_type,
+        message=message,
+        traceback=f"Traceback...\n{exc_type}: {message}\n",
+        phase="training epoch 2",
+    )
 
 
 def test_first_failure_is_the_headline_with_its_traceback():
@@ -56,7 +62,9 @@ def test_record_round_trips_through_json_shape():
 def test_a_failure_names_the_host_its_rank_ran_on_and_survives_json():
     failure = RankFailure.from_exception(1, ValueError("boom"), phase="rendezvous", host="sparkdl-h2 (198.18.0.3)")
     assert RankFailure.from_json(failure.to_json()) == failure
-    other = RankFailure(rank=0, exc_type="PeerLostError", message="lost rank 1", traceback="", host="sparkdl-h1 (198.18.0.2)")
+    other = RankFailure(
+        rank=0, exc_type="PeerLostError", message="lost rank 1", traceback="", host="sparkdl-h1 (198.18.0.2)"
+    )
     lines = str(TrainingError([failure, other])).splitlines()
     assert lines[0] == "training failed on rank 1 while rendezvous: ValueError: boom"
     assert lines[1] == "(rank 1 ran on host sparkdl-h2 (198.18.0.3))"
@@ -66,7 +74,9 @@ def test_a_failure_names_the_host_its_rank_ran_on_and_survives_json():
 def test_settings_every_failing_rank_rejected_are_raised_as_a_config_error_too():
     from sparkdl.errors import ConfigError, RankConfigError, raised_from
 
-    setting = RankFailure(rank=0, exc_type="ConfigError", message="GLOO_SOCKET_IFNAME=ens5 ...", traceback="", host="h1")
+    setting = RankFailure(
+        rank=0, exc_type="ConfigError", message="GLOO_SOCKET_IFNAME=ens5 ...", traceback="", host="h1"
+    )
     error = raised_from(TrainingError([setting, dataclasses.replace(setting, rank=1)]))
     assert isinstance(error, RankConfigError) and isinstance(error, ConfigError) and isinstance(error, TrainingError)
     assert error.rank == 0 and type(pickle.loads(pickle.dumps(error))) is RankConfigError
@@ -77,25 +87,38 @@ def test_settings_every_failing_rank_rejected_are_raised_as_a_config_error_too()
 def test_a_rank_number_and_host_in_the_headline_do_not_keep_identical_failures_apart():
     def script_exit(rank, host):
         message = f"the launched script t.py exited with status 3 on rank {rank} (host {host}); its last lines of output:\n  | same line"
-        return RankFailure(rank=rank, exc_type="ScriptExitError", message=message, traceback="", phase="running t.py", host=f"h{rank} ({host})")
+        return RankFailure(
+            rank=rank,
+            exc_type="ScriptExitError",
+            message=message,
+            traceback="",
+            phase="running t.py",
+            host=f"h{rank} ({host})",
+        )
 
     text = format_failures([script_exit(1, "10.0.0.2"), script_exit(0, "10.0.0.1")])
-    assert text.startswith("training failed on ranks 0, 1 while running t.py: ScriptExitError: the launched script t.py exited with status 3 on ranks 0, 1")
+    assert text.startswith(
+        "training failed on ranks 0, 1 while running t.py: ScriptExitError: the launched script t.py exited with status 3 on ranks 0, 1"
+    )
     assert text.count("exited with status 3") == 1 and text.count("same line") == 1 and "also" not in text
     assert "rank 1 on host h1 (10.0.0.2), rank 0 on host h0 (10.0.0.1)" in text
     # Different last lines are different failures: the other one in a line, without its output.
-    other = dataclasses.replace(script_exit(0, "10.0.0.1"), message=script_exit(0, "10.0.0.1").message.replace("same line", "other line"))
+    other = dataclasses.replace(
+        script_exit(0, "10.0.0.1"), message=script_exit(0, "10.0.0.1").message.replace("same line", "other line")
+    )
     text = format_failures([script_exit(1, "10.0.0.2"), other])
     assert text.startswith("training failed on rank 1 while") and "other line" not in text
-    assert "  also rank 0 on host h0 (10.0.0.1): ScriptExitError: the launched script t.py exited with status 3 on rank 0 (host 10.0.0.1)" in text
+    assert (
+        "  also rank 0 on host h0 (10.0.0.1): ScriptExitError: the launched script t.py exited with status 3 on rank 0 (host 10.0.0.1)"
+        in text
+    )
 
 
 def test_rank_errors_of_a_public_class_are_raised_as_that_class_and_never_retried():
     from sparkdl._driver.policy import Decision, FailurePolicy
-    from sparkdl.errors import ConfigError, DataError, RankConfigError, RankDataError, raised_from
-
     from sparkdl._task.frameworks import ProcessSpawnError
     from sparkdl.data.dataset import EmptyDatasetError
+    from sparkdl.errors import ConfigError, DataError, RankConfigError, RankDataError, raised_from
 
     spawn = RankFailure.from_exception(0, ProcessSpawnError("nprocs=2 ..."), host="h0")
     assert spawn.category == "ConfigError" and RankFailure.from_json(spawn.to_json()) == spawn
@@ -106,8 +129,15 @@ def test_rank_errors_of_a_public_class_are_raised_as_that_class_and_never_retrie
     assert isinstance(error, RankConfigError) and isinstance(error, ConfigError) and error.rank == 0
     assert "rank 0" in str(error) and "h0" in str(error) and "ProcessSpawnError" in error.remote_traceback
     data = raised_from(TrainingError([empty]))
-    assert isinstance(data, RankDataError) and isinstance(data, DataError) and type(pickle.loads(pickle.dumps(data))) is RankDataError
+    assert (
+        isinstance(data, RankDataError)
+        and isinstance(data, DataError)
+        and type(pickle.loads(pickle.dumps(data))) is RankDataError
+    )
     policy = FailurePolicy(max_failures=5)
     for failure in (spawn, empty, RankFailure(rank=0, exc_type="ConfigError", message="x", traceback="")):
         assert policy.decide(TrainingError([failure]), 1) is Decision.RAISE
-    assert policy.decide(TrainingError([RankFailure(rank=0, exc_type="RuntimeError", message="x", traceback="")]), 1) is Decision.RETRY
+    assert (
+        policy.decide(TrainingError([RankFailure(rank=0, exc_type="RuntimeError", message="x", traceback="")]), 1)
+        is Decision.RETRY
+    )

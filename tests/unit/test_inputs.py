@@ -11,13 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 
 import sparkdl
-from sparkdl.data.batching import batches, validation_batches
-from sparkdl.data.spec import DataSpec
-from sparkdl.data.dataset import inspect_dataset
-from sparkdl.data.plan import InputPlan
 from sparkdl._driver.prepare_data import prepare_data
 from sparkdl._driver.settings import DataSettings
+from sparkdl.data.batching import batches, validation_batches
+from sparkdl.data.dataset import inspect_dataset
+from sparkdl.data.plan import InputPlan
 from sparkdl.data.readers import reader_from_name
+from sparkdl.data.spec import DataSpec
 from sparkdl.errors import ConfigError, DataError
 from tests.models import png_bytes
 
@@ -72,13 +72,18 @@ def test_an_undecodable_image_names_the_input_column_file_and_row_group(tmp_path
     good = png_bytes(np.zeros((4, 4), np.uint8))
     images = [good] * 13 + [b"not an image"] + [good] * 2
     path = _write(tmp_path, row_group_size=8, image=pa.array(images, pa.binary()), label=np.arange(16))
-    with pytest.raises(DataError, match=r"input 'pixels' column 'image': cannot decode an image .*row 5 of row group 1 of file .*part-0.parquet"):
+    with pytest.raises(
+        DataError,
+        match=r"input 'pixels' column 'image': cannot decode an image .*row 5 of row group 1 of file .*part-0.parquet",
+    ):
         _take(path, {"pixels": sparkdl.Image("image", size=(4, 4), channels=1)}, 4)
 
 
 def test_image_inputs_refuse_columns_that_hold_no_images(tmp_path):
     path = _write(tmp_path, image=np.arange(4.0), label=np.arange(4))
-    with pytest.raises(DataError, match="input 'img' column 'image' .* has type double; sparkdl.Image needs a binary column"):
+    with pytest.raises(
+        DataError, match="input 'img' column 'image' .* has type double; sparkdl.Image needs a binary column"
+    ):
         inspect_dataset(path, _plan({"img": sparkdl.Image("image", size=(4, 4))}))
     with pytest.raises(ConfigError, match="channels=4 must be 1"):
         sparkdl.Image("image", size=(4, 4), channels=4)
@@ -112,7 +117,10 @@ def test_sequence_columns_of_non_integers_or_nulls_are_named(tmp_path):
 @pytest.mark.parametrize("reader", READERS)
 def test_ids_stay_int64_dense_lists_concatenate_and_labels_may_be_arrays(tmp_path, reader):
     path = _write(
-        tmp_path, user=np.arange(8, dtype=np.int32), age=np.arange(8.0), vec=pa.array([[1.0, 2.0]] * 8, pa.list_(pa.float32())),
+        tmp_path,
+        user=np.arange(8, dtype=np.int32),
+        age=np.arange(8.0),
+        vec=pa.array([[1.0, 2.0]] * 8, pa.list_(pa.float32())),
         tags=pa.array([[0, 1, 1]] * 8, pa.list_(pa.int64())),
     )
     (batch,) = _take(path, {"user": "user", "dense": ["age", "vec"]}, 1, reader=reader, label="tags")
@@ -145,7 +153,9 @@ def test_augmentation_is_seeded_by_the_batch_not_the_thread_and_skipping_matches
     info = inspect_dataset(path, _plan(inputs))
 
     def run(threads, skip=0, n=12):
-        stream = batches(reader_from_name("arrow"), info, DataSpec(batch_size=8, seed=3, decode_threads=threads), 0, 1, skip=skip)
+        stream = batches(
+            reader_from_name("arrow"), info, DataSpec(batch_size=8, seed=3, decode_threads=threads), 0, 1, skip=skip
+        )
         try:
             return [next(stream) for _ in range(n)]
         finally:
@@ -177,29 +187,42 @@ def test_plans_refuse_bad_inputs_with_the_name_to_fix():
         InputPlan.from_inputs({"t": sparkdl.Sequence("t", max_length=3, lengths_input="n"), "n": "n"}, None)
     with pytest.raises(ConfigError, match="label column 'y' is also a model input"):
         InputPlan.from_inputs({"x": "y"}, "y")
-    plan = InputPlan.from_inputs({"i": sparkdl.Image("c", size=(2, 3), mean=(0.1, 0.2, 0.3), std=0.5), "d": ["a", "b"], "u": "u"}, sparkdl.Sequence("l", 4, -100))
+    plan = InputPlan.from_inputs(
+        {"i": sparkdl.Image("c", size=(2, 3), mean=(0.1, 0.2, 0.3), std=0.5), "d": ["a", "b"], "u": "u"},
+        sparkdl.Sequence("l", 4, -100),
+    )
     assert InputPlan.from_json(plan.to_json()) == plan
 
 
 def test_null_images_and_unconvertible_channel_counts_are_named(tmp_path):
     good = png_bytes(np.zeros((4, 4), np.uint8))
-    path = _write(tmp_path, row_group_size=4, image=pa.array([good] * 5 + [None] + [good] * 2, pa.binary()), label=np.arange(8))
-    with pytest.raises(DataError, match=r"input 'img' column 'image' has 1 null values in file .*part-0.parquet.* \(row group 1\)"):
+    path = _write(
+        tmp_path, row_group_size=4, image=pa.array([good] * 5 + [None] + [good] * 2, pa.binary()), label=np.arange(8)
+    )
+    with pytest.raises(
+        DataError, match=r"input 'img' column 'image' has 1 null values in file .*part-0.parquet.* \(row group 1\)"
+    ):
         inspect_dataset(path, _plan({"img": sparkdl.Image("image", size=(4, 4))}))
     plan = _plan({"img": sparkdl.Image("image", size=(4, 4))}, None)
     two_channels = np.empty(2, dtype=object)
     two_channels[0], two_channels[1] = np.zeros((4, 4, 3), np.uint8), np.zeros((4, 4, 2), np.uint8)
-    with pytest.raises(DataError, match="input 'img' column 'image': cannot decode an image .*has 2 channels\\), in row 11 of somewhere"):
+    with pytest.raises(
+        DataError,
+        match="input 'img' column 'image': cannot decode an image .*has 2 channels\\), in row 11 of somewhere",
+    ):
         plan.finish({"img": two_channels, "\x00position": np.array([10, 11])}, None, lambda p: f"row {p} of somewhere")
 
 
 def test_the_petastorm_reader_says_what_to_install_where_it_cannot_run():
-    from sparkdl.data.readers.petastorm import PetastormReader
     from sparkdl.data.dataset import petastorm_problem
+    from sparkdl.data.readers.petastorm import PetastormReader
 
     problem = petastorm_problem()
     if problem:  # the latest stack: no Petastorm, pyarrow >= 15
-        with pytest.raises(ConfigError, match=r"reader='petastorm' cannot run here: .*pip install 'sparkdl-torch\[petastorm\]'.*reader='arrow'"):
+        with pytest.raises(
+            ConfigError,
+            match=r"reader='petastorm' cannot run here: .*pip install 'sparkdl-torch\[petastorm\]'.*reader='arrow'",
+        ):
             reader_from_name("petastorm")
         with pytest.raises(ConfigError, match="reader='petastorm' cannot run here"):
             sparkdl.TorchEstimator(model=lambda: None.__class__, reader="petastorm")
@@ -211,7 +234,13 @@ def test_a_sequence_label_pads_like_its_tokens_for_token_tagging(tmp_path):
     tokens = [[5, 6, 7], [1], [9, 9]]
     tags = [[1, 0, 2], [3], [0, 0]]
     path = _write(tmp_path, tokens=pa.array(tokens, pa.list_(pa.int32())), tags=pa.array(tags, pa.list_(pa.int64())))
-    (batch,) = _take(path, {"tokens": sparkdl.Sequence("tokens", max_length=4)}, 1, label=sparkdl.Sequence("tags", 4, pad_value=-100), batch_size=3)
+    (batch,) = _take(
+        path,
+        {"tokens": sparkdl.Sequence("tokens", max_length=4)},
+        1,
+        label=sparkdl.Sequence("tags", 4, pad_value=-100),
+        batch_size=3,
+    )
     inputs, labels = batch
     np.testing.assert_array_equal(inputs["tokens"], [[5, 6, 7], [1, 0, 0], [9, 9, 0]])
     np.testing.assert_array_equal(labels, [[1, 0, 2], [3, -100, -100], [0, 0, -100]])

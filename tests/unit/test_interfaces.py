@@ -39,11 +39,17 @@ def test_without_a_local_spark_address_the_route_to_the_driver_decides():
 
 
 def test_unset_variables_are_set_and_a_users_valid_one_is_kept():
-    values, choice = collective_environment("198.18.0.2", "198.18.0.1", {"NCCL_SOCKET_IFNAME": "eth"}, rank=1, interfaces=HOST)
+    values, choice = collective_environment(
+        "198.18.0.2", "198.18.0.1", {"NCCL_SOCKET_IFNAME": "eth"}, rank=1, interfaces=HOST
+    )
     assert values == {"GLOO_SOCKET_IFNAME": "eth0", "TP_SOCKET_IFNAME": "eth0"} and choice.name == "eth0"
     values, choice = collective_environment(
-        "198.18.0.2", "198.18.0.1", {"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "=eth1", "TP_SOCKET_IFNAME": "eth1"},
-        rank=1, gpu=True, interfaces=HOST,
+        "198.18.0.2",
+        "198.18.0.1",
+        {"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "=eth1", "TP_SOCKET_IFNAME": "eth1"},
+        rank=1,
+        gpu=True,
+        interfaces=HOST,
     )
     assert values == {} and choice is None
 
@@ -58,18 +64,26 @@ def test_unset_variables_are_set_and_a_users_valid_one_is_kept():
         ("NCCL_SOCKET_IFNAME", "=eth", True, "eth"),
     ],
 )
-def test_a_users_variable_naming_a_missing_interface_is_a_config_error_naming_host_and_interfaces(variable, value, gpu, unknown):
+def test_a_users_variable_naming_a_missing_interface_is_a_config_error_naming_host_and_interfaces(
+    variable, value, gpu, unknown
+):
     with pytest.raises(ConfigError) as info:
         collective_environment("198.18.0.3", "198.18.0.1", {variable: value}, rank=2, gpu=gpu, interfaces=HOST)
     message = str(info.value)
     assert message.startswith(f"{variable}={value} names interface(s) {unknown} that rank 2's host 198.18.0.3")
-    assert "eth0 (198.18.0.2)" in message and "lo (127.0.0.1, ::1)" in message and f"spark.executorEnv.{variable}" in message
+    assert (
+        "eth0 (198.18.0.2)" in message
+        and "lo (127.0.0.1, ::1)" in message
+        and f"spark.executorEnv.{variable}" in message
+    )
 
 
 def test_variables_a_cpu_rank_does_not_read_are_not_checked():
     # NCCL's variable on a CPU task, and NCCL's exclusion lists, cannot fail a run.
     collective_environment("198.18.0.2", "198.18.0.1", {"NCCL_SOCKET_IFNAME": "ib0"}, rank=0, interfaces=HOST)
-    collective_environment("198.18.0.2", "198.18.0.1", {"NCCL_SOCKET_IFNAME": "^docker,lo"}, rank=0, gpu=True, interfaces=HOST)
+    collective_environment(
+        "198.18.0.2", "198.18.0.1", {"NCCL_SOCKET_IFNAME": "^docker,lo"}, rank=0, gpu=True, interfaces=HOST
+    )
 
 
 def test_this_machines_interfaces_are_read_with_their_addresses():

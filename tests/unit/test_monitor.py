@@ -106,7 +106,9 @@ def test_a_silent_disconnect_of_an_unfinished_rank_is_worker_lost_and_the_root_c
     assert (first.rank, first.exc_type, first.phase) == (0, "WorkerLost", "training epoch 1")
     assert "exited without reporting an error" in first.message
     assert [f.rank for f in monitor.failures] == [0, 1]
-    assert str(TrainingError(monitor.failures)).startswith("training failed on rank 0 while training epoch 1: WorkerLost")
+    assert str(TrainingError(monitor.failures)).startswith(
+        "training failed on rank 0 while training epoch 1: WorkerLost"
+    )
     _join_timers()
     assert len(cancel.calls) == 1
 
@@ -171,7 +173,9 @@ def test_is_peer_loss_uses_the_field_and_torch_messages_not_the_error_name():
     def record(exc_type: str, message: str, peer_loss: bool = False) -> RankFailure:
         return RankFailure(rank=1, exc_type=exc_type, message=message, traceback="", peer_loss=peer_loss)
 
-    assert _is_peer_loss(record("ParameterServerError", "the parameter server on rank 0 is shutting down", peer_loss=True))
+    assert _is_peer_loss(
+        record("ParameterServerError", "the parameter server on rank 0 is shutting down", peer_loss=True)
+    )
     assert not _is_peer_loss(record("ParameterServerError", "the parameter server on rank 0 is shutting down"))
     assert _is_peer_loss(record("DistBackendError", "[gloo] Connection reset by peer"))
     assert _is_peer_loss(record("RuntimeError", "Broken pipe"))
@@ -209,7 +213,9 @@ def test_the_watchdog_fails_the_rank_whose_progress_stands_still_and_names_its_p
     (failure,) = monitor.failures
     assert (failure.rank, failure.exc_type, failure.phase) == (1, "WatchdogTimeout", "rendezvous")
     assert "rank 1 made no progress for" in failure.message and "watchdog_timeout_s=0.5" in failure.message
-    assert str(TrainingError(monitor.failures)).startswith("training failed on rank 1 while rendezvous: WatchdogTimeout")
+    assert str(TrainingError(monitor.failures)).startswith(
+        "training failed on rank 1 while rendezvous: WatchdogTimeout"
+    )
 
 
 def test_the_watchdog_clock_starts_when_the_last_rank_starts():
@@ -259,8 +265,9 @@ def test_watch_start_cancels_when_fewer_ranks_than_num_workers_started():
     _start(monitor, 0)
     monitor.watch_start(0.2, threading.Event())
     assert isinstance(monitor.slots_missing, InsufficientSlotsError)
-    assert "num_workers=3 needs 3 concurrent task slots, but 1 of the barrier stage's tasks started within slot_wait_s=0.2s" in str(
-        monitor.slots_missing
+    assert (
+        "num_workers=3 needs 3 concurrent task slots, but 1 of the barrier stage's tasks started within slot_wait_s=0.2s"
+        in str(monitor.slots_missing)
     )
     assert len(cancel.calls) == 1
     assert monitor.failures == []  # no rank failed: the launcher raises slots_missing instead
@@ -310,7 +317,9 @@ def test_a_rank_that_goes_silent_is_a_lost_host_and_its_executors_are_dropped_fi
             monitor.on_message(0, {"kind": "heartbeat", "progress": 0, "phase": "training step 3"})
 
     feeder = threading.Thread(target=heartbeats_of_rank_0)
-    watcher = threading.Thread(target=monitor.watch_hosts, args=(0.5, stop, lambda address: dropped.append((address, len(monitor.failures)))))
+    watcher = threading.Thread(
+        target=monitor.watch_hosts, args=(0.5, stop, lambda address: dropped.append((address, len(monitor.failures))))
+    )
     feeder.start()
     watcher.start()
     try:
@@ -322,7 +331,10 @@ def test_a_rank_that_goes_silent_is_a_lost_host_and_its_executors_are_dropped_fi
         feeder.join(WAIT_S)
     (failure,) = monitor.failures
     assert (failure.rank, failure.exc_type, failure.host) == (1, "HostLost", "h2 (198.18.0.3)")
-    assert "no word from rank 1 on host h2 (198.18.0.3)" in failure.message and "spark.sparkdl.hostTimeout=0.5s" in failure.message
+    assert (
+        "no word from rank 1 on host h2 (198.18.0.3)" in failure.message
+        and "spark.sparkdl.hostTimeout=0.5s" in failure.message
+    )
     # Spark was told to drop that host's executors before the failure was raised.
     assert dropped == [("198.18.0.3", 0)]
     assert "(rank 1 ran on host h2 (198.18.0.3))" in str(TrainingError(monitor.failures))

@@ -13,8 +13,8 @@ import glob
 import os
 import re
 import shlex
-import tomllib
 
+import tomllib
 from packaging.utils import canonicalize_name
 
 from tests.conftest import REPO_ROOT
@@ -27,8 +27,25 @@ EXTRAS = set(PROJECT["optional-dependencies"])
 # A requirement given by name (not a path, URL or shell variable): name, optional [extras], optional version.
 _REQUIREMENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[([^\]]*)\])?(?:[<>=!~].*)?$")
 # pip options that take a value: their value is not a requirement.
-_VALUED = {"-r", "--requirement", "-c", "--constraint", "-e", "--editable", "-t", "--target", "-i", "--index-url",
-           "--extra-index-url", "-f", "--find-links", "--prefix", "--root", "--python-version", "--platform"}
+_VALUED = {
+    "-r",
+    "--requirement",
+    "-c",
+    "--constraint",
+    "-e",
+    "--editable",
+    "-t",
+    "--target",
+    "-i",
+    "--index-url",
+    "--extra-index-url",
+    "-f",
+    "--find-links",
+    "--prefix",
+    "--root",
+    "--python-version",
+    "--platform",
+}
 
 
 def _commands(markdown: str) -> list:
@@ -51,13 +68,13 @@ def project_installs(markdown: str) -> list:
     found = []
     for command in _commands(markdown):
         for match in re.finditer(r"\bpip3?\s+install\b", command):
-            lexer = shlex.shlex(command[match.end():], posix=True, punctuation_chars=True)
+            lexer = shlex.shlex(command[match.end() :], posix=True, punctuation_chars=True)
             lexer.whitespace_split = True
             lexer.commenters = "#"
             try:
                 tokens = list(lexer)
             except ValueError:  # an unbalanced quote: the span ends inside prose
-                tokens = command[match.end():].split()
+                tokens = command[match.end() :].split()
             skip = False
             for token in tokens:
                 if skip:
@@ -81,7 +98,9 @@ def problems(markdown: str) -> list:
     for token, name, extras in project_installs(markdown):
         if canonicalize_name(name) != canonicalize_name(NAME):
             wrong.append(f"pip install {token}: the distribution is {NAME}")
-        wrong.extend(f"pip install {token}: no extra {extra!r} in pyproject.toml" for extra in extras if extra not in EXTRAS)
+        wrong.extend(
+            f"pip install {token}: no extra {extra!r} in pyproject.toml" for extra in extras if extra not in EXTRAS
+        )
     return wrong
 
 
@@ -118,7 +137,9 @@ def test_the_check_fails_on_the_old_name_and_on_unknown_extras():
     assert problems("```bash\npip install --quiet 'sparkdl[frameworks]' torch\n```\n")
     assert problems("a span over a line break: `pip install\n'sparkdl[notebook]'`")
     assert problems("`pip install --no-deps sparkdl apache-airflow-providers-apache-spark`")
-    assert problems(f"`pip install '{NAME}[no-such-extra]'`") == [f"pip install {NAME}[no-such-extra]: no extra 'no-such-extra' in pyproject.toml"]
+    assert problems(f"`pip install '{NAME}[no-such-extra]'`") == [
+        f"pip install {NAME}[no-such-extra]: no extra 'no-such-extra' in pyproject.toml"
+    ]
     assert problems(f"`pip install {NAME}` and `pip install -e '.[test]'` and `pip install matplotlib`") == []
     assert project_installs("`/tmp/sparkdl-env/bin/pip install torch==2.13.0 --index-url https://x/sparkdl`") == []
 
@@ -128,8 +149,15 @@ def test_code_hints_the_dockerfile_and_the_airflow_provider_use_that_name():
     for pattern in ("sparkdl/**/*.py", "connectors/*.py", "sparkdl_airflow/*.py", "jobs/*.py", "Dockerfile"):
         for path in glob.glob(os.path.join(REPO_ROOT, pattern), recursive=True):
             text = open(path, encoding="utf-8").read()
-            hints += [(os.path.relpath(path, REPO_ROOT), m.group(1)) for m in re.finditer(r"pip (?:un)?install (?:-\S+ )*['\"`]*([\w.-]*sparkdl[\w.-]*)", text)]
-            hints += [(os.path.relpath(path, REPO_ROOT), m.group(1)) for m in re.finditer(r"\b([\w.-]*sparkdl[\w.-]*)\[(\w+)\]", text) if m.group(2) in EXTRAS]
+            hints += [
+                (os.path.relpath(path, REPO_ROOT), m.group(1))
+                for m in re.finditer(r"pip (?:un)?install (?:-\S+ )*['\"`]*([\w.-]*sparkdl[\w.-]*)", text)
+            ]
+            hints += [
+                (os.path.relpath(path, REPO_ROOT), m.group(1))
+                for m in re.finditer(r"\b([\w.-]*sparkdl[\w.-]*)\[(\w+)\]", text)
+                if m.group(2) in EXTRAS
+            ]
     assert len(hints) >= 8, hints
     assert [hint for hint in hints if canonicalize_name(hint[1]) != canonicalize_name(NAME)] == []
     dockerfile = open(os.path.join(REPO_ROOT, "Dockerfile")).read()

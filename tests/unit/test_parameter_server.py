@@ -26,9 +26,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import sparkdl
-from sparkdl.strategies.base import DistEnv
 from sparkdl.errors import ConfigError
-from sparkdl.strategies.base import strategy_from_name
+from sparkdl.strategies.base import DistEnv, strategy_from_name
 from sparkdl.strategies.parameter_server import ParameterServer, ParameterServerError, balanced_layout
 from sparkdl.strategies.parameter_server.layout import TableSpec
 from sparkdl.strategies.parameter_server.runtime import ParameterServerRuntime
@@ -41,7 +40,12 @@ def test_defaults_registration_and_description():
     strategy = sparkdl.ParameterServer()
     assert (strategy.max_staleness, strategy.timeout_s, strategy.layout) == (None, 300.0, "balanced")
     assert strategy_from_name("parameter_server", max_staleness=2) == ParameterServer(max_staleness=2)
-    assert strategy.describe() == {"name": "parameter_server", "max_staleness": None, "timeout_s": 300.0, "layout": "balanced"}
+    assert strategy.describe() == {
+        "name": "parameter_server",
+        "max_staleness": None,
+        "timeout_s": 300.0,
+        "layout": "balanced",
+    }
     assert ParameterServer.identical_final_weights
 
 
@@ -66,7 +70,9 @@ def test_bad_settings_fail_at_construction(kwargs, message):
 
 def test_server_optimizer_keeps_type_and_per_group_hyperparameters():
     a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
-    user = torch.optim.AdamW([{"params": [a], "lr": 0.1, "weight_decay": 0.5}, {"params": [b]}], lr=0.01, betas=(0.8, 0.9), foreach=True)
+    user = torch.optim.AdamW(
+        [{"params": [a], "lr": 0.1, "weight_decay": 0.5}, {"params": [b]}], lr=0.01, betas=(0.8, 0.9), foreach=True
+    )
     x, y = torch.zeros(3), torch.zeros(2)
     server = build_server_optimizer(user, [(0, [x]), (1, [y])])
     assert type(server) is torch.optim.AdamW
@@ -95,11 +101,11 @@ def test_a_split_shard_steps_exactly_like_the_whole_model_for_elementwise_optimi
     layout = balanced_layout(sizes, 3)  # cuts the weight matrix across shards
     flat = torch.cat([weight.reshape(-1), bias])
     spec = TableSpec(0, torch.float32, ((5, 4), (5,)), (0, 0), 1, layout)
-    shards = [Shard(spec, k, 3, None, 5.0, flat[layout.bounds[k]:layout.bounds[k + 1]], reference) for k in range(3)]
+    shards = [Shard(spec, k, 3, None, 5.0, flat[layout.bounds[k] : layout.bounds[k + 1]], reference) for k in range(3)]
     for step, (gw, gb) in enumerate(grads):
         g = torch.cat([gw.reshape(-1), gb])
         for k, shard in enumerate(shards):
-            shard.push(0, step, [math.nan], g[layout.bounds[k]:layout.bounds[k + 1]].clone())
+            shard.push(0, step, [math.nan], g[layout.bounds[k] : layout.bounds[k + 1]].clone())
     result = torch.cat([s.values for s in shards])
     expected = torch.cat([whole[0].detach().reshape(-1), whole[1].detach()])
     assert torch.allclose(result, expected, atol=1e-7)
@@ -135,7 +141,9 @@ def test_a_read_blocked_by_a_lost_worker_fails_naming_it():
     with pytest.raises(ParameterServerError) as info:
         shard.read_into(torch.empty(4), 0, 2)
     assert info.value.peer_rank == 2
-    assert "rank 2's worker left the parameter server on rank 0 (disconnected without saying bye) at clock 0" in str(info.value)
+    assert "rank 2's worker left the parameter server on rank 0 (disconnected without saying bye) at clock 0" in str(
+        info.value
+    )
 
 
 # ---- the runtime on a real two-rank process group ---------------------------------------------
@@ -211,7 +219,12 @@ def _sgd_scenario(rank: int, port: int, layout: str, slow_rank1: bool = False) -
             x, y = _batch(rank, step)
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(net(x), y).backward()
-            pushes.append({name: (p.grad.detach().clone(), optimizer.param_groups[group_of[id(p)]]["lr"]) for name, p in net.named_parameters()})
+            pushes.append(
+                {
+                    name: (p.grad.detach().clone(), optimizer.param_groups[group_of[id(p)]]["lr"])
+                    for name, p in net.named_parameters()
+                }
+            )
             optimizer.step()
             scheduler.step()
         metrics = optimizer.epoch_metrics()
@@ -302,7 +315,11 @@ def _peer_lost_scenario(rank: int, port: int) -> Dict[str, Any]:
 def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120)
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=120),
     )
     results: Dict[str, Any] = {}
     try:
@@ -365,9 +382,13 @@ def test_every_rank_returns_identical_weights_with_averaged_buffers(recordings, 
     ranks = _scenario(recordings, f"sgd_{layout}")
     for name, value in ranks[0]["final"].items():
         assert torch.equal(value, ranks[1]["final"][name]), name
-    mean_running = (ranks[0]["buffers_before"]["norm.running_mean"] + ranks[1]["buffers_before"]["norm.running_mean"]) / 2
+    mean_running = (
+        ranks[0]["buffers_before"]["norm.running_mean"] + ranks[1]["buffers_before"]["norm.running_mean"]
+    ) / 2
     assert torch.allclose(ranks[0]["final"]["norm.running_mean"], mean_running)
-    assert not torch.equal(ranks[0]["buffers_before"]["norm.running_mean"], ranks[1]["buffers_before"]["norm.running_mean"])
+    assert not torch.equal(
+        ranks[0]["buffers_before"]["norm.running_mean"], ranks[1]["buffers_before"]["norm.running_mean"]
+    )
 
 
 def test_staleness_bound_metrics_tables_and_traffic(recordings):
@@ -415,7 +436,9 @@ def test_create_runtime_takes_its_address_and_all_gather_from_the_env():
         sent.append(json.loads(message))
         return [message]  # one rank: everyone's messages are its own
 
-    env = DistEnv(0, 1, torch.device("cpu"), "gloo", "127.0.0.1", 1, peer_addresses=("127.0.0.1:40000",), all_gather=gather)
+    env = DistEnv(
+        0, 1, torch.device("cpu"), "gloo", "127.0.0.1", 1, peer_addresses=("127.0.0.1:40000",), all_gather=gather
+    )
     runtime = ParameterServer(timeout_s=10).create_runtime(env)
     try:
         assert sent[0]["host"] == "127.0.0.1" and len(bytes.fromhex(sent[0]["secret"])) == 32

@@ -17,17 +17,38 @@ from sparkdl.plotting import plot_history
 
 def _history(losses, accuracies):
     return [
-        {"epoch": e + 1, "loss": loss, "val_loss": loss * 1.1, "val_accuracy": acc, "val_samples": 360, "samples_per_sec": 100.0 + e, "seconds": 0.5}
+        {
+            "epoch": e + 1,
+            "loss": loss,
+            "val_loss": loss * 1.1,
+            "val_accuracy": acc,
+            "val_samples": 360,
+            "samples_per_sec": 100.0 + e,
+            "seconds": 0.5,
+        }
         for e, (loss, acc) in enumerate(zip(losses, accuracies))
     ]
 
 
 def _write_run(directory, strategy, history, wall=10.0):
     directory.mkdir()
-    (directory / "metrics.json").write_text(json.dumps({
-        "status": "succeeded", "exit_code": 0, "wall_seconds": wall, "history": history,
-        "run": {"num_workers": 2, "strategy": {"name": strategy}, "dataset": {"rows": 1797}, "attempts": [{}], "steps": {"resumed_at": 0}},
-    }))
+    (directory / "metrics.json").write_text(
+        json.dumps(
+            {
+                "status": "succeeded",
+                "exit_code": 0,
+                "wall_seconds": wall,
+                "history": history,
+                "run": {
+                    "num_workers": 2,
+                    "strategy": {"name": strategy},
+                    "dataset": {"rows": 1797},
+                    "attempts": [{}],
+                    "steps": {"resumed_at": 0},
+                },
+            }
+        )
+    )
     return str(directory)
 
 
@@ -50,11 +71,13 @@ def test_a_run_table_shows_the_validation_metrics_per_epoch(two_runs, capsys):
 def test_several_runs_are_compared_in_one_table(two_runs, capsys):
     assert cli.sparkdl_main(["inspect", *two_runs]) == 0
     text = capsys.readouterr().out
-    table = text[text.index("runs compared (last epoch):\n"):].splitlines()[1:]
+    table = text[text.index("runs compared (last epoch):\n") :].splitlines()[1:]
     assert table[0].split()[:5] == ["run", "epochs", "final", "loss", "val_loss"]
     rows = {line.split(" (")[0]: line.split(")", 1)[1].split() for line in table[1:]}
-    assert rows == {"allreduce": ["3", "0.5000", "0.5500", "0.9300", "101", "12.0"],
-                    "model_averaging": ["3", "0.9000", "0.9900", "0.8500", "101", "9.5"]}
+    assert rows == {
+        "allreduce": ["3", "0.5000", "0.5500", "0.9300", "101", "12.0"],
+        "model_averaging": ["3", "0.9000", "0.9900", "0.8500", "101", "9.5"],
+    }
 
 
 def test_plot_writes_a_png_of_loss_and_each_validation_metric(two_runs, tmp_path, capsys):
@@ -73,14 +96,23 @@ def test_plot_history_draws_one_line_per_run_and_series():
     figure = plot_history(runs, title="digits")
     loss_axis, accuracy_axis = figure.axes
     assert [line.get_label() for line in loss_axis.get_lines()] == [
-        "allreduce training", "allreduce validation", "parameter_server training", "parameter_server validation"]
+        "allreduce training",
+        "allreduce validation",
+        "parameter_server training",
+        "parameter_server validation",
+    ]
     assert list(loss_axis.get_lines()[2].get_ydata()) == [3.0, 2.0]
     assert accuracy_axis.get_title() == "val_accuracy"
     assert [list(line.get_ydata()) for line in accuracy_axis.get_lines()] == [[0.5, 0.9], [0.3, 0.6]]
 
 
 def test_plot_history_takes_a_model_and_refuses_what_has_no_history():
-    model = sparkdl.TorchModel(torch.nn.Linear(3, 2), history=[{"epoch": 1, "loss": 1.5}, {"epoch": 2, "loss": 0.7}], feature_cols=["x"], output_shape=[2])
+    model = sparkdl.TorchModel(
+        torch.nn.Linear(3, 2),
+        history=[{"epoch": 1, "loss": 1.5}, {"epoch": 2, "loss": 0.7}],
+        feature_cols=["x"],
+        output_shape=[2],
+    )
     figure = plot_history(model)
     assert len(figure.axes) == 1 and list(figure.axes[0].get_lines()[0].get_ydata()) == [1.5, 0.7]
     with pytest.raises(ConfigError, match="no per-epoch history"):

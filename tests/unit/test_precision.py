@@ -3,6 +3,7 @@ overflow skips agreed over ranks, and a real FitLoop step under bf16 autocast on
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any, Dict, List
@@ -20,11 +21,11 @@ from sparkdl._runtime.rendezvous import rendezvous, teardown
 from sparkdl._task.fit_loop import FitLoop
 from sparkdl.context import TrainContext
 from sparkdl.data.dataset import inspect_dataset
-from sparkdl.data.spec import DataSpec
 from sparkdl.data.readers import reader_from_name
+from sparkdl.data.spec import DataSpec
 from sparkdl.errors import ConfigError
-from sparkdl.strategies.allreduce import AllReduce
 from sparkdl.strategies._tensors import SyncingOptimizer as _SyncingOptimizer
+from sparkdl.strategies.allreduce import AllReduce
 from tests.gloo import join_group, save_results, spawn_ranks
 
 CPU = torch.device("cpu")
@@ -33,13 +34,18 @@ CPU = torch.device("cpu")
 # ---- validation --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("given, value", [("32", "32"), (32, "32"), ("32-true", "32"), ("bf16-mixed", "bf16-mixed"), ("16-mixed", "16-mixed")])
+@pytest.mark.parametrize(
+    "given, value",
+    [("32", "32"), (32, "32"), ("32-true", "32"), ("bf16-mixed", "bf16-mixed"), ("16-mixed", "16-mixed")],
+)
 def test_valid_precisions_normalize(given, value):
     assert Precision(given).value == value
     assert LaunchConfig(num_workers=1, precision=given).precision == value
 
 
-@pytest.mark.parametrize("given, hint", [("bf16", "bf16-mixed"), ("fp16", "16-mixed"), (16, "16-mixed"), ("64", None), (True, None)])
+@pytest.mark.parametrize(
+    "given, hint", [("bf16", "bf16-mixed"), ("fp16", "16-mixed"), (16, "16-mixed"), ("64", None), (True, None)]
+)
 def test_invalid_precision_is_a_config_error_listing_the_valid_ones(given, hint):
     with pytest.raises(ConfigError) as raised:
         Precision(given)
@@ -96,7 +102,10 @@ def test_bf16_autocast_runs_linear_layers_in_bfloat16_on_the_cpu():
 def _scaled_runtime(world_size: int = 1, all_reduce_max=None) -> PrecisionRuntime:
     # torch.amp.GradScaler works on the CPU; it stands in for the CUDA one sparkdl builds.
     return PrecisionRuntime(
-        Precision("16-mixed"), CPU, world_size=world_size, all_reduce_max=all_reduce_max,
+        Precision("16-mixed"),
+        CPU,
+        world_size=world_size,
+        all_reduce_max=all_reduce_max,
         scaler=torch.amp.GradScaler("cpu", init_scale=1024.0),
     )
 
@@ -141,7 +150,7 @@ def _overflow_worker(rank: int, port: int, out_dir: str) -> None:
             layer, x, inner = _problem(poison=poisoned)
             after_steps: List[int] = []
             # The averaging strategies' wrapper counts step() calls to schedule their collectives.
-            optimizer = _SyncingOptimizer(inner, lambda: after_steps.append(1))
+            optimizer = _SyncingOptimizer(inner, functools.partial(after_steps.append, 1))
             before = layer.weight.detach().clone()
             loss = layer(x).sum() if poisoned else layer(x).pow(2).mean()
             stepped = runtime.backward_and_step(loss, optimizer)
@@ -173,7 +182,12 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank_alike(overflow_ran
 
 def test_when_no_rank_overflows_every_rank_steps(overflow_ranks):
     for rank in (0, 1):
-        assert overflow_ranks[rank]["none"] == {"stepped": True, "weights_moved": True, "after_steps": 1, "scale": 1024.0}
+        assert overflow_ranks[rank]["none"] == {
+            "stepped": True,
+            "weights_moved": True,
+            "after_steps": 1,
+            "scale": 1024.0,
+        }
 
 
 def test_the_scaler_state_survives_a_checkpoint():
@@ -197,7 +211,9 @@ def _dataset(directory: str, rows: int = 256, width: int = 8):
     y = (x[:, 0] > 0).astype(np.int64)
     column = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), width).cast(pa.list_(pa.float32()))
     os.makedirs(directory, exist_ok=True)
-    pq.write_table(pa.table({"features": column, "label": y}), os.path.join(directory, "part-0.parquet"), row_group_size=64)
+    pq.write_table(
+        pa.table({"features": column, "label": y}), os.path.join(directory, "part-0.parquet"), row_group_size=64
+    )
     return inspect_dataset(directory, ["features"], "label")
 
 
@@ -215,11 +231,23 @@ def _fit_one_rank(tmp_path, precision: str) -> Dict[str, Any]:
     runtime = AllReduce().create_runtime(env)
     records: List[Dict[str, Any]] = []
     ctx = TrainContext(
-        env, runtime, records.append, dataset=dataset, data_spec=DataSpec(batch_size=32), reader=reader_from_name("arrow"),
-        steps_per_epoch=4, precision=precision,
+        env,
+        runtime,
+        records.append,
+        dataset=dataset,
+        data_spec=DataSpec(batch_size=32),
+        reader=reader_from_name("arrow"),
+        steps_per_epoch=4,
+        precision=precision,
     )
     try:
-        result = FitLoop(model=model_fn, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=torch.nn.functional.cross_entropy, epochs=2, seed=0)(ctx)
+        result = FitLoop(
+            model=model_fn,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+            loss=torch.nn.functional.cross_entropy,
+            epochs=2,
+            seed=0,
+        )(ctx)
     finally:
         ctx.close()
         runtime.close()

@@ -9,15 +9,18 @@ import pytest
 import torch
 
 from sparkdl._driver.preflight import check_loss, check_optimizer
-from sparkdl.data.spec import DataSpec
 from sparkdl.data.dataset import inspect_dataset
+from sparkdl.data.spec import DataSpec
 from sparkdl.errors import ConfigError
 
 
 @pytest.fixture()
 def dataset(tmp_path):
     features = np.arange(80, dtype=np.float32).reshape(40, 2)
-    pq.write_table(pa.table({"features": pa.array(list(features), type=pa.list_(pa.float32())), "label": np.arange(40) % 5}), tmp_path / "part-0.parquet")
+    pq.write_table(
+        pa.table({"features": pa.array(list(features), type=pa.list_(pa.float32())), "label": np.arange(40) % 5}),
+        tmp_path / "part-0.parquet",
+    )
     return inspect_dataset(str(tmp_path), ["features"], "label")
 
 

@@ -8,7 +8,6 @@ import pytest
 from sparkdl.strategies.parameter_server.clock import SSPClock
 from sparkdl.strategies.parameter_server.wire import WireError
 
-
 # ---- SSP clocks -------------------------------------------------------------------------------
 
 

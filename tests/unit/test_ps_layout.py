@@ -18,7 +18,6 @@ from sparkdl.strategies.parameter_server.layout import (
     tensor_layout,
 )
 
-
 # ---- layouts ------------------------------------------------------------------------------------
 
 
@@ -29,7 +28,7 @@ def _covers_exactly_once(layout: Layout, sizes: List[int]) -> None:
         position = 0
         for seg in shard_segments(layout, sizes, shard):
             assert seg.offset == position
-            seen[seg.param][seg.start:seg.stop] += 1
+            seen[seg.param][seg.start : seg.stop] += 1
             position += seg.size
         offset_check.append(position)
     assert offset_check == layout.sizes
@@ -88,7 +87,10 @@ def test_one_shard_holds_everything_in_the_original_order(kind):
     layout = make_layout(kind, sizes, 1)
     assert layout.bounds == (0, 40) and layout.order == (0, 1, 2, 3) and layout.imbalance() == 1.0
     assert [(s.param, s.start, s.stop, s.offset) for s in shard_segments(layout, sizes, 0)] == [
-        (0, 0, 7, 0), (1, 0, 1, 7), (2, 0, 30, 8), (3, 0, 2, 38)
+        (0, 0, 7, 0),
+        (1, 0, 1, 7),
+        (2, 0, 30, 8),
+        (3, 0, 2, 38),
     ]
 
 
@@ -122,7 +124,10 @@ def test_table_spec_sizes_bounds_and_fingerprint():
     assert spec.sizes == [6, 4]
     assert [spec.shard_bounds(k) for k in range(2)] == [(0, 6), (6, 10)]
     # Every rank builds its own spec: equal specs must agree, and any difference must show.
-    assert spec.fingerprint() == TableSpec(1, torch.float32, ((2, 3), (4,)), (0, 1), 2, tensor_layout([6, 4], 2)).fingerprint()
+    assert (
+        spec.fingerprint()
+        == TableSpec(1, torch.float32, ((2, 3), (4,)), (0, 1), 2, tensor_layout([6, 4], 2)).fingerprint()
+    )
     other_dtype = TableSpec(1, torch.float64, ((2, 3), (4,)), (0, 1), 2, layout)
     other_groups = TableSpec(1, torch.float32, ((2, 3), (4,)), (0, 0), 2, layout)
     other_layout = TableSpec(1, torch.float32, ((2, 3), (4,)), (0, 1), 2, balanced_layout([6, 4], 2))

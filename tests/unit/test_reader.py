@@ -9,11 +9,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from sparkdl.data.batching import batches
-from sparkdl.data.spec import DataSpec
-from sparkdl.data.dataset import DatasetInfo, inspect_dataset
 from sparkdl.data.columns import ColumnInfo
+from sparkdl.data.dataset import DatasetInfo, inspect_dataset
 from sparkdl.data.plan import InputPlan
 from sparkdl.data.readers import Chunk, DataReader
+from sparkdl.data.spec import DataSpec
 from sparkdl.errors import DataError
 
 PLAN = InputPlan.from_feature_cols(["x"], "y")
@@ -105,7 +105,9 @@ def test_ragged_arrays_and_nan_are_named():
 
 
 def test_inspect_dataset_reads_only_metadata_and_checks_columns(tmp_path):
-    table = pa.table({"x": pa.array([[1.0, 2.0]] * 10, type=pa.list_(pa.float32())), "name": ["a"] * 10, "y": list(range(10))})
+    table = pa.table(
+        {"x": pa.array([[1.0, 2.0]] * 10, type=pa.list_(pa.float32())), "name": ["a"] * 10, "y": list(range(10))}
+    )
     pq.write_table(table, tmp_path / "p.parquet", row_group_size=3)
     info = inspect_dataset(str(tmp_path), ["x"], "y")
     assert (info.num_rows, info.num_row_groups, info.is_petastorm) == (10, 4, False)
@@ -129,12 +131,14 @@ def test_the_shuffle_buffer_takes_the_rows_of_several_chunks_as_if_concatenated_
     start = 0
     for size in sizes:
         ids = np.arange(start, start + size)
-        chunks.append({
-            "dense": rng.standard_normal((size, 3, 2)).astype(np.float32),
-            "id": ids,
-            "tokens": np.array([np.arange(i % 4) for i in ids] + [None], dtype=object)[:size],  # ragged: objects
-            "name": np.array([f"r{'x' * (i % 5)}{i}" for i in ids]),  # strings of growing width
-        })
+        chunks.append(
+            {
+                "dense": rng.standard_normal((size, 3, 2)).astype(np.float32),
+                "id": ids,
+                "tokens": np.array([np.arange(i % 4) for i in ids] + [None], dtype=object)[:size],  # ragged: objects
+                "name": np.array([f"r{'x' * (i % 5)}{i}" for i in ids]),  # strings of growing width
+            }
+        )
         start += size
     spec = DataSpec(batch_size=7, seed=11, shuffle_buffer_batches=4)
     cut = list(cut_stream(iter(chunks), spec, rank=1))
@@ -168,5 +172,5 @@ def test_the_shuffle_buffer_never_mixes_rows_of_two_passes():
     spec = DataSpec(batch_size=30, seed=4, shuffle_buffer_batches=2)
     rows = np.concatenate([b["id"] for b in itertools.islice(cut_stream(source(), spec, rank=0), 20)])
     for start in range(0, 600, 100):
-        assert sorted(rows[start:start + 100].tolist()) == list(range(100))  # each pass, whole, in its place
+        assert sorted(rows[start : start + 100].tolist()) == list(range(100))  # each pass, whole, in its place
     assert not np.array_equal(rows[:100], rows[100:200])

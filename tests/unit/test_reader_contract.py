@@ -25,12 +25,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from sparkdl.data.spec import DataSpec
 from sparkdl.data.dataset import DatasetInfo, inspect_dataset
 from sparkdl.data.inputs import LABEL_KEY, POSITION_KEY, Image
 from sparkdl.data.plan import InputPlan
 from sparkdl.data.readers import chunk_rows, reader_from_name
 from sparkdl.data.selection import holdout_mask, pass_row_groups, shard_rows
+from sparkdl.data.spec import DataSpec
 from sparkdl.errors import DataError
 
 #: The readers held to the contract. A new reader joins by adding its name here.
@@ -74,14 +74,22 @@ def path(tmp_path_factory) -> str:
     ``bucket = position // BUCKET`` (int32, used only by filters)."""
     root = tmp_path_factory.mktemp("reader-contract")
     ids = np.random.default_rng(0).choice(1_000_000, size=NUM_ROWS, replace=False).astype(np.int64)
-    schema = pa.schema([("id", pa.int64()), ("x", pa.float64()), ("label", pa.int64()), ("blob", pa.binary()), ("bucket", pa.int32())])
+    schema = pa.schema(
+        [("id", pa.int64()), ("x", pa.float64()), ("label", pa.int64()), ("blob", pa.binary()), ("bucket", pa.int32())]
+    )
     position = 0
     for index, sizes in enumerate(ROW_GROUPS):
         with pq.ParquetWriter(str(root / f"part-{index}.parquet"), schema) as writer:
             for size in sizes:
-                rows = ids[position:position + size]
+                rows = ids[position : position + size]
                 positions = np.arange(position, position + size)
-                columns = {"id": rows, "x": rows / 4.0, "label": rows % 3, "blob": [b"%d" % i for i in rows], "bucket": positions // BUCKET}
+                columns = {
+                    "id": rows,
+                    "x": rows / 4.0,
+                    "label": rows % 3,
+                    "blob": [b"%d" % i for i in rows],
+                    "bucket": positions // BUCKET,
+                }
                 writer.write_table(pa.table(columns, schema=schema))  # one row group per write, empty ones included
                 position += size
     return str(root)
@@ -93,16 +101,23 @@ def by_position(info: DatasetInfo) -> Dict[str, np.ndarray]:
     tables = []
     for file in info.files:
         handle = pq.ParquetFile(urllib.parse.urlparse(file.url).path)
-        assert tuple(handle.metadata.row_group(g).num_rows for g in range(handle.metadata.num_row_groups)) == file.row_groups
+        assert (
+            tuple(handle.metadata.row_group(g).num_rows for g in range(handle.metadata.num_row_groups))
+            == file.row_groups
+        )
         tables.append(handle.read())
     table = pa.concat_tables(tables)
     return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
 
 
-def read(reader_name: str, info: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_index: int = 0) -> List[Dict[str, np.ndarray]]:
+def read(
+    reader_name: str, info: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_index: int = 0
+) -> List[Dict[str, np.ndarray]]:
     """One whole pass of a rank, checking that every chunk is what ``InputPlan.extract`` makes:
     the plan's keys, non-empty, row-aligned (each row's columns are that row's)."""
-    with contextlib.closing(reader_from_name(reader_name).read_pass(info, spec, rank, world_size, pass_index)) as stream:
+    with contextlib.closing(
+        reader_from_name(reader_name).read_pass(info, spec, rank, world_size, pass_index)
+    ) as stream:
         chunks = list(stream)
     keys = {"id", LABEL_KEY} | ({"x"} if info.plan is NAMED else {"blob", POSITION_KEY})
     for chunk in chunks:
@@ -122,7 +137,9 @@ def ids_read(chunks) -> List[int]:
     return [int(i) for chunk in chunks for i in chunk["id"]]
 
 
-def expected_positions(info: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_index: int = 0, keep=None) -> np.ndarray:
+def expected_positions(
+    info: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_index: int = 0, keep=None
+) -> np.ndarray:
     """The positions rank ``rank`` reads in one pass, in reading order, by the selection rules:
     its row groups in :func:`pass_row_groups` order, each row group's rows in file order; with
     more ranks than row groups, the rows whose position is ``rank`` modulo the world size.
@@ -161,7 +178,9 @@ def test_the_dataset_is_what_the_contract_assumes(path):
 
 @pytest.mark.parametrize("shuffle", [True, False], ids=["shuffled", "unshuffled"])
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_one_pass_reads_every_row_exactly_once_each_rank_its_row_groups_in_order(path, reader_name, world_size, shuffle):
+def test_one_pass_reads_every_row_exactly_once_each_rank_its_row_groups_in_order(
+    path, reader_name, world_size, shuffle
+):
     info = inspect_dataset(path, NAMED)
     ids = by_position(info)["id"]
     spec = DataSpec(batch_size=8, seed=4, shuffle=shuffle)
@@ -232,7 +251,9 @@ def test_filters_keep_only_matching_rows_each_exactly_once(path, reader_name, fo
     for rank in range(world_size):
         got = ids_read(read(reader_name, info, spec, rank, world_size))
         # The rank's unfiltered rows, in their order, less the ones the filter rejects.
-        assert got == columns["id"][expected_positions(info, spec, rank, world_size, keep=matching)].tolist(), f"rank {rank}"
+        assert got == columns["id"][expected_positions(info, spec, rank, world_size, keep=matching)].tolist(), (
+            f"rank {rank}"
+        )
         assert len(got) == shard_rows(info, world_size, filters=filters)[rank]
         per_rank.append(got)
     assert_exactly_once(per_rank, columns["id"][matching])
@@ -253,7 +274,9 @@ def test_the_holdout_and_training_parts_partition_the_rows_whatever_the_seed(pat
         for rank in range(world_size):
             got = ids_read(read(reader_name, info, spec, rank, world_size))
             keep = held if name == "holdout" else ~held
-            assert got == ids[expected_positions(info, spec, rank, world_size, keep=keep)].tolist(), f"{name}, rank {rank} of {world_size}"
+            assert got == ids[expected_positions(info, spec, rank, world_size, keep=keep)].tolist(), (
+                f"{name}, rank {rank} of {world_size}"
+            )
             assert len(got) == shard_rows(info, world_size, 0.3, name)[rank]
             per_rank.append(got)
         assert_exactly_once(per_rank, ids[held if name == "holdout" else ~held])
@@ -271,7 +294,12 @@ def test_the_holdout_and_training_parts_partition_the_rows_whatever_the_seed(pat
 
 @pytest.mark.parametrize(
     "world_size, options",
-    [(2, {}), (WORLD_SIZES[-1], {}), (3, {"holdout": 0.3, "filters": EXPRESSION}), (1, {"holdout": 0.3, "part": "holdout", "filters": DNF})],
+    [
+        (2, {}),
+        (WORLD_SIZES[-1], {}),
+        (3, {"holdout": 0.3, "filters": EXPRESSION}),
+        (1, {"holdout": 0.3, "part": "holdout", "filters": DNF}),
+    ],
     ids=["row-groups", "striding", "filtered-train", "filtered-holdout"],
 )
 def test_every_row_comes_with_its_position_in_the_dataset(path, reader_name, world_size, options):
@@ -365,12 +393,15 @@ def test_chunks_fails_naming_the_rank_whose_shard_yields_no_rows(path, reader_na
     reader = reader_from_name(reader_name)
     with contextlib.closing(reader.chunks(info, spec, 0, 2)) as stream:
         chunk = next(stream)
-        assert set(chunk["id"].tolist()) <= set(by_position(info)["id"][:2 * BUCKET].tolist())
+        assert set(chunk["id"].tolist()) <= set(by_position(info)["id"][: 2 * BUCKET].tolist())
     with contextlib.closing(reader.chunks(info, spec, 1, 2)) as stream, _fails_within(30):
         with pytest.raises(DataError, match=r"rank 1 read no rows from its shard .* after filters"):
             next(stream)
     nothing = [("id", "<", 0)]
     info = inspect_dataset(path, NAMED, filters=nothing)
-    with contextlib.closing(reader.chunks(info, DataSpec(batch_size=8, filters=nothing), 0, 1)) as stream, _fails_within(30):
+    with (
+        contextlib.closing(reader.chunks(info, DataSpec(batch_size=8, filters=nothing), 0, 1)) as stream,
+        _fails_within(30),
+    ):
         with pytest.raises(DataError, match=r"rank 0 read no rows"):
             next(stream)

@@ -10,9 +10,9 @@ the encrypt=False runs show the plaintext checks can fail (the marker is visible
 
 from __future__ import annotations
 
+import json
 import logging
 import math
-import json
 import socket
 import threading
 import time
@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from sparkdl._net.channel import GREETING_BYTES, ChannelClient, ChannelError, ChannelServer, new_secret
-from tests.unit.test_channel import Recorder
 from sparkdl._net.frames import (
     TAG_BYTES,
     FrameAuthError,
@@ -35,6 +34,7 @@ from sparkdl.strategies.parameter_server.layout import Layout, TableSpec
 from sparkdl.strategies.parameter_server.shard import ServerState, Shard
 from sparkdl.strategies.parameter_server.transport import ShardClient, ShardServer, listen
 from sparkdl.strategies.parameter_server.wire import DTYPE_CODES, HEADER, Header, Kind, ParameterServerError, byte_view
+from tests.unit.test_channel import Recorder
 
 HOST = "127.0.0.1"
 WAIT = 10.0
@@ -265,8 +265,8 @@ def test_keys_are_fresh_per_connection_direction_mode_protocol_and_secret():
 
 
 def _split(frame: bytes, header_bytes: int, body_bytes: int) -> Tuple[bytes, bytes]:
-    body = frame[header_bytes: header_bytes + body_bytes]
-    return body, frame[header_bytes + body_bytes:]
+    body = frame[header_bytes : header_bytes + body_bytes]
+    return body, frame[header_bytes + body_bytes :]
 
 
 def _pair(encrypt: bool, key: bytes = b"k" * 32) -> Tuple[FrameSealer, FrameOpener]:
@@ -292,16 +292,16 @@ def test_streaming_in_pieces_and_in_place_equals_one_shot(encrypt):
     frame = sealer.begin(b"hdr")
     view, scratch, body = byte_view(payload), sealer.scratch(), bytearray()
     for start in range(0, len(view), 99_991):  # uneven pieces, none block-aligned
-        body += frame.update(view[start: start + 99_991], scratch)
+        body += frame.update(view[start : start + 99_991], scratch)
     assert b"hdr" + bytes(body) + frame.finalize() == one_shot
     # The receiver works in the tensor it receives into, in uneven pieces too.
     into = torch.empty_like(payload)
     target = byte_view(into)
-    target[:] = one_shot[3: 3 + len(target)]
+    target[:] = one_shot[3 : 3 + len(target)]
     opening = FrameOpener(b"k" * 32, encrypt).begin(b"hdr")
     for start in range(0, len(target), 65_537):
-        opening.update_into(target[start: start + 65_537])
-    opening.finalize(one_shot[3 + len(target):])
+        opening.update_into(target[start : start + 65_537])
+    opening.finalize(one_shot[3 + len(target) :])
     assert torch.equal(into, payload)
 
 
@@ -525,7 +525,9 @@ def _push_header(rank: int, clock: int = 0) -> Header:
 
 
 def _push(client: ShardClient, clock: int = 0, grad: torch.Tensor = PATTERN) -> torch.Tensor:
-    client.send(_push_header(client.rank, clock), byte_view(torch.tensor([math.nan], dtype=torch.float64)), byte_view(grad))
+    client.send(
+        _push_header(client.rank, clock), byte_view(torch.tensor([math.nan], dtype=torch.float64)), byte_view(grad)
+    )
     out = torch.empty(N)
     client.receive(byte_view(out), 0)
     return out
@@ -664,7 +666,7 @@ def test_ps_server_drops_a_request_spliced_from_another_connection(ps_servers, p
     link_b.hold[C2S] = True
     victim.send(_pull_header(1))
     own_frame = link_b.wait_for(C2S, base_b + size)[base_b:]
-    assert own_frame[:HEADER.size] == donor_frame[:HEADER.size] and own_frame != donor_frame
+    assert own_frame[: HEADER.size] == donor_frame[: HEADER.size] and own_frame != donor_frame
     link_b.take_held(C2S)
     with caplog.at_level(logging.WARNING, logger=PS_LOGGER):
         link_b.inject(C2S, donor_frame)
@@ -745,7 +747,9 @@ def _greeting_attempt(sock: socket.socket, deadline: float) -> bytes:
     return read_greeting(sock, len(b"MAGIC123") + 4, b"MAGIC123", deadline)
 
 
-@pytest.mark.parametrize("sent, shed", [(None, True), (b"MAG", True), (b"MAGIC123\x01", True), (b"HTTP/1.1 400", False)])
+@pytest.mark.parametrize(
+    "sent, shed", [(None, True), (b"MAG", True), (b"MAGIC123\x01", True), (b"HTTP/1.1 400", False)]
+)
 def test_read_greeting_tells_a_shed_connection_from_a_foreign_server(sent, shed):
     from sparkdl._net.frames import Shed
 
@@ -780,7 +784,9 @@ def test_connect_retrying_gets_through_a_server_that_sheds_the_first_connections
         fake.close()
 
 
-@pytest.mark.parametrize("action, last", [("silent", "no answer"), ("close", "closed the connection before its greeting")])
+@pytest.mark.parametrize(
+    "action, last", [("silent", "no answer"), ("close", "closed the connection before its greeting")]
+)
 def test_connect_retrying_names_the_real_cause_when_it_gives_up(action, last):
     from sparkdl._net.frames import HandshakeFailed, connect_retrying
 
@@ -808,7 +814,9 @@ def test_connect_retrying_gives_up_soon_on_a_server_that_hangs_up_after_the_proo
     fake = _Scripted([b"x"])
     try:
         start = time.monotonic()
-        with pytest.raises(HandshakeFailed, match=r"hung up after this side proved the job's secret, 3 times \(wrong secret\?\)"):
+        with pytest.raises(
+            HandshakeFailed, match=r"hung up after this side proved the job's secret, 3 times \(wrong secret\?\)"
+        ):
             connect_retrying(fake.address, 30.0, attempt, "the test server")
         assert time.monotonic() - start < 5.0
         deadline = time.monotonic() + WAIT

@@ -33,7 +33,9 @@ def test_spark_encryption_refuses_plaintext_collectives_naming_the_setting(setti
 
 def test_default_cache_dir_is_private_and_stale_caches_of_dead_drivers_go(tmp_path, monkeypatch):
     monkeypatch.setattr(cache.tempfile, "tempdir", str(tmp_path))
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     stale = tmp_path / f"sparkdl-cache-{dead.stdout.strip()}-k3j2x9"
     (stale / "df-1").mkdir(parents=True)
     stale_old_name = tmp_path / f"sparkdl-cache-{dead.stdout.strip()}"  # as earlier versions named it
@@ -99,7 +101,9 @@ def _frame(spark):
 
         columns = ["features", "label"]
         sparkSession = spark
-        schema = T.StructType([T.StructField("features", T.ArrayType(T.DoubleType())), T.StructField("label", T.LongType())])
+        schema = T.StructType(
+            [T.StructField("features", T.ArrayType(T.DoubleType())), T.StructField("label", T.LongType())]
+        )
 
     return Frame()
 

@@ -14,9 +14,23 @@ from sparkdl._driver.settings import DataSettings, RunSettings
 from sparkdl.errors import ConfigError
 
 COMMON = dict(
-    num_workers=3, batch_size=16, shuffle=False, seed=7, reader="arrow", validation=0.25, timeout_s=42.0,
-    precision="bf16-mixed", max_failures=2, watchdog_timeout_s=30.0, checkpoint_dir="/tmp/sparkdl-settings",
-    keep_checkpoints=5, checkpoint_async=False, resume=False, decode_threads=2, feature_cols=["a", "b"], label_col="y",
+    num_workers=3,
+    batch_size=16,
+    shuffle=False,
+    seed=7,
+    reader="arrow",
+    validation=0.25,
+    timeout_s=42.0,
+    precision="bf16-mixed",
+    max_failures=2,
+    watchdog_timeout_s=30.0,
+    checkpoint_dir="/tmp/sparkdl-settings",
+    keep_checkpoints=5,
+    checkpoint_async=False,
+    resume=False,
+    decode_threads=2,
+    feature_cols=["a", "b"],
+    label_col="y",
     slot_wait_s=120.0,
 )
 
@@ -29,11 +43,15 @@ def test_estimator_and_run_build_the_same_configs_from_the_same_arguments():
     estimator = sparkdl.TorchEstimator(model=_model, strategy=sparkdl.ModelAveraging(sync_every=4), **COMMON)
     direct = RunSettings.from_arguments({**COMMON, "strategy": sparkdl.ModelAveraging(sync_every=4)}, with_data=True)
     assert estimator.settings == direct
-    assert direct.launch.num_workers == 3 and direct.launch.precision == "bf16-mixed" and direct.launch.max_failures == 2
+    assert (
+        direct.launch.num_workers == 3 and direct.launch.precision == "bf16-mixed" and direct.launch.max_failures == 2
+    )
     assert direct.launch.slot_wait_s == 120.0
     assert (direct.checkpoint.keep, direct.checkpoint.resume, direct.checkpoint.every_steps) == (5, False, None)
     assert direct.checkpoint.async_write is False
-    assert direct.data.spec.holdout == 0.25 and direct.data.spec.batch_size == 16 and direct.data.spec.decode_threads == 2
+    assert (
+        direct.data.spec.holdout == 0.25 and direct.data.spec.batch_size == 16 and direct.data.spec.decode_threads == 2
+    )
     assert direct.data.plan.columns == ["a", "b", "y"]
 
 
@@ -92,7 +110,9 @@ def test_estimator_params_changed_by_copy_reach_the_data_settings():
 
 def test_a_sequence_label_survives_param_resolution():
     label = sparkdl.Sequence("tags", max_length=8, pad_value=-100)
-    estimator = sparkdl.TorchEstimator(model=_model, inputs={"tokens": sparkdl.Sequence("tokens", max_length=8)}, label_col=label)
+    estimator = sparkdl.TorchEstimator(
+        model=_model, inputs={"tokens": sparkdl.Sequence("tokens", max_length=8)}, label_col=label
+    )
     assert estimator._data_settings().plan.label == label
     renamed = estimator.copy({estimator.labelCol: "other"})._data_settings()
     assert renamed.plan.label_column == "other" and renamed.plan.label != label

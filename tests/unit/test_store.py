@@ -22,9 +22,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from sparkdl._net.rendezvous_client import StoreClient
+from sparkdl._net.rendezvous_store import StoreError, StoreServer, StoreTimeoutError, StoreUnavailableError
+from sparkdl._net.rendezvous_wire import (
+    GREETING,
+    GREETING_BYTES,
+    MAX_KEY_BYTES,
+    MAX_VALUE_BYTES,
+    NONCE_BYTES,
+    Message,
+    Op,
+    client_handshake,
+    encode,
+    store_key,
+)
 from sparkdl._runtime.rendezvous import active_store, rendezvous, teardown
-from sparkdl._net.rendezvous_store import StoreClient, StoreError, StoreServer, StoreTimeoutError, StoreUnavailableError
-from sparkdl._net.rendezvous_wire import GREETING, GREETING_BYTES, MAX_KEY_BYTES, MAX_VALUE_BYTES, NONCE_BYTES, Message, Op, client_handshake, encode, store_key
 from sparkdl.errors import PeerLostError
 
 SECRET = b"s" * 32
@@ -253,7 +265,9 @@ def test_an_authenticated_peer_breaking_the_protocol_is_dropped(server):
 
 
 def test_pending_handshakes_are_capped_the_oldest_going_first():
-    server = StoreServer("127.0.0.1", SECRET, timeout_s=10, handshake_timeout_s=5, max_pending_handshakes=4)  # 2 from one address
+    server = StoreServer(
+        "127.0.0.1", SECRET, timeout_s=10, handshake_timeout_s=5, max_pending_handshakes=4
+    )  # 2 from one address
     rest = GREETING_BYTES - len(GREETING)  # what an idle peer has not read yet, before the EOF
     idle = [socket.create_connection(server.address, timeout=5) for _ in range(2)]
     try:
@@ -303,7 +317,10 @@ def test_a_store_that_never_answers_is_named_as_such():
             StoreClient((host, port), SECRET, 3, _td(1), served_by="the driver")
         assert time.monotonic() - start < 3.0
     text = str(info.value)
-    assert text.startswith("rank 3: the rendezvous store on the driver at") and f"{host}:{port} did not complete the handshake within 1 s" in text, text
+    assert (
+        text.startswith("rank 3: the rendezvous store on the driver at")
+        and f"{host}:{port} did not complete the handshake within 1 s" in text
+    ), text
     assert "flooded" in text and "bad greeting" not in text, text
 
 
@@ -467,7 +484,9 @@ def test_a_rank_that_cannot_reach_the_store_fails_clearly():
     port = closed.getsockname()[1]
     closed.close()
     with pytest.raises(StoreUnavailableError, match="cannot reach the rendezvous store on rank 0"):
-        rendezvous(1, 2, ["127.0.0.1:0"] * 2, lambda value: [f"127.0.0.1 {port}", value], CPU, timeout_s=5, secret=SECRET)
+        rendezvous(
+            1, 2, ["127.0.0.1:0"] * 2, lambda value: [f"127.0.0.1 {port}", value], CPU, timeout_s=5, secret=SECRET
+        )
     assert active_store() is None
 
 

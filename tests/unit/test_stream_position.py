@@ -29,12 +29,17 @@ def test_checkpoint_fields_read_back_restore_the_same_position():
 
 def test_a_resharded_epoch_in_progress_survives_a_checkpoint():
     share = np.arange(40, 60, dtype=np.int64)
-    position = StreamPosition(batches_taken=30, epoch_start=30, remainder=Remainder(share, steps=5, taken=2, next_start=30))
+    position = StreamPosition(
+        batches_taken=30, epoch_start=30, remainder=Remainder(share, steps=5, taken=2, next_start=30)
+    )
     fields = position.checkpoint_fields(None, steps_per_epoch=10)
     restored = StreamPosition()
     restored.restore(stream_state(30, fields, None))
     assert restored.remainder is not None
-    assert np.array_equal(restored.remainder.share, share) and (restored.remainder.steps, restored.remainder.taken) == (5, 2)
+    assert np.array_equal(restored.remainder.share, share) and (restored.remainder.steps, restored.remainder.taken) == (
+        5,
+        2,
+    )
 
 
 def test_a_finished_resharded_epoch_is_not_restored():

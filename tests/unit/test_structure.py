@@ -32,17 +32,35 @@ def _modules(root: pathlib.Path = ROOT) -> Dict[str, pathlib.Path]:
 #: nothing in a circle (docs/architecture.md describes them). A module's layer is that of the
 #: longest name here it starts with.
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
-    ("foundation", ("sparkdl.errors", "sparkdl._lazy", "sparkdl._version", "sparkdl._spark", "sparkdl.filesystem", "sparkdl.reporting")),
+    (
+        "foundation",
+        (
+            "sparkdl.errors",
+            "sparkdl._lazy",
+            "sparkdl._version",
+            "sparkdl._spark",
+            "sparkdl.filesystem",
+            "sparkdl.reporting",
+        ),
+    ),
     ("network", ("sparkdl._net",)),
     ("plug-in wings", ("sparkdl.checkpoint", "sparkdl.data", "sparkdl.strategies", "sparkdl.connectors")),
     ("rank runtime", ("sparkdl._runtime",)),
     ("task context", ("sparkdl.context",)),
     ("task", ("sparkdl._task",)),
     ("driver", ("sparkdl._driver",)),
-    ("public entry points", (
-        "sparkdl.estimator", "sparkdl.model", "sparkdl.custom_loop", "sparkdl.launching", "sparkdl.comparison",
-        "sparkdl.tracking", "sparkdl.plotting",
-    )),
+    (
+        "public entry points",
+        (
+            "sparkdl.estimator",
+            "sparkdl.model",
+            "sparkdl.custom_loop",
+            "sparkdl.launching",
+            "sparkdl.comparison",
+            "sparkdl.tracking",
+            "sparkdl.plotting",
+        ),
+    ),
     ("package", ("sparkdl",)),
     # The command line is a user of the public package (sparkdl.TorchEstimator...), as a script is.
     ("command line", ("sparkdl.cli",)),
@@ -86,7 +104,9 @@ def _import_graph(root: pathlib.Path = ROOT) -> Dict[str, Set[str]]:
                     anchor = name.split(".") if is_package else name.split(".")[:-1]
                     anchor = anchor[: len(anchor) - node.level + 1]
                     base = ".".join(anchor + ([base] if base else []))
-                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names
+                ]
             for target in targets:
                 while target and target not in modules:  # import a.b.c of a non-module c: a.b
                     target = target.rpartition(".")[0]
@@ -121,7 +141,7 @@ def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
         path.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycles.append(path[path.index(nxt):] + [nxt])
+                cycles.append(path[path.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt)
         path.pop()
@@ -161,7 +181,9 @@ def test_plugin_bases_import_no_implementation_and_their_packages_register_them(
         assert base in graph, f"{package} has no base module"
         reached = _reachable(graph, base)
         assert not reached & names, f"{base} imports implementations {sorted(reached & names)}"
-        assert names <= graph[package], f"{package}/__init__.py must import its built-ins: {sorted(names - graph[package])}"
+        assert names <= graph[package], (
+            f"{package}/__init__.py must import its built-ins: {sorted(names - graph[package])}"
+        )
 
 
 def _reachable(graph: Dict[str, Set[str]], start: str) -> Set[str]:
@@ -186,7 +208,13 @@ def test_the_import_graph_sees_every_import(tmp_path):
     (package / "c.py").write_text("def f():\n    import sparkdl.a\n")
     (package / "d.py").write_text("from sparkdl import VERSION\nfrom . import a\n")
     graph = _import_graph(tmp_path)
-    assert graph == {"sparkdl": set(), "sparkdl.a": {"sparkdl.b"}, "sparkdl.b": {"sparkdl.c"}, "sparkdl.c": {"sparkdl.a"}, "sparkdl.d": {"sparkdl", "sparkdl.a"}}
+    assert graph == {
+        "sparkdl": set(),
+        "sparkdl.a": {"sparkdl.b"},
+        "sparkdl.b": {"sparkdl.c"},
+        "sparkdl.c": {"sparkdl.a"},
+        "sparkdl.d": {"sparkdl", "sparkdl.a"},
+    }
     assert _cycles(graph) == [["sparkdl.a", "sparkdl.b", "sparkdl.c", "sparkdl.a"]]
 
 
@@ -194,7 +222,12 @@ def test_the_layer_of_a_module_is_its_longest_prefix():
     assert LAYERS[_layer("sparkdl")][0] == "package" and LAYERS[_layer("sparkdl.cli._train")][0] == "command line"
     assert LAYERS[_layer("sparkdl._net.server")][0] == "network"
     assert LAYERS[_layer("sparkdl.strategies.parameter_server.wire")][0] == "plug-in wings"
-    assert _layer("sparkdl.errors") < _layer("sparkdl._runtime.rank") < _layer("sparkdl.context") < _layer("sparkdl._task.entry")
+    assert (
+        _layer("sparkdl.errors")
+        < _layer("sparkdl._runtime.rank")
+        < _layer("sparkdl.context")
+        < _layer("sparkdl._task.entry")
+    )
 
 
 def _architecture_packages() -> Set[str]:
@@ -211,7 +244,9 @@ def test_the_architecture_page_names_every_package_and_nothing_else():
     packages = {name for name, path in modules.items() if path.name == "__init__.py"}
     described = _architecture_packages()
     missing, stale = sorted(packages - described), sorted(described - set(modules))
-    assert not missing and not stale, f"docs/architecture.md: packages not described {missing}; described but absent {stale}"
+    assert not missing and not stale, (
+        f"docs/architecture.md: packages not described {missing}; described but absent {stale}"
+    )
 
 
 def test_the_top_level_holds_public_modules_and_few_private_ones():

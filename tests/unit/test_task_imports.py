@@ -29,7 +29,15 @@ TASK_MODULES = (
     "sparkdl.data.plan",
 )
 #: Driver-only modules a task must not load.
-DRIVER_ONLY = ("pandas", "pyspark.ml", "pyspark.sql", "matplotlib", "sparkdl.estimator", "sparkdl._driver", "sparkdl.comparison")
+DRIVER_ONLY = (
+    "pandas",
+    "pyspark.ml",
+    "pyspark.sql",
+    "matplotlib",
+    "sparkdl.estimator",
+    "sparkdl._driver",
+    "sparkdl.comparison",
+)
 
 
 def test_a_task_imports_none_of_the_driver_side():
@@ -65,8 +73,12 @@ def test_after_the_warm_up_a_tasks_first_optimizer_step_does_not_import_torch_dy
         "optimizer.step()\n"
         "print(json.dumps(sorted(set(sys.modules) - before)))"
     )
-    imported = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
-    assert not [name for name in imported if name.startswith("torch._dynamo")], f"the first step still imports: {imported[:10]}"
+    imported = json.loads(
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    )
+    assert not [name for name in imported if name.startswith("torch._dynamo")], (
+        f"the first step still imports: {imported[:10]}"
+    )
 
 
 def test_after_the_warm_up_the_drivers_first_checks_import_neither_torch_dynamo_nor_pyarrow_dataset(tmp_path):
@@ -75,7 +87,9 @@ def test_after_the_warm_up_the_drivers_first_checks_import_neither_torch_dynamo_
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"x": np.arange(8, dtype=np.float32), "label": np.arange(8) % 2}), str(tmp_path / "part-0.parquet"))
+    pq.write_table(
+        pa.table({"x": np.arange(8, dtype=np.float32), "label": np.arange(8) % 2}), str(tmp_path / "part-0.parquet")
+    )
     code = (
         "import json, sys\n"
         "import torch\n"
@@ -88,6 +102,8 @@ def test_after_the_warm_up_the_drivers_first_checks_import_neither_torch_dynamo_
         "check_optimizer(lambda params: torch.optim.Adam(params), torch.nn.Linear(1, 2))\n"
         "print(json.dumps(sorted(set(sys.modules) - before)))"
     )
-    imported = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
+    imported = json.loads(
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    )
     late = [name for name in imported if name.startswith(("torch._dynamo", "pyarrow.dataset", "pandas"))]
     assert not late, f"the first fit's checks still import: {late[:10]}"

@@ -50,8 +50,12 @@ class Clock:
 
 def make_log(clock: Clock) -> RateLimitedLog:
     return RateLimitedLog(
-        logging.getLogger("sparkdl.test_tcpserver"), "channel", "dropped {count} more unauthenticated connections",
-        burst=5, interval_s=10.0, clock=clock,
+        logging.getLogger("sparkdl.test_tcpserver"),
+        "channel",
+        "dropped {count} more unauthenticated connections",
+        burst=5,
+        interval_s=10.0,
+        clock=clock,
     )
 
 
@@ -124,7 +128,9 @@ def test_a_quiet_interval_starts_a_new_burst_but_pending_counts_are_reported_fir
 
 def test_accept_failures_and_other_peerless_events_read_well(records):
     clock = Clock()
-    log = RateLimitedLog(logging.getLogger("sparkdl.test_tcpserver"), "srv", "{count} more accept failures", burst=0, clock=clock)
+    log = RateLimitedLog(
+        logging.getLogger("sparkdl.test_tcpserver"), "srv", "{count} more accept failures", burst=0, clock=clock
+    )
     log.event(None, OSError(24, "Too many open files"), "never logged as such")
     log.flush()
     assert records.lines == ["srv: 1 more accept failures in the last 0.0 s (last: [Errno 24] Too many open files)"]
@@ -145,7 +151,13 @@ class Greeter(ThreadedServer):
         self.ended = threading.Semaphore(0)  # one release per served connection that ended
         listener = socket.create_server((HOST, 0), backlog=256)
         self.address = listener.getsockname()[:2]
-        super().__init__(listener, "greeter", logging.getLogger("sparkdl.test_tcpserver"), max_pending_handshakes=cap, max_pending_per_peer=per_peer)
+        super().__init__(
+            listener,
+            "greeter",
+            logging.getLogger("sparkdl.test_tcpserver"),
+            max_pending_handshakes=cap,
+            max_pending_per_peer=per_peer,
+        )
 
     def _serve(self, conn: socket.socket, peer) -> None:
         try:

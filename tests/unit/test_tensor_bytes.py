@@ -13,11 +13,17 @@ import pyarrow.parquet as pq
 import pytest
 
 from sparkdl.data.batching import batches
-from sparkdl.data.spec import DataSpec
 from sparkdl.data.dataset import inspect_dataset
 from sparkdl.data.nonfinite import describe_non_finite
 from sparkdl.data.readers import reader_from_name
-from sparkdl.data.tensor_bytes import pack_array, packed_columns, spark_footer_metadata, tensor_rows, tensor_rows_from_values
+from sparkdl.data.spec import DataSpec
+from sparkdl.data.tensor_bytes import (
+    pack_array,
+    packed_columns,
+    spark_footer_metadata,
+    tensor_rows,
+    tensor_rows_from_values,
+)
 from sparkdl.errors import DataError
 
 WIDTH = 5
@@ -44,7 +50,9 @@ def test_pack_keeps_values_rows_and_nulls_of_a_sliced_array():
     array = pa.array([[1.0, 2.0], [3.0, None], None, [5.0, 6.0], [7.0, 8.0]], pa.list_(pa.float64()))
     packed = pack_array(array.slice(1, 3))
     assert packed.type == pa.binary() and len(packed) == 3 and packed.null_count == 1 and not packed[1].is_valid
-    assert np.frombuffer(packed[0].as_py(), "<f4").tolist()[0] == 3.0 and np.isnan(np.frombuffer(packed[0].as_py(), "<f4")[1])
+    assert np.frombuffer(packed[0].as_py(), "<f4").tolist()[0] == 3.0 and np.isnan(
+        np.frombuffer(packed[0].as_py(), "<f4")[1]
+    )
     assert np.frombuffer(packed[2].as_py(), "<f4").tolist() == [5.0, 6.0]
     ints = pack_array(pa.array([[1, 2], [3, 4], [5, 6]], pa.list_(pa.int64())).slice(1))
     assert tensor_rows(ints, "f", "feature", "x").tolist() == [[3.0, 4.0], [5.0, 6.0]]
@@ -97,7 +105,10 @@ def test_a_nan_in_packed_data_is_found_by_column_row_group_and_row(tmp_path):
     features[21, 3] = np.nan  # file part-1 (rows 20..39), row group 0, row 1
     dataset = inspect_dataset(_write(str(tmp_path / "nan"), features, "packed", row_group=10), ["features"], "label")
     message = describe_non_finite(dataset)
-    assert message.startswith("column 'features' holds NaN at row 1 of row group 0 of file") and "part-1.parquet" in message
+    assert (
+        message.startswith("column 'features' holds NaN at row 1 of row group 0 of file")
+        and "part-1.parquet" in message
+    )
 
 
 def test_rows_handed_out_as_python_bytes_decode_like_the_arrow_column_and_are_checked_alike():

@@ -8,15 +8,14 @@ import os
 import socket
 import threading
 
-
 from sparkdl._net.channel import new_secret
+from sparkdl._net.rendezvous_store import StoreServer
 from sparkdl._task.environment import environment, torchrun_environment
 from sparkdl._task.script import ChildFailure, LaunchTarget, run_child
-from sparkdl._net.rendezvous_store import StoreServer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SCRIPT = '''
+SCRIPT = """
 import datetime, os, sys
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
@@ -30,7 +29,7 @@ except Exception as exc:
 print("sum", value.item(), "tcpstore", tcpstore, "argv", sys.argv[1:])
 dist.destroy_process_group()
 sys.exit(int(sys.argv[1]) if os.environ["RANK"] == "1" else 0)
-'''
+"""
 
 
 def _launch_two(tmp_path, exit_code_of_rank1: int):
@@ -44,15 +43,29 @@ def _launch_two(tmp_path, exit_code_of_rank1: int):
     def rank_main(rank: int) -> None:
         # TORCH_CPP_LOG_LEVEL: the refused TCPStore probe's retry and timeout logs (C++ stack traces on
         # stderr, a separate pipe read by its own thread) would otherwise crowd out the stdout line
-        env = dict(os.environ, PYTHONPATH=REPO_ROOT, SPARKDL_LAUNCHED="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="FATAL")
+        env = dict(
+            os.environ,
+            PYTHONPATH=REPO_ROOT,
+            SPARKDL_LAUNCHED="1",
+            PYTHONUNBUFFERED="1",
+            OMP_NUM_THREADS="1",
+            TORCH_CPP_LOG_LEVEL="FATAL",
+        )
         env.update(torchrun_environment(rank, 2, server.address, "sparkdl-test"))
         if "lo" in {name for _, name in socket.if_nameindex()}:
             env["GLOO_SOCKET_IFNAME"] = "lo"
         try:
             outcomes[rank] = run_child(
-                target, rank=rank, host="127.0.0.1", script_path=str(script), env=env, secret=secret,
+                target,
+                rank=rank,
+                host="127.0.0.1",
+                script_path=str(script),
+                env=env,
+                secret=secret,
                 spec={"store": list(server.address), "encrypt": False, "rank": rank, "world_size": 2},
-                data=None, send=messages[rank].append, advance=lambda phase: None,
+                data=None,
+                send=messages[rank].append,
+                advance=lambda phase: None,
             )
         except ChildFailure as exc:
             outcomes[rank] = exc
@@ -91,5 +104,9 @@ def test_the_environment_is_restored(monkeypatch):
     values = torchrun_environment(1, 2, ("10.0.0.1", 1234), "run")
     with environment(values):
         assert os.environ["RANK"] == "1" and os.environ["WORLD_SIZE"] == "2" and os.environ["MASTER_PORT"] == "1234"
-        assert os.environ["LOCAL_RANK"] == "0" and os.environ["GROUP_RANK"] == "1" and os.environ["TORCHELASTIC_RUN_ID"] == "run"
+        assert (
+            os.environ["LOCAL_RANK"] == "0"
+            and os.environ["GROUP_RANK"] == "1"
+            and os.environ["TORCHELASTIC_RUN_ID"] == "run"
+        )
     assert os.environ["RANK"] == "before" and "WORLD_SIZE" not in os.environ

@@ -37,12 +37,16 @@ class ArrowReader(DataReader):
     description = "native pyarrow row groups, read ahead in a background thread (the default)"
     reads_tensor_bytes = True
 
-    def read_pass(self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_index: int) -> Iterator[Chunk]:
+    def read_pass(
+        self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_index: int
+    ) -> Iterator[Chunk]:
         for chunk in self.passes(dataset, spec, rank, world_size, [pass_index]):
             if chunk is not PASS_END:
                 yield chunk
 
-    def passes(self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_indexes: Iterable[int]) -> Iterator[Chunk]:
+    def passes(
+        self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_indexes: Iterable[int]
+    ) -> Iterator[Chunk]:
         """The passes' row groups in order, each pass followed by ``PASS_END``, with
         ``spec.prefetch_row_groups`` row groups read ahead across the passes' boundaries too:
         the next pass's first row groups are read while this pass's last ones are trained on,
@@ -79,7 +83,10 @@ class ArrowReader(DataReader):
         groups = (
             group
             for pass_index in pass_indexes
-            for group in [*pass_row_groups(dataset.num_row_groups, rank, world_size, spec.seed + pass_index, spec.shuffle), None]
+            for group in [
+                *pass_row_groups(dataset.num_row_groups, rank, world_size, spec.seed + pass_index, spec.shuffle),
+                None,
+            ]
         )
         # One thread: reads run in order (a ParquetFile is not shared between threads) and
         # pyarrow decodes without the GIL, so reading overlaps the training thread.

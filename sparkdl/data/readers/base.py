@@ -62,7 +62,9 @@ class DataReader(abc.ABC):
             _READERS[cls.name] = cls
 
     @abc.abstractmethod
-    def read_pass(self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_index: int) -> Iterator[Chunk]:
+    def read_pass(
+        self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_index: int
+    ) -> Iterator[Chunk]:
         """One pass over this rank's shard (seeded ``spec.seed + pass_index``), honouring
         ``spec``'s filters and hold-out part. Must close its resources when closed."""
 
@@ -79,7 +81,9 @@ class DataReader(abc.ABC):
         for chunk in self.passes(dataset, spec, rank, world_size, itertools.count()):
             if chunk is PASS_END:
                 if rows == 0:
-                    narrowed = " after filters and the validation hold-out" if spec.filters is not None or spec.holdout else ""
+                    narrowed = (
+                        " after filters and the validation hold-out" if spec.filters is not None or spec.holdout else ""
+                    )
                     raise DataError(f"rank {rank} read no rows from its shard of {dataset.name}{narrowed}")
                 rows = 0
                 if spec.pass_marks:
@@ -88,7 +92,9 @@ class DataReader(abc.ABC):
             rows += chunk_rows(chunk)
             yield chunk
 
-    def passes(self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_indexes: Iterable[int]) -> Iterator[Chunk]:
+    def passes(
+        self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_indexes: Iterable[int]
+    ) -> Iterator[Chunk]:
         """The chunks of the passes ``pass_indexes``, one pass after the other, each followed by
         :data:`PASS_END`: :meth:`read_pass` per pass. A reader that reads ahead across the
         passes' boundaries overrides it."""

@@ -50,7 +50,9 @@ class PetastormReader(DataReader):
     def check(self, dataset: DatasetInfo) -> None:
         from sparkdl.data.inputs import Sequence
 
-        specs = [(key, spec) for key, spec in dataset.plan.inputs] + ([("label", dataset.plan.label)] if dataset.plan.label else [])
+        specs = [(key, spec) for key, spec in dataset.plan.inputs] + (
+            [("label", dataset.plan.label)] if dataset.plan.label else []
+        )
         ragged = [key for key, spec in specs if isinstance(spec, Sequence)]
         if ragged and not dataset.is_petastorm:
             raise ConfigError(
@@ -59,7 +61,9 @@ class PetastormReader(DataReader):
                 f"lengths; use reader='arrow' (the default)"
             )
 
-    def read_pass(self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_index: int) -> Iterator[Chunk]:
+    def read_pass(
+        self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_index: int
+    ) -> Iterator[Chunk]:
         from sparkdl.data.selection import PositionCursor, RowSelector, pass_row_groups
 
         selector = RowSelector(dataset, spec.holdout, spec.part, spec.filters, rank, world_size)
@@ -109,7 +113,9 @@ class PetastormReader(DataReader):
             reader.join()
 
     @staticmethod
-    def _open(dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, striding: bool, seed: int, columns: List[str]):
+    def _open(
+        dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, striding: bool, seed: int, columns: List[str]
+    ):
         with warnings.catch_warnings():
             # Petastorm 0.12 calls pyarrow's legacy API, which warns on every call.
             warnings.simplefilter("ignore", FutureWarning)

@@ -43,7 +43,10 @@ the module above it.
 
 from sparkdl.strategies.parameter_server.clock import SSPClock
 from sparkdl.strategies.parameter_server.config import ParameterServer
+
+# Public names of the former single module that __all__ never listed; still importable from here.
 from sparkdl.strategies.parameter_server.layout import (
+    LAYOUTS,  # noqa: F401
     Layout,
     Segment,
     balanced_layout,
@@ -51,13 +54,10 @@ from sparkdl.strategies.parameter_server.layout import (
     shard_segments,
     tensor_layout,
 )
-from sparkdl.strategies.parameter_server.wire import ParameterServerError
-from sparkdl.strategies.parameter_server.worker import ParameterServerOptimizer
-
-# Public names of the former single module that __all__ never listed; still importable from here.
-from sparkdl.strategies.parameter_server.layout import LAYOUTS  # noqa: F401
 from sparkdl.strategies.parameter_server.runtime import PEER_LOSS_GRACE_S  # noqa: F401
 from sparkdl.strategies.parameter_server.shard import build_server_optimizer  # noqa: F401
+from sparkdl.strategies.parameter_server.wire import ParameterServerError
+from sparkdl.strategies.parameter_server.worker import ParameterServerOptimizer
 
 __all__ = [
     "Layout",

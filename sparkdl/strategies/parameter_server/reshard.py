@@ -31,7 +31,9 @@ def _is_piece(value: Any, segment: Segment) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == segment.size
 
 
-def _gather(spec: TableSpec, old_spec: TableSpec, saved: Sequence[Dict[str, Any]]) -> Tuple[List[torch.Tensor], List[Dict[str, Any]], List[Dict[int, Dict[str, Any]]]]:
+def _gather(
+    spec: TableSpec, old_spec: TableSpec, saved: Sequence[Dict[str, Any]]
+) -> Tuple[List[torch.Tensor], List[Dict[str, Any]], List[Dict[int, Dict[str, Any]]]]:
     """Every parameter's whole flat values and optimizer state from the old shards, and each old
     shard's hyperparameters per user param group."""
     sizes = spec.sizes
@@ -42,7 +44,7 @@ def _gather(spec: TableSpec, old_spec: TableSpec, saved: Sequence[Dict[str, Any]
         segments = shard_segments(old_spec.layout, sizes, shard)
         flat = table["values"]
         for segment in segments:
-            values[segment.param][segment.start:segment.stop] = flat[segment.offset:segment.offset + segment.size]
+            values[segment.param][segment.start : segment.stop] = flat[segment.offset : segment.offset + segment.size]
         optimizer = table.get("optimizer")
         hyper: Dict[int, Dict[str, Any]] = {}
         if optimizer is not None:
@@ -51,8 +53,10 @@ def _gather(spec: TableSpec, old_spec: TableSpec, saved: Sequence[Dict[str, Any]
                 segment = segments[index]
                 for key, value in optimizer["state"].get(q, {}).items():
                     if _is_piece(value, segment):
-                        whole = states[segment.param].setdefault(key, torch.zeros(sizes[segment.param], dtype=value.dtype))
-                        whole[segment.start:segment.stop] = value.reshape(-1)
+                        whole = states[segment.param].setdefault(
+                            key, torch.zeros(sizes[segment.param], dtype=value.dtype)
+                        )
+                        whole[segment.start : segment.stop] = value.reshape(-1)
                     else:
                         states[segment.param][key] = value
             user_groups = sorted({old_spec.groups[s.param] for s in segments})
@@ -62,7 +66,13 @@ def _gather(spec: TableSpec, old_spec: TableSpec, saved: Sequence[Dict[str, Any]
     return values, states, groups
 
 
-def relayout_state(kind: str, old_states: Sequence[Dict[str, Any]], tables: Sequence[Tuple[TableSpec, Optional[torch.optim.Optimizer]]], rank: int, world_size: int) -> Dict[str, Any]:
+def relayout_state(
+    kind: str,
+    old_states: Sequence[Dict[str, Any]],
+    tables: Sequence[Tuple[TableSpec, Optional[torch.optim.Optimizer]]],
+    rank: int,
+    world_size: int,
+) -> Dict[str, Any]:
     """New rank ``rank``'s :meth:`ParameterServerRuntime.state_dict` from the old ranks' ones.
 
     Args:
@@ -80,13 +90,15 @@ def relayout_state(kind: str, old_states: Sequence[Dict[str, Any]], tables: Sequ
         saved = [state["tables"][index] for state in old_states]
         old_spec = dataclasses.replace(spec, layout=make_layout(kind, spec.sizes, old_world))
         if any(table["fingerprint"] != old_spec.fingerprint() for table in saved):
-            raise ValueError(f"ParameterServer checkpoint of table {spec.table} holds different parameters than this run prepared")
+            raise ValueError(
+                f"ParameterServer checkpoint of table {spec.table} holds different parameters than this run prepared"
+            )
         values, states, hyper = _gather(spec, old_spec, saved)
         segments = shard_segments(spec.layout, spec.sizes, rank)
         low, high = spec.shard_bounds(rank)
         flat = torch.empty(high - low, dtype=spec.dtype)
         for segment in segments:
-            flat[segment.offset:segment.offset + segment.size] = values[segment.param][segment.start:segment.stop]
+            flat[segment.offset : segment.offset + segment.size] = values[segment.param][segment.start : segment.stop]
         optimizer_state = None
         piece_keys = _piece_keys(saved, old_spec)
         if optimizer is not None:
@@ -96,8 +108,17 @@ def relayout_state(kind: str, old_states: Sequence[Dict[str, Any]], tables: Sequ
                 shape = spec.shapes[segment.param] if segment.size == spec.sizes[segment.param] else (segment.size,)
                 entry = {}
                 for key, value in states[segment.param].items():
-                    is_whole = isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == spec.sizes[segment.param] and key in piece_keys
-                    entry[key] = value[segment.start:segment.stop].clone().view(shape) if is_whole else (value.clone() if isinstance(value, torch.Tensor) else value)
+                    is_whole = (
+                        isinstance(value, torch.Tensor)
+                        and value.dim() == 1
+                        and value.numel() == spec.sizes[segment.param]
+                        and key in piece_keys
+                    )
+                    entry[key] = (
+                        value[segment.start : segment.stop].clone().view(shape)
+                        if is_whole
+                        else (value.clone() if isinstance(value, torch.Tensor) else value)
+                    )
                 if entry:
                     state[q] = entry
             param_groups = optimizer.state_dict()["param_groups"]
@@ -109,14 +130,16 @@ def relayout_state(kind: str, old_states: Sequence[Dict[str, Any]], tables: Sequ
                         break
             optimizer_state = {"state": state, "param_groups": param_groups}
         clock = int(saved[0]["worker_clock"])
-        out.append({
-            "fingerprint": spec.fingerprint(),
-            "values": flat,
-            "optimizer": optimizer_state,
-            "clocks": [clock] * world_size,
-            "updates": max(int(table.get("updates", 0)) for table in saved),
-            "worker_clock": clock,
-        })
+        out.append(
+            {
+                "fingerprint": spec.fingerprint(),
+                "values": flat,
+                "optimizer": optimizer_state,
+                "clocks": [clock] * world_size,
+                "updates": max(int(table.get("updates", 0)) for table in saved),
+                "worker_clock": clock,
+            }
+        )
     return {"format": 1, "rank": rank, "world_size": world_size, "tables": out}
 
 

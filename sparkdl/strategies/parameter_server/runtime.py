@@ -110,15 +110,21 @@ class ParameterServerRuntime(StrategyRuntime):
             # Hex in JSON: all_gather carries strings. The secret travels only in the rendezvous
             # store's authenticated frames (encrypted when Spark encrypts), never on a command
             # line or in a log line.
-            replies = [json.loads(m) for m in all_gather(json.dumps({"host": host, "port": port, "secret": own_secret.hex()}))]
+            replies = [
+                json.loads(m) for m in all_gather(json.dumps({"host": host, "port": port, "secret": own_secret.hex()}))
+            ]
             if len(replies) != env.world_size:
-                raise RuntimeError(f"ParameterServer: allGather returned {len(replies)} entries for {env.world_size} ranks")
+                raise RuntimeError(
+                    f"ParameterServer: allGather returned {len(replies)} entries for {env.world_size} ranks"
+                )
             secret = bytes.fromhex(replies[0]["secret"])
             if len(secret) < 16:
                 raise RuntimeError("ParameterServer: rank 0 sent no usable secret")
             # Encrypted when Spark's own traffic is (env.encrypt); integrity-protected either way.
             encrypt = bool(env.encrypt)
-            self._server = ShardServer(listener, secret, env.rank, env.world_size, self.state, self.timeout_s, self._sent, encrypt=encrypt)
+            self._server = ShardServer(
+                listener, secret, env.rank, env.world_size, self.state, self.timeout_s, self._sent, encrypt=encrypt
+            )
             listener = None
             addresses = [(str(r["host"]), int(r["port"])) for r in replies]
             self._clients = connect_all(addresses, secret, env.rank, self.timeout_s, self._sent, encrypt=encrypt)
@@ -174,7 +180,9 @@ class ParameterServerRuntime(StrategyRuntime):
         by_dtype: Dict[torch.dtype, List[int]] = {}
         for i, param in enumerate(params):
             if param.dtype not in DTYPE_CODES:
-                raise ConfigError(f"ParameterServer: parameters of dtype {param.dtype} are not supported (float16/32/64 and bfloat16 are)")
+                raise ConfigError(
+                    f"ParameterServer: parameters of dtype {param.dtype} are not supported (float16/32/64 and bfloat16 are)"
+                )
             by_dtype.setdefault(param.dtype, []).append(i)
         specs: List[Tuple[TableSpec, List[torch.Tensor]]] = []
         for dtype, members in by_dtype.items():
@@ -202,7 +210,9 @@ class ParameterServerRuntime(StrategyRuntime):
                 self._sent.add(broadcast_bytes_sent(nbytes(flat), self.env.world_size, self.env.rank == 0))
                 unflatten_into(flat, worker.params)
             low, high = spec.shard_bounds(self.env.rank)
-            shard = Shard(spec, self.env.rank, self.env.world_size, self.max_staleness, self.timeout_s, flat[low:high], optimizer)
+            shard = Shard(
+                spec, self.env.rank, self.env.world_size, self.max_staleness, self.timeout_s, flat[low:high], optimizer
+            )
             self.state.register(spec.table, shard)
             created.append(worker)
         if not self.tables:
@@ -252,7 +262,12 @@ class ParameterServerRuntime(StrategyRuntime):
                 staleness = max(staleness, self._push_pull(table))
         except ParameterServerError as exc:
             if exc.peer_rank is not None and self.peer_loss_grace_s > 0:
-                logger.warning("rank %d: %s; reporting it in %gs unless the run is cancelled first", self.env.rank, exc, self.peer_loss_grace_s)
+                logger.warning(
+                    "rank %d: %s; reporting it in %gs unless the run is cancelled first",
+                    self.env.rank,
+                    exc,
+                    self.peer_loss_grace_s,
+                )
                 time.sleep(self.peer_loss_grace_s)  # not synchronization: see PEER_LOSS_GRACE_S
             raise
         self._steps += 1
@@ -274,7 +289,9 @@ class ParameterServerRuntime(StrategyRuntime):
         for k in remote:
             low, high = spec.shard_bounds(k)
             grad = table.grad[low:high]
-            header = Header(Kind.PUSH, code, spec.table, rank, table.clock, spec.num_groups, len(lr_bytes) + nbytes(grad))
+            header = Header(
+                Kind.PUSH, code, spec.table, rank, table.clock, spec.num_groups, len(lr_bytes) + nbytes(grad)
+            )
             self._clients[k].send(header, lr_bytes, byte_view(grad))
         staleness = 0
         low, high = spec.shard_bounds(rank)
@@ -344,9 +361,7 @@ class ParameterServerRuntime(StrategyRuntime):
             "format": 1,
             "rank": self.env.rank,
             "world_size": self.env.world_size,
-            "tables": [
-                {**self.state.shard(t.spec.table).state_dict(), "worker_clock": t.clock} for t in self.tables
-            ],
+            "tables": [{**self.state.shard(t.spec.table).state_dict(), "worker_clock": t.clock} for t in self.tables],
         }
         dist.barrier()
         return state
@@ -372,14 +387,18 @@ class ParameterServerRuntime(StrategyRuntime):
         self._pull_all()
         dist.barrier()
 
-    def reshard_state(self, old: Sequence[Tuple[Dict[str, Any], Dict[str, Any]]], old_world_size: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    def reshard_state(
+        self, old: Sequence[Tuple[Dict[str, Any], Dict[str, Any]]], old_world_size: int
+    ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         """Elastic resume: the old shards re-laid out for this run's ranks
         (:mod:`~sparkdl.strategies.parameter_server.reshard`); the user state is old rank
         ``rank % N``'s (the replica is pulled from the servers by :meth:`load_state_dict`)."""
         from sparkdl.strategies.parameter_server.reshard import relayout_state
 
         tables = [(t.spec, self.state.shard(t.spec.table).optimizer) for t in self.tables]
-        strategy = relayout_state(self.config.layout, [pair[1] for pair in old], tables, self.env.rank, self.env.world_size)
+        strategy = relayout_state(
+            self.config.layout, [pair[1] for pair in old], tables, self.env.rank, self.env.world_size
+        )
         return old[self.env.rank % old_world_size][0], strategy
 
     def close(self) -> None:

@@ -122,11 +122,13 @@ class Shard:
         self.group_map = sorted(by_group)
         self.optimizer: Optional[torch.optim.Optimizer] = None
         if self.segments:
-            self.optimizer = build_server_optimizer(template, [(g, [self.tensors[i] for i in by_group[g]]) for g in self.group_map])
+            self.optimizer = build_server_optimizer(
+                template, [(g, [self.tensors[i] for i in by_group[g]]) for g in self.group_map]
+            )
 
     @staticmethod
     def _view(flat: torch.Tensor, seg: Segment, shape: Tuple[int, ...]) -> torch.Tensor:
-        return flat[seg.offset: seg.offset + seg.size].view(shape)
+        return flat[seg.offset : seg.offset + seg.size].view(shape)
 
     def push(self, rank: int, clock: int, lrs: Sequence[float], grad: torch.Tensor) -> None:
         """Applies one worker's gradient for this shard with the server optimizer.
@@ -218,7 +220,9 @@ class Shard:
         with self.cond:
             values = state["values"]
             if tuple(values.shape) != tuple(self.values.shape) or values.dtype != self.values.dtype:
-                raise ValueError(f"checkpointed shard has shape {tuple(values.shape)} {values.dtype}, expected {tuple(self.values.shape)} {self.values.dtype}")
+                raise ValueError(
+                    f"checkpointed shard has shape {tuple(values.shape)} {values.dtype}, expected {tuple(self.values.shape)} {self.values.dtype}"
+                )
             self.values.copy_(values)
             if self.optimizer is not None and state["optimizer"] is not None:
                 self.optimizer.load_state_dict(state["optimizer"])
@@ -271,10 +275,14 @@ class ServerState(Backend):
                 raise WireError("PULL frames have clock -1 and no payload")
             return memoryview(b"")
         if header.aux != shard.spec.num_groups:
-            raise WireError(f"PUSH carries {header.aux} learning rates, table {header.table} has {shard.spec.num_groups} groups")
+            raise WireError(
+                f"PUSH carries {header.aux} learning rates, table {header.table} has {shard.spec.num_groups} groups"
+            )
         expected = 8 * shard.spec.num_groups + shard.nbytes
         if header.length != expected:
-            raise WireError(f"PUSH of {header.length} bytes for table {header.table}, whose shard takes exactly {expected}")
+            raise WireError(
+                f"PUSH of {header.length} bytes for table {header.table}, whose shard takes exactly {expected}"
+            )
         key = (rank, header.table)
         buffer = self._receive.get(key)
         if buffer is None:
@@ -291,7 +299,7 @@ class ServerState(Backend):
             valid = torch.isnan(lrs) | (torch.isfinite(lrs) & (lrs >= 0))
             if not bool(valid.all()):
                 raise WireError("PUSH carries a negative or infinite learning rate")
-            grad = buffer[8 * count:].view(shard.spec.dtype)
+            grad = buffer[8 * count :].view(shard.spec.dtype)
             shard.push(rank, header.clock, lrs.tolist(), grad)
             clock = header.clock + 1
         else:

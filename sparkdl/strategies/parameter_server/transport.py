@@ -178,14 +178,34 @@ class ShardServer(ThreadedServer):
                     reply, payload = self._backend.handle(rank, header)
                 except ParameterServerError as exc:
                     text = str(exc).encode("utf-8", "replace")[:MAX_ERROR_BYTES]
-                    reply, payload = Header(Kind.ERROR, 0, header.table, self.rank, 0, -1 if exc.peer_rank is None else exc.peer_rank, len(text)), memoryview(text)
+                    reply, payload = (
+                        Header(
+                            Kind.ERROR,
+                            0,
+                            header.table,
+                            self.rank,
+                            0,
+                            -1 if exc.peer_rank is None else exc.peer_rank,
+                            len(text),
+                        ),
+                        memoryview(text),
+                    )
                 conn.settimeout(self._timeout_s)
                 self.sent.add(send_frame(conn, keys.sealer, reply, payload))
         except (WireError, TimeoutError, OSError) as exc:
             if not self._closed.is_set():
                 who = f"rank {rank}" if rank is not None else "unauthenticated peer"
                 reason = f"dropped: {exc}"
-                self._log_drop(peer, exc, "parameter server on rank %d: dropping %s (%s): %s", self.rank, who, peer, exc, authenticated=rank is not None)
+                self._log_drop(
+                    peer,
+                    exc,
+                    "parameter server on rank %d: dropping %s (%s): %s",
+                    self.rank,
+                    who,
+                    peer,
+                    exc,
+                    authenticated=rank is not None,
+                )
         finally:
             self._forget_connection(conn)
             if rank is not None and not self._closed.is_set():
@@ -205,7 +225,16 @@ def listen(host: str) -> socket.socket:
 class ShardClient:
     """A worker's authenticated connection to one other rank's :class:`ShardServer`."""
 
-    def __init__(self, address: Tuple[str, int], secret: bytes, rank: int, server_rank: int, timeout_s: float, sent: Optional[ByteCounter] = None, encrypt: bool = False) -> None:
+    def __init__(
+        self,
+        address: Tuple[str, int],
+        secret: bytes,
+        rank: int,
+        server_rank: int,
+        timeout_s: float,
+        sent: Optional[ByteCounter] = None,
+        encrypt: bool = False,
+    ) -> None:
         """Connects and authenticates.
 
         Args:
@@ -231,19 +260,30 @@ class ShardClient:
         self.reply_timeout_s = timeout_s + max(10.0, 0.1 * timeout_s)
         self.sent = sent if sent is not None else ByteCounter()
         self._closed = False
+
         def attempt(sock: socket.socket, deadline: float) -> Tuple[int, FrameProtection]:
             _configure(sock)
             return client_handshake(sock, secret, rank, deadline, bool(encrypt))
 
         try:
-            sock, (answered, self._keys) = connect_retrying(address, timeout_s, attempt, f"the parameter server on rank {server_rank}")
+            sock, (answered, self._keys) = connect_retrying(
+                address, timeout_s, attempt, f"the parameter server on rank {server_rank}"
+            )
         except (WireError, HandshakeFailed) as exc:
-            raise ParameterServerError(f"rank {rank}: handshake with the parameter server on rank {server_rank} failed: {exc}", server_rank) from exc
+            raise ParameterServerError(
+                f"rank {rank}: handshake with the parameter server on rank {server_rank} failed: {exc}", server_rank
+            ) from exc
         except OSError as exc:
-            raise ParameterServerError(f"rank {rank} cannot connect to the parameter server on rank {server_rank} at {address}: {exc}", server_rank) from exc
+            raise ParameterServerError(
+                f"rank {rank} cannot connect to the parameter server on rank {server_rank} at {address}: {exc}",
+                server_rank,
+            ) from exc
         if answered != server_rank:
             _close_quietly(sock)
-            raise ParameterServerError(f"rank {rank}: expected the parameter server of rank {server_rank}, rank {answered} answered", server_rank)
+            raise ParameterServerError(
+                f"rank {rank}: expected the parameter server of rank {server_rank}, rank {answered} answered",
+                server_rank,
+            )
         sock.settimeout(timeout_s)
         self._sock = sock
 
@@ -263,7 +303,10 @@ class ShardClient:
             ParameterServerError: the connection broke (names the server's rank).
         """
         if self._closed:
-            raise ParameterServerError(f"rank {self.rank}: the connection to the parameter server on rank {self.server_rank} is closed", self.server_rank)
+            raise ParameterServerError(
+                f"rank {self.rank}: the connection to the parameter server on rank {self.server_rank} is closed",
+                self.server_rank,
+            )
         try:
             self._sock.settimeout(self._timeout_s)
             self.sent.add(send_frame(self._sock, self._keys.sealer, header, *payload))
@@ -287,8 +330,15 @@ class ShardClient:
                 buffer = bytearray(header.length)
                 receive_payload(self._sock, self._keys.opener, header, memoryview(buffer), deadline, "error frame")
                 text = buffer.decode("utf-8", "replace")
-                raise ParameterServerError(f"parameter server on rank {self.server_rank}: {text}", header.aux if header.aux >= 0 else None)
-            if header.kind != Kind.PARAMS or header.table != table or header.length != len(into) or header.rank != self.server_rank:
+                raise ParameterServerError(
+                    f"parameter server on rank {self.server_rank}: {text}", header.aux if header.aux >= 0 else None
+                )
+            if (
+                header.kind != Kind.PARAMS
+                or header.table != table
+                or header.length != len(into)
+                or header.rank != self.server_rank
+            ):
                 raise WireError(f"unexpected reply {header}")
             # Decrypted (or authenticated) in place: ``into`` is only valid once this returns.
             receive_payload(self._sock, self._keys.opener, header, into, deadline, "reply")

@@ -72,7 +72,20 @@ from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
-from sparkdl._net.frames import TAG_BYTES, FrameAuthError, FrameOpener, FrameProtection, FrameSealer, Shed, mismatch_message, mode_byte, mode_from_byte, protection, read_greeting, split_greeting
+from sparkdl._net.frames import (
+    TAG_BYTES,
+    FrameAuthError,
+    FrameOpener,
+    FrameProtection,
+    FrameSealer,
+    Shed,
+    mismatch_message,
+    mode_byte,
+    mode_from_byte,
+    protection,
+    read_greeting,
+    split_greeting,
+)
 from sparkdl._net.server import recv_exact
 from sparkdl.errors import PeerLostError
 
@@ -227,7 +240,9 @@ def send_frame(sock: socket.socket, sealer: FrameSealer, header: Header, *payloa
         raise ValueError(f"payload of {sizes} bytes does not match the header's {header.length}")
     head = header.encode()
     frame = sealer.begin(head)
-    pieces = [memoryview(piece).cast("B") if memoryview(piece).format != "B" else memoryview(piece) for piece in payload]
+    pieces = [
+        memoryview(piece).cast("B") if memoryview(piece).format != "B" else memoryview(piece) for piece in payload
+    ]
     lead = [head]
     while pieces and len(pieces[0]) <= _SMALL_PIECE:
         lead.append(bytes(frame.update(pieces.pop(0))))
@@ -240,12 +255,19 @@ def send_frame(sock: socket.socket, sealer: FrameSealer, header: Header, *payloa
     chunk = len(scratch)
     for piece in pieces:
         for start in range(0, len(piece), chunk):
-            sock.sendall(frame.update(piece[start: start + chunk], scratch))
+            sock.sendall(frame.update(piece[start : start + chunk], scratch))
     sock.sendall(frame.finalize())
     return HEADER.size + header.length + TAG_BYTES
 
 
-def receive_payload(sock: socket.socket, opener: FrameOpener, header: Header, into: memoryview, deadline: Optional[float], what: str = "frame") -> None:
+def receive_payload(
+    sock: socket.socket,
+    opener: FrameOpener,
+    header: Header,
+    into: memoryview,
+    deadline: Optional[float],
+    what: str = "frame",
+) -> None:
     """Reads the body of the frame whose ``header`` was just read straight into ``into`` (exactly
     ``header.length`` bytes), decrypting or authenticating it there as it arrives, then its tag.
 
@@ -268,7 +290,7 @@ def receive_payload(sock: socket.socket, opener: FrameOpener, header: Header, in
         count = sock.recv_into(into[got:], total - got)
         if count == 0:
             raise WireError(f"truncated {what} ({got} of {total} bytes)")
-        frame.update_into(into[got: got + count])
+        frame.update_into(into[got : got + count])
         got += count
     tag = recv_exact(sock, TAG_BYTES, deadline)
     if len(tag) < TAG_BYTES:
@@ -283,7 +305,9 @@ def _mac(secret: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
 
 
-def client_handshake(sock: socket.socket, secret: bytes, rank: int, deadline: float, encrypt: bool = False) -> Tuple[int, FrameProtection]:
+def client_handshake(
+    sock: socket.socket, secret: bytes, rank: int, deadline: float, encrypt: bool = False
+) -> Tuple[int, FrameProtection]:
     """Authenticates a fresh connection from the client side.
 
     Returns:
@@ -303,7 +327,9 @@ def client_handshake(sock: socket.socket, secret: bytes, rank: int, deadline: fl
     rank_bytes = _RANK.pack(rank)
     mode = mode_byte(encrypt)
     # Sent even on a mismatch, so that the server can log why this worker is refused.
-    sock.sendall(rank_bytes + client_nonce + mode + _mac(secret, _CLIENT_LABEL, server_nonce, client_nonce, rank_bytes, mode))
+    sock.sendall(
+        rank_bytes + client_nonce + mode + _mac(secret, _CLIENT_LABEL, server_nonce, client_nonce, rank_bytes, mode)
+    )
     theirs = mode_from_byte(server_mode[0])
     if theirs is None:
         raise WireError(f"the parameter server uses an unknown protection mode {server_mode[0]}")
@@ -312,14 +338,23 @@ def client_handshake(sock: socket.socket, secret: bytes, rank: int, deadline: fl
     proof = recv_exact(sock, SERVER_PROOF_BYTES, deadline)
     if len(proof) < SERVER_PROOF_BYTES:
         raise Shed("the server hung up during the handshake", proved=True)  # a wrong secret, or dropped late
-    server_rank_bytes, digest = proof[: _RANK.size], proof[_RANK.size:]
-    if not hmac.compare_digest(digest, _mac(secret, _SERVER_LABEL, client_nonce, server_nonce, server_rank_bytes, server_mode)):
+    server_rank_bytes, digest = proof[: _RANK.size], proof[_RANK.size :]
+    if not hmac.compare_digest(
+        digest, _mac(secret, _SERVER_LABEL, client_nonce, server_nonce, server_rank_bytes, server_mode)
+    ):
         raise WireError("the server failed to prove the job's secret")
     keys = protection(secret, KEY_LABEL, server_nonce, client_nonce, encrypt, server=False)
     return _RANK.unpack(server_rank_bytes)[0], keys
 
 
-def server_handshake(conn: socket.socket, secret: bytes, rank: int, deadline: float, encrypt: bool = False, verified: Callable[[], None] = lambda: None) -> Tuple[int, FrameProtection]:
+def server_handshake(
+    conn: socket.socket,
+    secret: bytes,
+    rank: int,
+    deadline: float,
+    encrypt: bool = False,
+    verified: Callable[[], None] = lambda: None,
+) -> Tuple[int, FrameProtection]:
     """Authenticates a fresh connection from the server side; calls ``verified()`` once the
     worker proved the secret, before proving it back.
 
@@ -338,10 +373,12 @@ def server_handshake(conn: socket.socket, secret: bytes, rank: int, deadline: fl
     if len(proof) < CLIENT_PROOF_BYTES:
         raise WireError("peer closed the connection during the handshake")
     rank_bytes = proof[: _RANK.size]
-    client_nonce = proof[_RANK.size: _RANK.size + NONCE_BYTES]
-    client_mode = proof[_RANK.size + NONCE_BYTES: _RANK.size + NONCE_BYTES + 1]
-    digest = proof[_RANK.size + NONCE_BYTES + 1:]
-    if not hmac.compare_digest(digest, _mac(secret, _CLIENT_LABEL, server_nonce, client_nonce, rank_bytes, client_mode)):
+    client_nonce = proof[_RANK.size : _RANK.size + NONCE_BYTES]
+    client_mode = proof[_RANK.size + NONCE_BYTES : _RANK.size + NONCE_BYTES + 1]
+    digest = proof[_RANK.size + NONCE_BYTES + 1 :]
+    if not hmac.compare_digest(
+        digest, _mac(secret, _CLIENT_LABEL, server_nonce, client_nonce, rank_bytes, client_mode)
+    ):
         raise WireError("authentication failed (wrong secret or not a sparkdl worker)")
     client_rank = _RANK.unpack(rank_bytes)[0]
     theirs = mode_from_byte(client_mode[0])

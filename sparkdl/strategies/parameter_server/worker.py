@@ -54,7 +54,7 @@ class WorkerTable:
         with torch.no_grad():
             for param in self.params:
                 count = param.numel()
-                param.copy_(self.values[offset: offset + count].view_as(param))
+                param.copy_(self.values[offset : offset + count].view_as(param))
                 offset += count
 
     def learning_rates(self) -> torch.Tensor:

@@ -4,7 +4,7 @@ same Parquet, same model, same per-worker batch, 2 workers, 1 thread each, gloo.
 
     .venv-petastorm/bin/python benchmarks/allreduce_vs_ddp.py [--rows 200000] [--epochs 3]
     .venv/bin/python benchmarks/allreduce_vs_ddp.py --readers arrow      # no petastorm in .venv
-    ... [--dataframe] [--repeats 5] [--skip-distributor] [--plain-in-executors]
+    ... [--dataframe] [--repeats 5] [--skip-distributor] [--plain-in-executors] [--shard-cache none,auto]
 
 Configurations (the issue's three):
 
@@ -25,6 +25,11 @@ The sides, one table row each:
 * plain DDP inside the executors (``--plain-in-executors``): the same loop and in-memory shard,
   run by ``sparkdl.run`` in the executors' barrier tasks: Spark's environment without sparkdl's
   data path and training loop, which tells the two apart.
+* Ray Train (``--ray``): ``TorchTrainer`` with Ray Data reading the same Parquet
+  (``ray.data.read_parquet`` → ``iter_torch_batches``), the same model, optimizer and batch, 2
+  workers of one CPU each; run by ``benchmarks/ray_train_side.py`` in its own virtualenv
+  (``benchmarks/ray_env`` makes ``.venv-ray``: ray is no dependency of sparkdl), while the Spark
+  application idles.
 * sparkdl AllReduce: ``TorchEstimator.fit(path)`` streaming the Parquet with the Arrow and/or
   Petastorm reader (``--readers``; petastorm is skipped with a note where it cannot be imported)
   inside Spark barrier tasks.
@@ -51,8 +56,10 @@ import argparse
 import datetime
 import functools
 import importlib.util
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -280,7 +287,7 @@ def run_distributor(path: str, model_fn, batch: int, epochs: int) -> Dict:
 # --- sparkdl AllReduce ---------------------------------------------------------------------------
 
 
-def run_sparkdl(spark, data, model_fn, batch: int, epochs: int, reader: str) -> Dict:
+def run_sparkdl(spark, data, model_fn, batch: int, epochs: int, reader: str, shard_cache: str = "auto") -> Dict:
     import sparkdl
 
     estimator = sparkdl.TorchEstimator(
@@ -291,6 +298,7 @@ def run_sparkdl(spark, data, model_fn, batch: int, epochs: int, reader: str) -> 
         epochs=epochs,
         progress=False,
         reader=reader,
+        shard_cache=shard_cache,
     )
     called = time.time()
     model = estimator.fit(data)
@@ -338,7 +346,18 @@ def main() -> None:
         help="sparkdl readers, comma-separated ('' for none); with --dataframe, READER@path reads the benchmark's "
         "Parquet in place (Spark's list<float>) instead of the DataFrame's copy, e.g. petastorm@path",
     )
+    parser.add_argument(
+        "--shard-cache",
+        default="auto",
+        help="sparkdl's shard_cache setting(s), comma-separated: each reader runs once per setting, side by side "
+        "(e.g. none,auto: streaming every epoch against later epochs from memory)",
+    )
     parser.add_argument("--skip-distributor", action="store_true", help="leave out the TorchDistributor side")
+    parser.add_argument(
+        "--ray",
+        action="store_true",
+        help="add the Ray Train side (TorchTrainer + Ray Data, in .venv-ray: benchmarks/ray_env)",
+    )
     parser.add_argument(
         "--dataframe",
         action="store_true",
@@ -373,11 +392,19 @@ def main() -> None:
         )
         readers = [r for r in readers if not r.startswith("petastorm")]
 
+    caches = [c.strip() for c in args.shard_cache.split(",") if c.strip()]
+    if not caches or any(c not in ("auto", "memory", "none") for c in caches):
+        parser.error(f"--shard-cache {args.shard_cache!r}: auto, memory or none, comma-separated")
+    # One sparkdl side per reader and shard_cache setting: "arrow" or, with several settings, "arrow|none".
+    sides = [reader if len(caches) == 1 else f"{reader}|{cache}" for reader in readers for cache in caches]
+
     features, labels = synthetic(args.rows)
     workdir = tempfile.mkdtemp(prefix="sparkdl-bench-")
     ddp_runs: List[Dict] = []
-    sparkdl_runs: Dict[str, List[Dict]] = {reader: [] for reader in readers}
+    sparkdl_runs: Dict[str, List[Dict]] = {side: [] for side in sides}
     distributor_runs: List[Dict] = []
+    ray_runs: List[Dict] = []
+    ray_python = _ray_python() if args.ray else None
     in_executor_runs: List[Dict] = []
     cold: Optional[Dict] = None
     distributor_cold: Optional[Dict] = None
@@ -394,14 +421,16 @@ def main() -> None:
             # readers); a path is read as the benchmark wrote it (Spark's list<float>).
             data = spark.read.parquet(path) if args.dataframe else path
 
-            def fit(reader: str, epochs: int) -> Dict:
+            def fit(side: str, epochs: int) -> Dict:
+                reader, _, cache = side.partition("|")
                 name, _, where = reader.partition("@")
-                return run_sparkdl(spark, path if where == "path" else data, model_fn, args.batch_size, epochs, name)
+                data_of = path if where == "path" else data
+                return run_sparkdl(spark, data_of, model_fn, args.batch_size, epochs, name, cache or caches[0])
 
             # The first call of a new Spark application starts the executors' Python workers
             # ("cold", 1 epoch); the figures come from the calls after it.
-            if readers:
-                cold = fit(readers[0], 1)
+            if sides:
+                cold = fit(sides[0], 1)
             elif not args.skip_distributor:
                 distributor_cold = run_distributor(path, model_fn, args.batch_size, 1)
             for _ in range(args.repeats):
@@ -410,10 +439,12 @@ def main() -> None:
                     in_executor_runs.append(
                         run_plain_in_executors(spark, args.model, args.rows, args.batch_size, args.epochs)
                     )
-                for reader in readers:
-                    sparkdl_runs[reader].append(fit(reader, args.epochs))
+                for side in sides:
+                    sparkdl_runs[side].append(fit(side, args.epochs))
                 if not args.skip_distributor:
                     distributor_runs.append(run_distributor(path, model_fn, args.batch_size, args.epochs))
+                if ray_python:
+                    ray_runs.append(run_ray(ray_python, path, args.model, args.batch_size, args.epochs))
         finally:
             spark.stop()
     finally:
@@ -456,23 +487,59 @@ def main() -> None:
             f"| TorchDistributor, pyarrow shard in memory + DDP | {figures['rate']:,.0f} | {ratio(figures)} | {figures['whole']:.1f} "
             f"| {figures['startup']:.1f} (launch {launch:.1f}, pyarrow load {load:.1f}){first} |"
         )
-    for reader, runs in sparkdl_runs.items():
+    if ray_runs:
+        figures = _figures(ray_runs, ddp_runs)
+        print(
+            f"| Ray Train {ray_runs[0]['ray']}, TorchTrainer + Ray Data on the same Parquet | {figures['rate']:,.0f} "
+            f"| {ratio(figures)} | {figures['whole']:.1f} | {figures['startup']:.1f} |"
+        )
+    for side, runs in sparkdl_runs.items():
         figures = _figures(runs, ddp_runs)
+        reader, _, cache = side.partition("|")
         name, _, where = reader.partition("@")
         what = "a DataFrame (its copy)" if args.dataframe and not where else "Parquet read in place (list<float>)"
         print(
-            f"| sparkdl AllReduce, {what} via the {name} reader | {figures['rate']:,.0f} | {ratio(figures)} "
+            f"| sparkdl AllReduce, {what} via the {name} reader, shard_cache={cache or caches[0]} "
+            f"| {figures['rate']:,.0f} | {ratio(figures)} "
             f"| {figures['whole']:.1f} | {figures['startup']:.1f}; first fit of the app: {cold['startup']:.1f} |"
         )
     print()
     if distributor_runs:
         theirs = _figures(distributor_runs, ddp_runs)
-        for reader, runs in sparkdl_runs.items():
+        for side, runs in sparkdl_runs.items():
             mine = _figures(runs, ddp_runs)
             print(
-                f"sparkdl {reader} / TorchDistributor: steady samples/s {mine['rate'] / theirs['rate']:.2f}x, "
+                f"sparkdl {side} / TorchDistributor: steady samples/s {mine['rate'] / theirs['rate']:.2f}x, "
                 f"whole call {mine['whole']:.1f} s vs {theirs['whole']:.1f} s ({theirs['whole'] / mine['whole']:.2f}x faster)"
             )
+
+    if ray_runs:
+        theirs = _figures(ray_runs, ddp_runs)
+        for side, runs in sparkdl_runs.items():
+            mine = _figures(runs, ddp_runs)
+            print(
+                f"sparkdl {side} / Ray Train: steady samples/s {mine['rate'] / theirs['rate']:.2f}x, "
+                f"whole call {mine['whole']:.1f} s vs {theirs['whole']:.1f} s ({theirs['whole'] / mine['whole']:.2f}x faster)"
+            )
+
+
+# --- Ray Train -------------------------------------------------------------------------------------
+
+
+def _ray_python() -> str:
+    """The Ray side's interpreter: benchmarks/ray_env creates .venv-ray on first use."""
+    script = os.path.join(ROOT, "benchmarks", "ray_env")
+    return subprocess.run([script], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def run_ray(python: str, path: str, model: str, batch: int, epochs: int) -> Dict:
+    side = os.path.join(ROOT, "benchmarks", "ray_train_side.py")
+    command = [python, side, "--path", path, "--model", model, "--batch-size", str(batch), "--epochs", str(epochs)]
+    command += ["--workers", str(WORKERS)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"the Ray Train side failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

@@ -236,6 +236,13 @@ class TrainContext:
         every step (AllReduce), so one copy of them describes all ranks."""
         return self._rank.strategy.replicas_identical
 
+    def shard_cache_stats(self) -> Optional[Dict[str, Any]]:
+        """This rank's shard cache (:mod:`sparkdl.data.shard_cache`): bytes and row groups kept,
+        row groups served from memory or streamed, the reading seconds a pass from memory
+        saves; None when the rank streams every pass."""
+        cache = self._rank.reader.shard_cache if self._rank.reader is not None else None
+        return cache.stats() if cache is not None else None
+
     def strategy_metrics(self) -> Dict[str, Any]:
         """The strategy's own figures for this rank since the last call (e.g. a parameter
         server's largest staleness); empty for most strategies."""

@@ -39,6 +39,7 @@ def run(
     validation: Optional[Union[float, DataSource]] = None,
     metrics: Optional[Mapping[str, MetricFn]] = None,
     cache_dir: Optional[str] = None,
+    shard_cache: str = "auto",
     # where and how it runs
     spark: Any = None,
     use_gpu: Optional[bool] = None,
@@ -93,6 +94,11 @@ def run(
         metrics: ``name -> fn(output, label)`` batch means that ``ctx.validate`` reports as
             ``val_<name>``; needs ``validation``.
         cache_dir: where DataFrames are materialized (default: ``spark.sparkdl.cacheDir`` conf).
+        shard_cache: ``"auto"`` (default) keeps each rank's decoded shard in memory after the
+            first pass when it fits half the memory a task has (``spark.executor.pyspark.memory``,
+            else ``spark.executor.memory``), so later epochs (``ctx.epoch_batches``, ``ctx.shard_dataset()``) read no Parquet; ``"memory"`` keeps it
+            whenever it fits that memory at all (refused before launch when it cannot);
+            ``"none"`` streams every epoch. Batches are the same either way (docs/data.md).
         spark: the SparkSession; default the active one.
         use_gpu: None uses GPUs when Spark assigns them to tasks; True requires them (docs/gpu.md).
         precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"``; the loop applies it with

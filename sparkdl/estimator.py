@@ -95,6 +95,11 @@ class TorchEstimator(Estimator, _TorchParams):
             ``--metric`` vocabulary, :data:`sparkdl._runtime.validation.METRICS`).
         decode_threads: threads per task that decode images and run ``transform_fn`` ahead of
             the training step (default: the task's cores, ``spark.task.cpus``).
+        shard_cache: ``"auto"`` (default) keeps each rank's decoded shard in memory after the
+            first pass when it fits half the memory a task has (``spark.executor.pyspark.memory``,
+            else ``spark.executor.memory``), so later epochs read no Parquet; ``"memory"`` keeps it
+            whenever it fits that memory at all (refused before launch when it cannot);
+            ``"none"`` streams every epoch. Batches are the same either way (docs/data.md).
         mlflow_experiment: log params, per-epoch metrics and the model to this MLflow
             experiment (``MLFLOW_TRACKING_URI`` picks the store); see :mod:`sparkdl.tracking`.
         tensorboard_dir: write per-epoch scalars there for TensorBoard.
@@ -144,6 +149,7 @@ class TorchEstimator(Estimator, _TorchParams):
         tensorboard_dir: Optional[str] = None,
         inputs: Optional[Dict[str, Any]] = None,
         decode_threads: Optional[int] = None,
+        shard_cache: str = "auto",
     ) -> None:
         super().__init__()
         if not callable(model) or isinstance(model, torch.nn.Module):
@@ -239,6 +245,11 @@ class TorchEstimator(Estimator, _TorchParams):
                 "rows": info.num_rows,
                 "row_groups": info.num_row_groups,
                 "reader": data_settings.reader,
+                # The driver's decision, and rank 0's cache after the fit (sparkdl.data.shard_cache).
+                "shard_cache": {
+                    **(spec.shard_cache.to_json() if spec.shard_cache else {}),
+                    "rank0": result.get("shard_cache"),
+                },
             },
             "startup_seconds": (timing["first_batch"] - launched)
             if timing.get("first_batch") and not outcome.from_finished_checkpoint

@@ -43,6 +43,7 @@ def launch(
     transform_fn: Optional[TransformFn] = None,
     decode_threads: Optional[int] = None,
     cache_dir: Optional[str] = None,
+    shard_cache: str = "auto",
     spark: Any = None,
     use_gpu: Optional[bool] = None,
     timeout_s: float = 600.0,
@@ -61,7 +62,7 @@ def launch(
         *args: the script's arguments (strings or numbers, passed as strings) or the callable's.
         num_workers: number of ranks (barrier tasks, one child process each).
         data, feature_cols, inputs, label_col, batch_size, shuffle, seed, reader, filters,
-            transform_fn, decode_threads, cache_dir: the data ``sparkdl.shard_dataset()`` streams
+            transform_fn, decode_threads, cache_dir, shard_cache: the data ``sparkdl.shard_dataset()`` streams
             in the child, as for ``sparkdl.run``.
         spark: the SparkSession; default the active one.
         use_gpu: as for ``sparkdl.run``; the child sees only the task's GPUs

@@ -10,7 +10,7 @@ One concern per module:
   the relaunch's bounded wait for slots other jobs hold) and its task-failure logging.
 * :mod:`.policy` — whether a failed attempt is relaunched (:class:`FailurePolicy`) and on how many
   workers an attempt runs (:class:`~sparkdl._driver.policy.ScalingPolicy`): decisions, no Spark.
-* :mod:`.launch` — :func:`launch` and one attempt of it: open the progress channel and the
+* :mod:`.stage` — :func:`launch` and one attempt of it: open the progress channel and the
   rendezvous store, run the barrier stage, turn what went wrong into one
   :class:`~sparkdl.errors.TrainingError`; :class:`LaunchOutcome` is what it returns.
 * :mod:`.monitor` — :class:`JobMonitor`, the state of a running job (the channel's messages and
@@ -30,19 +30,19 @@ _NAMES = {
     "Decision": "sparkdl._driver.policy",
     "FailurePolicy": "sparkdl._driver.policy",
     "LaunchConfig": "sparkdl._task.config",
-    "LaunchOutcome": "sparkdl._driver.launch",
+    "LaunchOutcome": "sparkdl._driver.stage",
     "JobMonitor": "sparkdl._driver.monitor",
     "_expected_executors": "sparkdl._driver.cluster",
-    "_failure_from_spark": "sparkdl._driver.launch",
+    "_failure_from_spark": "sparkdl._driver.stage",
     "check_slots": "sparkdl._driver.cluster",
-    "launch": "sparkdl._driver.launch",
+    "launch": "sparkdl._driver.stage",
 }
 __getattr__, __dir__ = lazy_attributes(__name__, _NAMES)
 __all__ = sorted(_NAMES)
 
 if TYPE_CHECKING:  # pragma: no cover
     from sparkdl._driver.cluster import _expected_executors, check_slots
-    from sparkdl._driver.launch import LaunchOutcome, _failure_from_spark, launch
     from sparkdl._driver.monitor import JobMonitor
     from sparkdl._driver.policy import Decision, FailurePolicy
+    from sparkdl._driver.stage import LaunchOutcome, _failure_from_spark, launch
     from sparkdl._task.config import LaunchConfig

@@ -1,7 +1,7 @@
 """The driver's decisions about attempts, as policy objects: whether a failed attempt is
 relaunched (:class:`FailurePolicy`) and on how many workers an attempt runs (:class:`ScalingPolicy`).
 
-Pure functions of what happened, no Spark: :mod:`sparkdl._driver.launch` asks Spark for the facts
+Pure functions of what happened, no Spark: :mod:`sparkdl._driver.stage` asks Spark for the facts
 (the error, the free task slots) and does what these return.
 """
 

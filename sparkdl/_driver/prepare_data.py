@@ -13,6 +13,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple, Union
 
+from sparkdl.data import shard_cache
 from sparkdl.data.batching import steps_per_epoch
 from sparkdl.data.cache import materialize
 from sparkdl.data.columns import ColumnInfo
@@ -111,7 +112,31 @@ def prepare_data(
             raise DataError(
                 f"the validation data ({source.name}) holds no rows{' that pass the filters' if filters is not None else ''}"
             )
+    spec = dataclasses.replace(
+        spec,
+        shard_cache=_shard_cache(
+            settings, dataset, num_workers, data_reader, spark or getattr(data, "sparkSession", None)
+        ),
+    )
     return dataset, spec, data_reader, steps
+
+
+def _shard_cache(
+    settings: "DataSettings", dataset: DatasetInfo, num_workers: int, reader: DataReader, spark: Any
+) -> shard_cache.Decision:
+    """Whether each rank keeps its decoded shard in memory, from the setting, the largest rank's
+    shard and the memory a task has (Spark's settings; their defaults without a session)."""
+    from pyspark.sql import SparkSession
+
+    from sparkdl._spark import Session
+
+    spark = spark or SparkSession.getActiveSession()
+    memory, source = shard_cache.task_memory_bytes(Session(spark).conf if spark is not None else lambda key: None)
+    decision = shard_cache.decide(
+        settings.shard_cache, dataset, num_workers, settings.holdout, reader.caches_row_groups, memory, source
+    )
+    logger.info("shard cache: %s", decision.reason)
+    return decision
 
 
 def _warn_if_uneven(dataset: DatasetInfo, counts: Sequence[int], narrowed: str) -> None:

@@ -102,7 +102,7 @@ def format_epoch(record: Dict[str, Any], total_epochs: Optional[int] = None) -> 
     epoch = record.get("epoch", "?")
     of = f"/{total_epochs}" if total_epochs else ""
     parts = [f"[sparkdl] epoch {epoch}{of}"]
-    for key in ("loss", *validation_figures([record]), "samples_per_sec", "seconds", "comm_bytes"):
+    for key in ("loss", *validation_figures([record]), "samples_per_sec", "seconds", "comm_bytes", "cache_mb"):
         if key in record:
             parts.append(f"{key} {_fmt(record[key])}")
     return "  ".join(parts)

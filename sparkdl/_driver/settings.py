@@ -20,6 +20,7 @@ from sparkdl.data.dataset import Filters
 from sparkdl.data.plan import InputPlan
 from sparkdl.data.readers import reader_from_name
 from sparkdl.data.readers.base import DEFAULT_READER, DataReader
+from sparkdl.data.shard_cache import check_setting as check_shard_cache
 from sparkdl.data.spec import DataSpec, MetricFn, TransformFn
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.allreduce import AllReduce
@@ -46,6 +47,7 @@ class DataSettings:
     metrics: Optional[Mapping[str, MetricFn]] = None
     cache_dir: Optional[str] = None
     decode_threads: Optional[int] = None
+    shard_cache: str = "auto"
     #: Derived, checked in ``__post_init__`` (``dataclasses.replace`` derives them again).
     plan: InputPlan = dataclasses.field(init=False, compare=False)
     spec: DataSpec = dataclasses.field(init=False, compare=False)
@@ -53,6 +55,7 @@ class DataSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "plan", InputPlan.build(self.feature_cols, self.inputs, self.label_col))
         reader_from_name(self.reader)  # an unknown name fails now, not at fit
+        check_shard_cache(self.shard_cache)
         object.__setattr__(self, "metrics", named_metrics(self.metrics))  # ["accuracy"], as the CLI's --metric
         metrics, validation = self.metrics, self.validation
         if metrics is not None and (not isinstance(metrics, Mapping) or not all(callable(f) for f in metrics.values())):

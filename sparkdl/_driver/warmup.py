@@ -111,8 +111,8 @@ def _import_driver_side() -> None:
         import pyarrow.dataset  # noqa: F401
         import torch._dynamo  # noqa: F401
 
-        import sparkdl._driver.launch  # noqa: F401
         import sparkdl._driver.preflight  # noqa: F401
+        import sparkdl._driver.stage  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - only an optimization
         logger.debug("importing the driver side ahead of the first fit failed: %s", exc)
 

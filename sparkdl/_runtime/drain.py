@@ -3,7 +3,7 @@
 Spark's graceful decommissioning (``spark.decommission.enabled``; a standalone worker sent
 SIGPWR or decommissioned through the master, a Kubernetes pod's pre-stop hook, a YARN node
 being decommissioned) tells the driver an executor will go. The driver, which sees that
-(``sparkdl._driver.launch``), publishes a notice in the launch's rendezvous store
+(``sparkdl._driver.stage``), publishes a notice in the launch's rendezvous store
 (:data:`DRAIN_KEY`); each rank's heartbeat thread reads it within a heartbeat
 (:class:`DrainNotice`). Ranks must stop at the same step to write one consistent checkpoint, so
 every :data:`DRAIN_CHECK_EVERY` steps a fit's ranks agree with one 4-byte allreduce

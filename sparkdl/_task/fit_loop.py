@@ -144,6 +144,9 @@ class FitLoop:
             }
             # Strategy-specific figures (a parameter server's staleness...); nothing for most strategies.
             record.update(_strategy_metrics(ctx))
+            cache = ctx.shard_cache_stats()
+            if cache is not None:  # the rank's decoded shard kept in memory (sparkdl.data.shard_cache)
+                record["cache_mb"] = round(int(cache["held_bytes"]) / 1e6, 1)
             # The validation pass (sparkdl._runtime.validation), with the run's metrics: adds
             # val_loss, val_<metric>, val_samples when the run has validation data.
             if ctx.has_validation:
@@ -171,6 +174,7 @@ class FitLoop:
             "checkpoints": dict(ctx.checkpoint_stats),
             "device": str(ctx.device),
             "precision": ctx.precision,
+            "shard_cache": ctx.shard_cache_stats(),
             "resumed": {"from_workers": ctx.resumed_from, "on_workers": ctx.world_size}
             if ctx.resumed_from is not None
             else None,

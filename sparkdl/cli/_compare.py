@@ -32,6 +32,7 @@ SHARED_OPTIONS = (
     "quiet",
     "reader",
     "decode_threads",
+    "shard_cache",
     "validation",
     "metrics",
     "precision",

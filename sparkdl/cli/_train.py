@@ -107,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--decode-threads", type=int, default=None, help="threads per task decoding images (default: the task's cores)"
     )
     parser.add_argument(
+        "--shard-cache",
+        choices=["auto", "memory", "none"],
+        default="auto",
+        help="keep each rank's decoded shard in memory after the first epoch: when it fits half a task's memory "
+        "(auto), whenever it fits (memory), never (none)",
+    )
+    parser.add_argument(
         "--validation",
         type=float,
         default=None,
@@ -285,6 +292,7 @@ def estimator_arguments(args: argparse.Namespace) -> Dict[str, Any]:
         seed=args.seed,
         reader=args.reader,
         decode_threads=args.decode_threads,
+        shard_cache=args.shard_cache,
         validation=args.validation,
         metrics=named_metrics(args.metrics) or None,  # the estimator's own vocabulary
         precision=args.precision,

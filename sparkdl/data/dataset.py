@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
 from sparkdl.data.columns import ColumnInfo
+from sparkdl.data.petastorm_schema import petastorm_schema, unischema_column
 from sparkdl.data.plan import InputPlan
 from sparkdl.data.tensor_bytes import packed_columns
 from sparkdl.errors import DataError
@@ -28,10 +28,12 @@ class EmptyDatasetError(DataError):
 
 @dataclasses.dataclass(frozen=True)
 class FileInfo:
-    """One Parquet file of a dataset: its URL and the row count of each of its row groups."""
+    """One Parquet file of a dataset: its URL, the row count of each of its row groups, and their
+    uncompressed bytes of the columns the run reads (the shard cache's estimate; empty when unknown)."""
 
     url: str
     row_groups: Tuple[int, ...]
+    row_group_bytes: Tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +132,14 @@ class DatasetInfo:
         return digest.hexdigest()[:20]
 
     @property
+    def row_group_bytes(self) -> List[int]:
+        """Every row group's uncompressed bytes of the columns the run reads, in global order;
+        empty when a file's footers were not read for it (a dataset described by hand)."""
+        if not self.files or any(len(f.row_group_bytes) != len(f.row_groups) for f in self.files):
+            return []
+        return [size for f in self.files for size in f.row_group_bytes]
+
+    @property
     def row_group_rows(self) -> List[int]:
         """Row count of every row group, in global row-group order."""
         return [rows for f in self.files for rows in f.row_groups]
@@ -199,9 +209,9 @@ def inspect_dataset(
             column_roles[column] = plan.role(key)
     if plan.label_column:
         column_roles[plan.label_column] = "label"
-    unischema = _petastorm_schema(url, fs, path) if not explicit else None
+    unischema = petastorm_schema(url, fs, path) if not explicit else None
     if unischema is not None:
-        infos = {c: _unischema_column(unischema, c, column_roles[c]) for c in plan.columns}
+        infos = {c: unischema_column(unischema, c, column_roles[c]) for c in plan.columns}
     else:
         packed = packed_columns(dataset.schema)
         infos = {c: describe_column(dataset.schema, c, column_roles[c], url, packed) for c in plan.columns}
@@ -224,7 +234,13 @@ def inspect_dataset(
         if filters is None:
             # Nulls in a filtered-out row are harmless, so this check needs no filter.
             _check_no_nulls(metadata, roles, file_url)
-        files.append(FileInfo(file_url, tuple(metadata.row_group(g).num_rows for g in range(metadata.num_row_groups))))
+        files.append(
+            FileInfo(
+                file_url,
+                tuple(metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)),
+                _row_group_bytes(metadata, set(plan.columns)),
+            )
+        )
     num_rows = sum(sum(f.row_groups) for f in files)
     num_row_groups = sum(len(f.row_groups) for f in files)
     if num_row_groups == 0:
@@ -241,6 +257,15 @@ def inspect_dataset(
         files=tuple(files),
         explicit_files=explicit,
         filter_columns=tuple(filter_cols),
+    )
+
+
+def _row_group_bytes(metadata: Any, columns: Set[str]) -> Tuple[int, ...]:
+    """Each row group's uncompressed bytes of ``columns`` (nested columns by their top name)."""
+    wanted = [i for i in range(metadata.num_columns) if metadata.schema.column(i).path.split(".")[0] in columns]
+    return tuple(
+        sum(metadata.row_group(g).column(i).total_uncompressed_size for i in wanted)
+        for g in range(metadata.num_row_groups)
     )
 
 
@@ -376,64 +401,3 @@ def describe_column(
         kind = _value_kind(arrow_type)
         shape = ()
     return ColumnInfo(name, kind, shape, type_name=str(arrow_type))
-
-
-def _petastorm_schema(url: str, fs: pafs.FileSystem, path: str):
-    """The dataset's Unischema, or None for plain Parquet.
-
-    Petastorm's ``materialize_dataset`` stores the Unischema in ``_common_metadata``; checking
-    for that key first keeps plain datasets off Petastorm's slower legacy-pyarrow path.
-    """
-    import pyarrow.parquet as pq
-
-    marker = f"{path.rstrip('/')}/_common_metadata"
-    if fs.get_file_info(marker).type != pafs.FileType.File:
-        return None
-    with fs.open_input_file(marker) as handle:
-        metadata = pq.read_schema(handle).metadata or {}
-    if not any(key.startswith(b"dataset-toolkit.unischema") for key in metadata):
-        return None
-    problem = petastorm_problem()
-    if problem:
-        raise DataError(
-            f"dataset {url!r} is a Petastorm dataset (its Unischema says how fields are encoded), and reading it needs "
-            f"Petastorm, but {problem}: pip install 'sparkdl-torch[petastorm]' (PySpark 3.5 or 4.0 with pyarrow 14)"
-        )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Petastorm's legacy pyarrow calls warn on every use
-        from petastorm.etl.dataset_metadata import get_schema_from_dataset_url
-
-        return get_schema_from_dataset_url(url)
-
-
-def petastorm_problem() -> str:
-    """Why Petastorm cannot run in this environment, or "" when it can."""
-    import importlib.util
-
-    if importlib.util.find_spec("petastorm") is None:
-        return "petastorm is not installed"
-    major = int(pa.__version__.split(".")[0])
-    if major >= 15:
-        return f"pyarrow {pa.__version__} has no legacy ParquetDataset, which Petastorm 0.12 calls"
-    return ""
-
-
-def _unischema_column(unischema, name: str, role: str) -> ColumnInfo:
-    import numpy as np
-
-    field = unischema.fields.get(name)
-    if field is None:
-        raise DataError(
-            f"{role} column {name!r} is not in the Petastorm schema {unischema._name!r}; "
-            f"its fields are: {', '.join(unischema.fields)}"
-        )
-    dtype = np.dtype(field.numpy_dtype)
-    kind = {"f": "float", "i": "int", "u": "int", "b": "int", "S": "binary", "U": "string", "O": "string"}.get(
-        dtype.kind, "other"
-    )
-    from petastorm.codecs import ScalarCodec
-
-    # Scalar fields are stored as plain Parquet values; other codecs store bytes to decode.
-    encoded = field.codec is not None and not isinstance(field.codec, ScalarCodec)
-    type_name = f"{dtype} {tuple(field.shape)}" + (f" ({type(field.codec).__name__})" if encoded else "")
-    return ColumnInfo(name, kind, tuple(field.shape), codec_field=field if encoded else None, type_name=type_name)

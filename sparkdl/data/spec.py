@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 import numpy as np
 
 from sparkdl.data.dataset import DatasetInfo
+from sparkdl.data.shard_cache import Decision
 from sparkdl.errors import ConfigError
 
 #: Model inputs of a batch: one array (``feature_cols``) or a dict of named arrays (``inputs=``).
@@ -64,6 +65,8 @@ class DataSpec:
         decode_threads: threads that finish batches (decode images, apply ``transform_fn``)
             ahead of the training step; None uses the task's cores (``spark.task.cpus``). Runs
             without images or ``transform_fn`` finish batches inline: there is nothing to decode.
+        shard_cache: the driver's shard-cache decision (:mod:`sparkdl.data.shard_cache`): with a
+            budget, the reader keeps the rank's decoded row groups in memory after its first pass.
         pass_marks: set by :func:`~sparkdl.data.batching.batches` on a shuffled stream: a reader's ``chunks`` also
             yields ``PASS_END`` after each pass, and every chunk carries its rows' positions
             (``POSITION_KEY``), so that an epoch is one pass (:func:`~sparkdl.data.batching.cut_stream`).
@@ -82,6 +85,7 @@ class DataSpec:
     prefetch_row_groups: int = 2
     decode_threads: Optional[int] = None
     pass_marks: bool = False
+    shard_cache: Optional[Decision] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:

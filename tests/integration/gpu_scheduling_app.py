@@ -97,7 +97,7 @@ def main(discovery_script: str, output: str) -> None:
     spark.sparkContext.setLogLevel("ERROR")
     # Both executors registered before the first run: on a loaded machine the second one's JVM
     # can take longer to come up than the launcher's 30 s slot wait (see test_failures.py).
-    from sparkdl._driver.launch import check_slots
+    from sparkdl._driver.stage import check_slots
 
     check_slots(spark.sparkContext, 2, wait_s=300)
     collect = Collect()

@@ -138,7 +138,7 @@ def test_a_setting_a_rank_refuses_is_a_config_error_on_the_driver_and_not_retrie
 
 
 def test_shard_modules_naming_no_submodule_fails_fit_before_launch(spark, digits_df, monkeypatch):
-    from sparkdl._driver import driver
+    from sparkdl._driver import stage as driver
 
     launched = []
     monkeypatch.setattr(driver, "_launch_once", lambda *args, **kwargs: launched.append(1))
@@ -256,7 +256,7 @@ def test_a_connection_flood_on_the_driver_channel_neither_breaks_the_fit_nor_lea
     import socket
     import threading
 
-    from sparkdl._driver import driver
+    from sparkdl._driver import stage as driver
 
     servers = []
 

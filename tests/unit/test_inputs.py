@@ -214,7 +214,7 @@ def test_null_images_and_unconvertible_channel_counts_are_named(tmp_path):
 
 
 def test_the_petastorm_reader_says_what_to_install_where_it_cannot_run():
-    from sparkdl.data.dataset import petastorm_problem
+    from sparkdl.data.petastorm_schema import petastorm_problem
     from sparkdl.data.readers.petastorm import PetastormReader
 
     problem = petastorm_problem()

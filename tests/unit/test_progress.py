@@ -43,6 +43,11 @@ def test_format_without_total():
     assert format_epoch(record) == "[sparkdl] epoch 3  loss 0.5  val_loss 0.7  val_accuracy 0.9  val_top5 0.99"
 
 
+def test_the_line_shows_the_shard_cache_when_a_rank_keeps_its_shard_in_memory():
+    line = format_epoch({"epoch": 2, "loss": 0.5, "samples_per_sec": 9000.0, "cache_mb": 38.2}, 3)
+    assert line == "[sparkdl] epoch 2/3  loss 0.5  samples_per_sec 9000  cache_mb 38.2"
+
+
 def test_lines_from_several_ranks_never_run_together(monkeypatch):
     # The channel hands each rank's messages to the display on its own thread. A stream whose
     # write() gives up the GIL stands for a busy terminal: a line written in two pieces (print()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import time
 from typing import Deque, Iterable, Iterator, Optional
 
 import pyarrow as pa
@@ -27,6 +28,7 @@ from sparkdl.data.dataset import DatasetInfo
 from sparkdl.data.inputs import POSITION_KEY
 from sparkdl.data.readers.base import PASS_END, Chunk, DataReader, chunk_rows
 from sparkdl.data.selection import OpenFiles, RowSelector, pass_row_groups
+from sparkdl.data.shard_cache import MISSING, ShardCache
 from sparkdl.data.spec import DataSpec
 
 
@@ -36,6 +38,8 @@ class ArrowReader(DataReader):
     name = "arrow"
     description = "native pyarrow row groups, read ahead in a background thread (the default)"
     reads_tensor_bytes = True
+    # A row group's chunk is a pure function of the row group, the rank and the spec.
+    caches_row_groups = True
 
     def read_pass(
         self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_index: int
@@ -45,12 +49,19 @@ class ArrowReader(DataReader):
                 yield chunk
 
     def passes(
-        self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_indexes: Iterable[int]
+        self,
+        dataset: DatasetInfo,
+        spec: DataSpec,
+        rank: int,
+        world_size: int,
+        pass_indexes: Iterable[int],
+        cache: Optional[ShardCache] = None,
     ) -> Iterator[Chunk]:
         """The passes' row groups in order, each pass followed by ``PASS_END``, with
         ``spec.prefetch_row_groups`` row groups read ahead across the passes' boundaries too:
         the next pass's first row groups are read while this pass's last ones are trained on,
-        so an epoch's first step does not wait for a read."""
+        so an epoch's first step does not wait for a read. With ``cache``, a row group it holds
+        is not read again, and one it does not is kept after its read while the budget lasts."""
         selector = RowSelector(dataset, spec.holdout, spec.part, spec.filters, rank, world_size)
         files = OpenFiles(dataset)
         locations = dataset.row_group_location()
@@ -59,6 +70,17 @@ class ArrowReader(DataReader):
         infos = dataset.infos
 
         def load(group: int) -> Optional[Chunk]:
+            if cache is None:
+                return read(group)
+            kept = cache.get(group)
+            if kept is not MISSING:
+                return kept
+            started = time.perf_counter()
+            chunk = read(group)
+            cache.put(group, chunk, time.perf_counter() - started)
+            return chunk
+
+        def read(group: int) -> Optional[Chunk]:
             file_index, row_group = locations[group]
             if rows[group] == 0:
                 return None

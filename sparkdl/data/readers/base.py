@@ -23,11 +23,12 @@ from __future__ import annotations
 import abc
 import contextlib
 import itertools
-from typing import ClassVar, Dict, Iterable, Iterator, Type
+from typing import ClassVar, Dict, Iterable, Iterator, Optional, Type
 
 import numpy as np
 
 from sparkdl.data.dataset import DatasetInfo
+from sparkdl.data.shard_cache import ShardCache
 from sparkdl.data.spec import DataSpec
 from sparkdl.errors import DataError
 
@@ -55,6 +56,11 @@ class DataReader(abc.ABC):
     #: DataFrames materialized for it are then written that way, which decodes several times
     #: faster than Parquet lists. Readers that decode through :mod:`sparkdl.data.columns` do.
     reads_tensor_bytes: ClassVar[bool] = False
+    #: Whether :meth:`passes` keeps row groups in the :class:`~sparkdl.data.shard_cache.ShardCache`
+    #: it is given (readers whose chunks are a pure function of the row group can).
+    caches_row_groups: ClassVar[bool] = False
+    #: The training stream's shard cache on this rank (run_info reports it); None: streaming.
+    shard_cache: Optional[ShardCache] = None
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -78,7 +84,9 @@ class DataReader(abc.ABC):
         :data:`PASS_END` (and :meth:`read_pass` should put each row's position under
         ``POSITION_KEY``). Must close its resources when the generator is closed."""
         rows = 0
-        for chunk in self.passes(dataset, spec, rank, world_size, itertools.count()):
+        budget = spec.shard_cache.budget_bytes if spec.shard_cache is not None else None
+        self.shard_cache = ShardCache(budget, rank, dataset.name) if budget and self.caches_row_groups else None
+        for chunk in self.passes(dataset, spec, rank, world_size, itertools.count(), self.shard_cache):
             if chunk is PASS_END:
                 if rows == 0:
                     narrowed = (
@@ -93,11 +101,18 @@ class DataReader(abc.ABC):
             yield chunk
 
     def passes(
-        self, dataset: DatasetInfo, spec: DataSpec, rank: int, world_size: int, pass_indexes: Iterable[int]
+        self,
+        dataset: DatasetInfo,
+        spec: DataSpec,
+        rank: int,
+        world_size: int,
+        pass_indexes: Iterable[int],
+        cache: Optional[ShardCache] = None,
     ) -> Iterator[Chunk]:
         """The chunks of the passes ``pass_indexes``, one pass after the other, each followed by
         :data:`PASS_END`: :meth:`read_pass` per pass. A reader that reads ahead across the
-        passes' boundaries overrides it."""
+        passes' boundaries overrides it; one with ``caches_row_groups`` serves the row groups
+        ``cache`` holds from it and fills it (this one streams every pass)."""
         for pass_index in pass_indexes:
             # closing(): closing this generator closes the pass's reader at once, not whenever
             # the garbage collector gets to it.

@@ -15,8 +15,9 @@ from typing import Dict, Iterator, List
 import numpy as np
 import pyarrow as pa
 
-from sparkdl.data.dataset import DatasetInfo, petastorm_problem
+from sparkdl.data.dataset import DatasetInfo
 from sparkdl.data.inputs import POSITION_KEY
+from sparkdl.data.petastorm_schema import petastorm_problem
 from sparkdl.data.readers.base import Chunk, DataReader
 from sparkdl.data.spec import DataSpec
 from sparkdl.errors import ConfigError, DataError

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import connectors
 import sparkdl
+from sparkdl import connectors
 from sparkdl._driver.prepare_data import prepare_data
 from sparkdl._driver.settings import DataSettings
 from sparkdl.data import cache

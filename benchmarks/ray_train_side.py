@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -58,9 +59,13 @@ def train_loop(config) -> None:
             samples += len(y)
         dist.barrier()
         seconds = time.time() - start
-        train.report(
-            {"epoch": epoch, "samples": samples * world, "seconds": seconds, "first_batch": first_batch or 0.0}
-        )
+        record = {"epoch": epoch, "samples": samples * world, "seconds": seconds, "first_batch": first_batch or 0.0}
+        if context.get_world_rank() == 0:
+            # Written by rank 0 itself: what a trainer hands back of its reports differs between
+            # Ray Train's versions, a file does not.
+            with open(config["metrics"], "a") as out:
+                out.write(json.dumps(record) + "\n")
+        train.report(record)
 
 
 def main() -> None:
@@ -77,21 +82,36 @@ def main() -> None:
     from ray.train.torch import TorchTrainer
 
     called = time.time()
-    ray.init(num_cpus=args.workers + 1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # Loopback only, as every sparkdl benchmark: Ray would otherwise bind the machine's address.
+    ray.init(
+        num_cpus=args.workers + 1,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        _node_ip_address="127.0.0.1",
+    )
+    metrics = os.path.join(tempfile.mkdtemp(prefix="sparkdl-ray-"), "metrics.jsonl")
     try:
         dataset = ray.data.read_parquet(os.path.abspath(args.path))
-        history = []
 
         trainer = TorchTrainer(
             train_loop,
-            train_loop_config={"model": args.model, "batch_size": args.batch_size, "epochs": args.epochs},
+            train_loop_config={
+                "model": args.model,
+                "batch_size": args.batch_size,
+                "epochs": args.epochs,
+                "metrics": metrics,
+            },
             scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False, resources_per_worker={"CPU": 1}),
             datasets={"train": dataset},
             run_config=RunConfig(storage_path=os.path.join(os.path.abspath(args.path), "..", "ray-results")),
         )
         result = trainer.fit()
+        if result.error is not None:
+            raise result.error
         whole = time.time() - called
-        history = result.metrics_dataframe.to_dict("records") if result.metrics_dataframe is not None else []
+        with open(metrics) as lines:
+            history = [json.loads(line) for line in lines]
         rates = [row["samples"] / row["seconds"] for row in history if row.get("seconds")]
         first = next((row["first_batch"] for row in history if row.get("first_batch")), None)
         print(

@@ -77,16 +77,6 @@ def steps_per_epoch(num_rows: int, batch_size: int, world_size: int) -> int:
     return steps
 
 
-def decode_threads(spec: DataSpec) -> int:
-    """The decode threads of a task: ``spec.decode_threads``, else the task's cores."""
-    if spec.decode_threads is not None:
-        return spec.decode_threads
-    import torch
-
-    # The launcher sets torch's threads to the task's cores (spark.task.cpus).
-    return max(1, torch.get_num_threads())
-
-
 def batches(
     reader: DataReader,
     dataset: DatasetInfo,
@@ -218,7 +208,7 @@ def _threads_for(plan: InputPlan, spec: DataSpec) -> int:
     """0 finishes inline: dense-only batches without a transform have nothing worth a thread."""
     if not plan.expensive and spec.transform_fn is None:
         return 0
-    return decode_threads(spec)
+    return spec.decode_thread_count()
 
 
 def _finish_in_order(

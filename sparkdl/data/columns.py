@@ -239,33 +239,3 @@ def padded_sequences(
         padded[i, :n] = row[:n]
         lengths[i] = n
     return padded, lengths
-
-
-# ---- pixels of decoded images (uint8 HWC arrays, NCHW batches) ------------------------------
-
-
-def convert_channels(array: np.ndarray, channels: int) -> np.ndarray:
-    """A uint8 ``H x W x (1, 3 or 4)`` image with ``channels`` (1 or 3) channels."""
-    have = array.shape[2]
-    if have == channels:
-        return array
-    if channels == 3:
-        return np.repeat(array, 3, axis=2) if have == 1 else array[:, :, :3]
-    rgb = array[:, :, :3].astype(np.float32)
-    # ITU-R 601-2 luma, as Pillow's convert("L").
-    gray = rgb[:, :, 0] * 0.299 + rgb[:, :, 1] * 0.587 + rgb[:, :, 2] * 0.114
-    return np.clip(np.rint(gray), 0, 255).astype(np.uint8)[:, :, None]
-
-
-def random_crops(images: np.ndarray, padding: int, rng: np.random.Generator) -> np.ndarray:
-    """Each image of an NCHW batch padded by ``padding`` zeros a side, then cropped back to its
-    size at a random offset."""
-    batch, channels, height, width = images.shape
-    padded = np.zeros((batch, channels, height + 2 * padding, width + 2 * padding), dtype=images.dtype)
-    padded[:, :, padding : padding + height, padding : padding + width] = images
-    tops = rng.integers(0, 2 * padding + 1, batch)
-    lefts = rng.integers(0, 2 * padding + 1, batch)
-    out = np.empty_like(images)
-    for i in range(batch):
-        out[i] = padded[i, :, tops[i] : tops[i] + height, lefts[i] : lefts[i] + width]
-    return out

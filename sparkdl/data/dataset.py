@@ -133,8 +133,9 @@ class DatasetInfo:
 
     @property
     def row_group_bytes(self) -> List[int]:
-        """Every row group's uncompressed bytes of the columns the run reads, in global order;
-        empty when a file's footers were not read for it (a dataset described by hand)."""
+        """Every row group's uncompressed bytes of the columns the run reads (less those the shard
+        cache keeps in another form: :meth:`InputPlan.kept_row_bytes`), in global order; empty
+        when a file's footers were not read for it (a dataset described by hand)."""
         if not self.files or any(len(f.row_group_bytes) != len(f.row_groups) for f in self.files):
             return []
         return [size for f in self.files for size in f.row_group_bytes]
@@ -238,7 +239,9 @@ def inspect_dataset(
             FileInfo(
                 file_url,
                 tuple(metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)),
-                _row_group_bytes(metadata, set(plan.columns)),
+                # Columns the shard cache keeps converted (images as pixels) are counted from their
+                # rows instead (sparkdl.data.shard_cache.rank_bytes).
+                _row_group_bytes(metadata, set(plan.columns) - plan.kept_row_bytes()[0]),
             )
         )
     num_rows = sum(sum(f.row_groups) for f in files)

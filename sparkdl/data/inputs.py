@@ -24,12 +24,16 @@ spec as defined here (the column conversions are :mod:`sparkdl.data.columns`):
 2. :meth:`InputSpec.finish` turns one batch of those into the model's inputs — images decoded,
    resized, augmented and normalized, sequences trimmed to the batch's longest row — on the
    decode threads, ahead of the training step.
+
+Between the two, the shard cache (:mod:`sparkdl.data.shard_cache`) may keep a chunk for the
+passes after the first: :meth:`InputSpec.keep` gives the form it keeps — for images the decoded
+and resized pixels, so a later pass decodes nothing, while :meth:`~InputSpec.finish` still crops,
+flips and normalizes them per batch (identical batches either way).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import typing as t
 
 import numpy as np
@@ -39,13 +43,12 @@ from sparkdl.data.columns import (
     ColumnInfo,
     binary_values,
     codec_images,
-    convert_channels,
     numeric_values,
     object_values,
     padded_sequences,
-    random_crops,
     spark_image_structs,
 )
+from sparkdl.data.pixels import ImageDecodeError, decoded_pixels, random_crops
 from sparkdl.errors import ConfigError, DataError
 
 #: Keys of the row-aligned arrays that are not model inputs.
@@ -80,6 +83,17 @@ class InputSpec:
     ) -> t.Dict[str, np.ndarray]:
         """The model inputs of one batch (step 2); ``rng`` is set for training batches only."""
         return {key: arrays[key]}
+
+    def keep(self, key: str, role: str, arrays: t.Mapping[str, np.ndarray], threads: int) -> t.Dict[str, np.ndarray]:
+        """The arrays of a chunk's step-1 output the shard cache keeps in another form, one that
+        :meth:`finish` turns into the same model inputs with less work (none here: a chunk is
+        kept as extracted). ``threads``: how many threads the conversion may use."""
+        return {}
+
+    def kept_row_bytes(self) -> t.Optional[int]:
+        """Bytes a row of this input takes in the form :meth:`keep` gives, when that is not its
+        Parquet bytes (the shard cache's estimate); None: about its Parquet bytes."""
+        return None
 
     def output_names(self, key: str) -> t.Tuple[str, ...]:
         return (key,)
@@ -177,18 +191,14 @@ class Image(InputSpec):
         return {key: items}
 
     def finish(self, key, role, arrays, rng):
-        items = arrays[key]
-        positions = arrays.get(POSITION_KEY)
-        height, width = self.size
-        out = np.empty((len(items), height, width, self.channels), dtype=np.uint8)
-        for i, item in enumerate(items):
-            out[i] = self._decode(item, role, i, positions)
-        images = out.transpose(0, 3, 1, 2)  # NHWC -> NCHW
+        pixels = self._pixels(arrays[key], role, arrays.get(POSITION_KEY), threads=1)
+        fresh = pixels is not arrays[key]  # decoded here, not handed in (kept pixels are the shard cache's)
+        images = pixels.transpose(0, 3, 1, 2)  # NHWC -> NCHW
         if rng is not None and self.random_crop:
-            images = random_crops(images, self.random_crop, rng)
+            images, fresh = random_crops(images, self.random_crop, rng), True
         if rng is not None and self.random_flip:
             flip = rng.random(len(images)) < 0.5
-            images = images.copy() if not images.flags.writeable else images
+            images = images if fresh else images.copy()  # never flips what came in
             images[flip] = images[flip, :, :, ::-1]
         result = images.astype(np.float32) * np.float32(1.0 / 255.0)
         if self.mean is not None:
@@ -197,33 +207,24 @@ class Image(InputSpec):
             result /= np.asarray(self.std, dtype=np.float32).reshape(1, -1, 1, 1)
         return {key: np.ascontiguousarray(result)}
 
-    def _decode(self, item: t.Any, role: str, row: int, positions: t.Optional[np.ndarray]) -> np.ndarray:
-        from PIL import Image as PILImage
+    def keep(self, key, role, arrays, threads):
+        # Crops, flips and normalization come after the resize and depend on the batch's seed:
+        # the resized pixels are the last thing every pass shares, so the cache keeps those.
+        return {key: self._pixels(arrays[key], role, arrays.get(POSITION_KEY), threads)}
 
+    def kept_row_bytes(self) -> int:
         height, width = self.size
+        return height * width * self.channels
+
+    def _pixels(self, items: t.Any, role: str, positions: t.Optional[np.ndarray], threads: int) -> np.ndarray:
+        """The rows' decoded, resized pixels (:func:`~sparkdl.data.pixels.decoded_pixels`), a
+        row that cannot be decoded named by its place in ``positions``."""
         try:
-            if isinstance(item, np.ndarray):
-                array = item if item.ndim == 3 else item[:, :, None]
-                if array.shape[2] not in (1, 3, 4):
-                    raise ValueError(f"an image array of shape {item.shape} has {array.shape[2]} channels")
-                if array.shape[:2] == (height, width) and array.dtype == np.uint8:
-                    return convert_channels(array, self.channels)
-                picture = PILImage.fromarray(array[:, :, 0] if array.shape[2] == 1 else array)
-            else:
-                picture = PILImage.open(io.BytesIO(item))
-                if picture.format == "JPEG" and (picture.width >= 2 * width and picture.height >= 2 * height):
-                    # libjpeg decodes straight to a power-of-two smaller size: far less work.
-                    picture.draft("L" if self.channels == 1 else "RGB", (width, height))
-                picture.load()
-            picture = picture.convert("L" if self.channels == 1 else "RGB")
-            if picture.size != (width, height):
-                picture = picture.resize((width, height), PILImage.BILINEAR)
-            array = np.asarray(picture)
-            return array[:, :, None] if array.ndim == 2 else array
-        except Exception as exc:  # noqa: BLE001 - Pillow raises many types for bad images
+            return decoded_pixels(items, self.size, self.channels, threads)
+        except ImageDecodeError as exc:
             raise RowError(
-                row, positions, f"{role} column {self.column!r}: cannot decode an image ({type(exc).__name__}: {exc})"
-            ) from exc
+                exc.row, positions, f"{role} column {self.column!r}: cannot decode an image ({exc.reason})"
+            ) from exc.__cause__
 
 
 @dataclasses.dataclass(frozen=True)

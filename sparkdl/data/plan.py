@@ -6,6 +6,9 @@ and the two steps every batch goes through, for every reader, validation and ``T
 2. :meth:`InputPlan.finish`: one batch of those -> the model's inputs and labels (on the decode
    threads).
 
+:meth:`InputPlan.keep` gives the form of a chunk the shard cache keeps between the two (images
+decoded and resized), from which :meth:`~InputPlan.finish` makes the same batches.
+
 ``feature_cols=`` and ``inputs=`` both become a plan (:meth:`InputPlan.build`).
 """
 
@@ -182,6 +185,38 @@ class InputPlan:
             where = locate(int(exc.positions[exc.row]) if exc.positions is not None else None)
             raise DataError(f"{exc.message}, in {where}") from exc.__cause__
         return (inputs[POSITIONAL] if self.positional else inputs), labels
+
+    def keep(
+        self, arrays: t.Mapping[str, np.ndarray], locate: t.Callable[[t.Optional[int]], str], threads: int
+    ) -> t.Dict[str, np.ndarray]:
+        """The form of a chunk's arrays the shard cache keeps (images decoded and resized, on
+        up to ``threads`` threads; everything else as extracted): :meth:`finish` makes the same
+        batches of it with less work. A row that cannot be decoded fails as in :meth:`finish`."""
+        out = dict(arrays)
+        try:
+            for key, spec in self.inputs:
+                out.update(spec.keep(key, self.role(key), arrays, threads))
+        except RowError as exc:
+            where = locate(int(exc.positions[exc.row]) if exc.positions is not None else None)
+            raise DataError(f"{exc.message}, in {where}") from exc.__cause__
+        return out
+
+    @property
+    def converts_kept(self) -> bool:
+        """Whether :meth:`keep` changes anything (else a kept chunk is the extracted one)."""
+        return any(spec.kept_row_bytes() is not None for _, spec in self.inputs)
+
+    def kept_row_bytes(self) -> t.Tuple[t.Set[str], int]:
+        """For the shard cache's estimate: the columns whose kept form is not about their Parquet
+        bytes (read only by inputs that :meth:`keep` converts), and the bytes a row of those
+        inputs takes kept."""
+        converted = [(spec, size) for _, spec in self.inputs if (size := spec.kept_row_bytes()) is not None]
+        others = [spec for _, spec in self.inputs if spec.kept_row_bytes() is None] + (
+            [self.label] if self.label is not None else []
+        )
+        also_read = {column for spec in others for column in spec.source_columns()}
+        columns = {column for spec, _ in converted for column in spec.source_columns()} - also_read
+        return columns, sum(size for _, size in converted)
 
     def to_json(self) -> t.Dict[str, t.Any]:
         return {

@@ -2,13 +2,14 @@
 passes after it read no Parquet and decode nothing again (``shard_cache="auto"|"memory"|"none"``).
 
 What it keeps is what a reader's pass hands out for a row group: the extracted, row-aligned
-numpy columns (:meth:`sparkdl.data.plan.InputPlan.extract`), never Python objects, and never a
-finished batch. Everything after it — the seeded row-group order of each pass, the shuffle
-buffer, the batches, image decoding and augmentation, ``transform_fn`` — runs per pass as
+numpy columns (:meth:`sparkdl.data.plan.InputPlan.extract`) in the plan's kept form
+(:meth:`~sparkdl.data.plan.InputPlan.keep`: images decoded and resized to uint8 pixels), never
+a finished batch. Everything after it — the seeded row-group order of each pass, the shuffle
+buffer, the batches, image crops, flips and normalization, ``transform_fn`` — runs per pass as
 before, so a cached pass hands out exactly the chunks a streamed one would, in the same order:
 the cache changes where bytes come from, not which rows a step sees. Downstream code copies
-chunks before it changes them (the shuffle buffer's permutation, a batch's concatenation), so
-a kept chunk is handed out again unchanged.
+chunks before it changes them (the shuffle buffer's permutation, a batch's concatenation, an
+image flip), so a kept chunk is handed out again unchanged.
 
 Memory stays bounded: the driver gives each rank a byte budget (:func:`decide`); a rank whose
 row groups need more keeps those that fit and streams the rest every pass, saying so once.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import threading
 from typing import Callable, Dict, Optional, Tuple
 
@@ -52,10 +54,14 @@ def check_setting(value: str) -> str:
 def rank_bytes(dataset: DatasetInfo, rank: int, world_size: int, holdout: float = 0.0) -> int:
     """The decoded bytes rank ``rank``'s training shard takes in memory, estimated from the
     footers: its row groups' uncompressed bytes of the columns the run reads (a row-striding
-    rank holds ``1/world_size`` of every row group), less the validation hold-out."""
+    rank holds ``1/world_size`` of every row group), plus, per row, what the inputs kept in
+    another form take (images as pixels: :meth:`~sparkdl.data.plan.InputPlan.kept_row_bytes`),
+    less the validation hold-out."""
     sizes = dataset.row_group_bytes
     if not sizes:
         return 0
+    _, per_row = dataset.plan.kept_row_bytes()
+    sizes = [size + rows * per_row for size, rows in zip(sizes, dataset.row_group_rows)]
     if dataset.num_row_groups >= world_size:  # the rank's row groups (sparkdl.data.selection)
         total = float(sum(size for group, size in enumerate(sizes) if group % world_size == rank))
     else:  # row striding: every rank keeps 1/world_size of every row group
@@ -162,8 +168,14 @@ def _mb(nbytes: float) -> str:
 
 
 def chunk_bytes(chunk: Chunk) -> int:
-    """What a chunk's arrays hold (object arrays: their references, not the objects')."""
-    return sum(int(values.nbytes) for values in chunk.values() if isinstance(values, np.ndarray))
+    """What a chunk's arrays hold, the objects of object arrays (strings, bytes) included."""
+    total = 0
+    for values in chunk.values():
+        if isinstance(values, np.ndarray):
+            total += int(values.nbytes)
+            if values.dtype == object:
+                total += sum(map(sys.getsizeof, values.ravel()))
+    return total
 
 
 _ABSENT = object()
@@ -177,10 +189,11 @@ class ShardCache:
     thread fills it while the training thread may read the counters.
     """
 
-    def __init__(self, budget_bytes: int, rank: int, dataset_name: str) -> None:
+    def __init__(self, budget_bytes: int, rank: int, dataset_name: str, images_decoded: bool = False) -> None:
         self.budget_bytes = budget_bytes
         self.rank = rank
         self._name = dataset_name
+        self.images_decoded = images_decoded  # images kept as their resized pixels
         self._lock = threading.Lock()
         self._groups: Dict[int, Optional[Chunk]] = {}
         self.held_bytes = 0
@@ -225,7 +238,8 @@ class ShardCache:
 
     def stats(self) -> Dict[str, object]:
         """What run_info reports: bytes and row groups kept, row groups served from memory and
-        read because they did not fit, and the reading seconds each pass from memory saves."""
+        read because they did not fit, the reading (and image decoding) seconds each pass from
+        memory saves, and whether images are kept decoded."""
         with self._lock:
             return {
                 "budget_bytes": self.budget_bytes,
@@ -236,6 +250,7 @@ class ShardCache:
                 "streamed_row_groups": self.streamed,
                 "full": self.full,
                 "read_seconds_per_pass": self.read_seconds,
+                "images_decoded": self.images_decoded,
             }
 
 

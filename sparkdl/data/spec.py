@@ -87,6 +87,15 @@ class DataSpec:
     pass_marks: bool = False
     shard_cache: Optional[Decision] = None
 
+    def decode_thread_count(self) -> int:
+        """The decode threads of a task: ``decode_threads``, else the task's cores."""
+        if self.decode_threads is not None:
+            return self.decode_threads
+        import torch
+
+        # The launcher sets torch's threads to the task's cores (spark.task.cpus).
+        return max(1, torch.get_num_threads())
+
     def __post_init__(self) -> None:
         if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
             raise ConfigError(f"batch_size={self.batch_size!r} must be a positive integer")

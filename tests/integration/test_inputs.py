@@ -71,6 +71,23 @@ def test_a_cnn_trains_on_png_bytes_with_every_strategy_and_transform_agrees(png_
     np.testing.assert_allclose(predictions, expected.numpy(), rtol=1e-4, atol=1e-5)
 
 
+def test_images_kept_as_pixels_train_exactly_as_decoded_every_pass_augmentation_included(png_digits):
+    """The shard cache keeps the decoded pixels after the first epoch; crops and flips still
+    apply per pass, so the losses are those of a fit that decodes every pass, bit for bit."""
+    train = png_digits[0]
+    image = sparkdl.Image("png", size=(8, 8), channels=1, random_crop=1, random_flip=True)
+
+    def fit(setting):
+        estimator = _cnn_estimator(sparkdl.AllReduce(), inputs={"image": image}, epochs=3, seed=4, shard_cache=setting)
+        return estimator.fit(train)
+
+    streamed, cached = fit("none"), fit("memory")
+    assert [r["loss"] for r in cached.history] == [r["loss"] for r in streamed.history]
+    rank0 = cached.run_info["dataset"]["shard_cache"]["rank0"]
+    assert rank0["images_decoded"] and rank0["served_row_groups"] > 0 and rank0["streamed_row_groups"] == 0
+    assert rank0["held_bytes"] >= rank0["rows"] * 8 * 8  # one uint8 channel of 8 x 8 a row
+
+
 def test_an_image_model_saves_loads_and_predicts_the_same(png_digits, tmp_path):
     train, test, _, _ = png_digits
     model = _cnn_estimator(sparkdl.AllReduce(), epochs=1).fit(train)

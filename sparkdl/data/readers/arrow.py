@@ -68,6 +68,10 @@ class ArrowReader(DataReader):
         rows = dataset.row_group_rows
         columns = dataset.columns + [c for c in dataset.filter_columns if c not in dataset.columns]
         infos = dataset.infos
+        # With a cache, every chunk takes the form the cache keeps (images decoded here, not on
+        # the decode threads), kept or not: the shuffle buffer mixes chunks of one form.
+        convert = cache is not None and dataset.plan.converts_kept
+        threads = spec.decode_thread_count() if convert else 1
 
         def load(group: int) -> Optional[Chunk]:
             if cache is None:
@@ -77,6 +81,8 @@ class ArrowReader(DataReader):
                 return kept
             started = time.perf_counter()
             chunk = read(group)
+            if convert and chunk is not None:
+                chunk = dataset.plan.keep(chunk, dataset.locate, threads)
             cache.put(group, chunk, time.perf_counter() - started)
             return chunk
 

@@ -85,7 +85,11 @@ class DataReader(abc.ABC):
         ``POSITION_KEY``). Must close its resources when the generator is closed."""
         rows = 0
         budget = spec.shard_cache.budget_bytes if spec.shard_cache is not None else None
-        self.shard_cache = ShardCache(budget, rank, dataset.name) if budget and self.caches_row_groups else None
+        self.shard_cache = (
+            ShardCache(budget, rank, dataset.name, images_decoded=dataset.plan.converts_kept)
+            if budget and self.caches_row_groups
+            else None
+        )
         for chunk in self.passes(dataset, spec, rank, world_size, itertools.count(), self.shard_cache):
             if chunk is PASS_END:
                 if rows == 0:

@@ -15,6 +15,9 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Under CI=true a skipped test fails (tests/ci_skips.py says why).
+pytest_plugins = ["tests.ci_skips"]
+
 
 @pytest.fixture(scope="session")
 def spark(tmp_path_factory):

@@ -29,7 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from _ranks import Store, join, run_ranks  # noqa: E402
 from allreduce_vs_ddp import MODELS, make_optimizer, synthetic, write_parquet  # noqa: E402
 
 Times = Tuple[float, float]  # (CPU seconds, wall seconds)
@@ -109,37 +110,19 @@ def _pack(workdir: str) -> None:
 SIDES = ("in memory (plain DDP)", "sparkdl FitLoop, Arrow reader", "sparkdl FitLoop, Arrow reader, prefetch thread")
 
 
-def measure(
-    rank: int, world_size: int, args: argparse.Namespace, workdir: str, store: Optional[Tuple[Tuple[str, int], bytes]]
-) -> Dict[str, List[Times]]:
+def measure(rank: int, world_size: int, store: Store, args: argparse.Namespace, workdir: str) -> Dict[str, List[Times]]:
     """One rank's rounds: all three sides per round, in the same order on every rank (their
     collectives keep the ranks in step). Each rank trains on rows ``rank::world_size``."""
-    if args.core >= 0:
-        os.sched_setaffinity(0, {(args.core + rank) % os.cpu_count()})
-    torch.set_num_threads(1)
-    from sparkdl._runtime.rendezvous import rendezvous, teardown
+    from sparkdl._runtime.rendezvous import teardown
     from sparkdl.data.batching import DataSpec
     from sparkdl.data.dataset import inspect_dataset
 
+    env = join(rank, world_size, store, args.core)
     batch, make_model = args.batch_size, MODELS[args.model]
     features, labels = synthetic(args.steps * batch * world_size)
     dataset = inspect_dataset(workdir, ["features"], "label")
     x = torch.from_numpy(np.ascontiguousarray(features[rank::world_size]))
     y = torch.from_numpy(labels[rank::world_size])
-    if store is None:
-        env = rendezvous(0, 1, ["127.0.0.1:0"], lambda value: [value], torch.device("cpu"), timeout_s=60)
-    else:
-        address, secret = store
-        env = rendezvous(
-            rank,
-            world_size,
-            ["127.0.0.1:0"] * world_size,
-            None,
-            torch.device("cpu"),
-            timeout_s=60,
-            secret=secret,
-            store_address=address,
-        )
     times: Dict[str, List[Times]] = {side: [] for side in SIDES}
     try:
         for _ in range(args.rounds + 1):  # the first round warms up and is left out
@@ -150,12 +133,6 @@ def measure(
     finally:
         teardown()
     return times
-
-
-def _rank_process(rank: int, world_size: int, args: argparse.Namespace, workdir: str, store, results) -> None:
-    times = measure(rank, world_size, args, workdir, store)
-    if rank == 0:
-        results.put(times)
 
 
 def main() -> None:
@@ -181,34 +158,9 @@ def main() -> None:
     if args.layout == "packed":
         _pack(workdir)
     if args.ranks == 1:
-        times = measure(0, 1, args, workdir, None)
+        times = measure(0, 1, None, args, workdir)
     else:
-        import multiprocessing
-
-        from sparkdl._net.channel import new_secret
-        from sparkdl._net.rendezvous_store import StoreServer
-
-        secret = new_secret()
-        server = StoreServer("127.0.0.1", secret, 60.0)
-        context = multiprocessing.get_context("spawn")
-        results = context.Queue()
-        processes = [
-            context.Process(
-                target=_rank_process, args=(rank, args.ranks, args, workdir, (server.address, secret), results)
-            )
-            for rank in range(args.ranks)
-        ]
-        try:
-            for process in processes:
-                process.start()
-            times = results.get(timeout=3600)
-            for process in processes:
-                process.join(timeout=60)
-        finally:
-            server.close()
-            for process in processes:
-                if process.is_alive():
-                    process.kill()
+        times = run_ranks(measure, args.ranks, args, workdir)[0]
     floor = times[SIDES[0]][1:]
     where = "one core" if args.ranks == 1 else f"{args.ranks} ranks on a core each (rank 0's times)"
     print(

@@ -38,6 +38,7 @@ _PUBLIC = {
     "OuterSGD": "sparkdl.strategies",
     "ParameterServer": "sparkdl.strategies",
     "PeerLostError": "sparkdl.errors",
+    "Resources": "sparkdl.resources",
     "ScriptResult": "sparkdl.launching",
     "Sequence": "sparkdl.data.inputs",
     "ShardDataset": "sparkdl._runtime.shard_dataset",
@@ -51,6 +52,7 @@ _PUBLIC = {
     "clear_cache": "sparkdl.data.cache",
     "compare": "sparkdl.comparison",
     "launch": "sparkdl.launching",
+    "plan": "sparkdl.planning",
     "plot_history": "sparkdl.plotting",
     "report": "sparkdl.reporting",
     "run": "sparkdl.custom_loop",
@@ -79,8 +81,10 @@ if TYPE_CHECKING:  # pragma: no cover - what type checkers and IDEs see
     from sparkdl.estimator import TorchEstimator
     from sparkdl.launching import ScriptResult, launch
     from sparkdl.model import TorchModel
+    from sparkdl.planning import plan
     from sparkdl.plotting import plot_history
     from sparkdl.reporting import report
+    from sparkdl.resources import Resources
     from sparkdl.strategies import (
         AllReduce,
         ElasticAveraging,

@@ -43,6 +43,18 @@ def quiet_pandas3_warning() -> None:
     warnings.filterwarnings("ignore", message=PANDAS3_WARNING, category=FutureWarning, module=r"pyspark(\.|$)")
 
 
+def task_threads(context: Any) -> int:
+    """Torch/OpenMP threads for a Spark task: its exact CPU amount rounded down, at least one.
+
+    ``TaskContext.cpus()`` rounds a fractional amount (``spark.task.cpus=1.5``, or a resource
+    profile's) up, which would run more threads than the task has cores; PySpark 4.3's
+    ``cpuAmount()`` is exact. Older PySpark has whole amounts only, so ``cpus()`` is exact there.
+    """
+    exact = getattr(context, "cpuAmount", None)
+    amount = float(exact()) if exact is not None else float(context.cpus() or 1)
+    return max(1, int(amount))
+
+
 def is_connect(spark: Any) -> bool:
     """True for a Spark Connect client session."""
     return type(spark).__module__.startswith("pyspark.sql.connect")
@@ -79,9 +91,10 @@ class Session:
         return _route_to(_connect_server(self.spark))
 
     def run_barrier(
-        self, num_workers: int, task: Callable[[], List[Tuple[int, bytes]]], description: str
+        self, num_workers: int, task: Callable[[], List[Tuple[int, bytes]]], description: str, profile: Any = None
     ) -> List[Tuple[int, bytes]]:
-        """Runs ``task`` on ``num_workers`` barrier tasks; returns every (rank, bytes) they returned."""
+        """Runs ``task`` on ``num_workers`` barrier tasks (with the pyspark ``ResourceProfile``
+        ``profile`` when given: stage-level scheduling); returns every (rank, bytes) they returned."""
         import pyarrow as pa
 
         def run_partition(batches: Iterator[Any]) -> Iterator[Any]:
@@ -93,8 +106,10 @@ class Session:
                 schema=pa.schema([("rank", pa.int32()), ("value", pa.binary())]),
             )
 
+        # profile= only when asked for: PySpark before 4.0 has no such argument.
+        extra = {} if profile is None else {"profile": profile}
         frame = self.spark.range(0, num_workers, 1, num_workers).mapInArrow(
-            run_partition, "rank int, value binary", barrier=True
+            run_partition, "rank int, value binary", barrier=True, **extra
         )
         self._set_description(description)
         try:

@@ -12,12 +12,14 @@ import numpy as np
 import torch
 
 from sparkdl._runtime import resume
+from sparkdl._runtime.accumulation import ResizeMethods
 from sparkdl._runtime.checkpoint_writer import CheckpointWriteError, CheckpointWriter, capture
 from sparkdl._runtime.device import DeviceAssignment
 from sparkdl._runtime.device_feed import DeviceFeed, move_batch
 from sparkdl._runtime.host_batches import host_batches
 from sparkdl._runtime.precision import Precision, PrecisionRuntime
 from sparkdl._runtime.rank import Liveness, Rank
+from sparkdl._runtime.resize import ResizePlan
 from sparkdl.checkpoint import CheckpointStore
 from sparkdl.data.batching import DataSpec, batches
 from sparkdl.data.dataset import DatasetInfo
@@ -31,7 +33,7 @@ __all__ = ["Batch", "Liveness", "TrainContext"]
 Batch = Tuple[Any, Optional[torch.Tensor]]
 
 
-class TrainContext:
+class TrainContext(ResizeMethods):
     """Handed to ``train_fn(ctx)`` on every rank.
 
     Attributes:
@@ -43,6 +45,10 @@ class TrainContext:
             (:class:`sparkdl._runtime.device.DeviceAssignment`; ``visible_devices`` is the
             ``CUDA_VISIBLE_DEVICES`` for a child process that should see only this task's GPUs).
         logger: a logger whose records reach the driver prefixed with the rank.
+
+    On fewer workers than ``num_workers``, ``on_resize`` applies through ``accumulation_steps``,
+    ``micro_batches``, ``gradient_sync``, ``backward`` and ``apply_resize_lr``
+    (:mod:`sparkdl._runtime.accumulation` shows the loop).
     """
 
     def __init__(
@@ -59,6 +65,7 @@ class TrainContext:
         assignment: Optional[DeviceAssignment] = None,
         precision: str = "32",
         startup_marks: Optional[Dict[str, Optional[float]]] = None,
+        resize: Optional[ResizePlan] = None,
     ) -> None:
         # What the rank holds; the runtime's modules work on it, never on this class's fields.
         # The precision is built now so that one the device cannot run fails before any training.
@@ -72,6 +79,7 @@ class TrainContext:
             data_spec,
             reader,
             steps_per_epoch,
+            resize=resize or ResizePlan(planned_workers=env.world_size, world_size=env.world_size),
         )
         self._send = send
         self._checkpoints = store
@@ -333,6 +341,7 @@ class TrainContext:
         checkpoint = self._checkpoints.load_latest()
         if checkpoint is None:
             return None
+        self._rank.checkpoint_workers = checkpoint.world_size  # the workers its lr was for (ctx.apply_resize_lr)
         if checkpoint.world_size != self.world_size:
             return resume.resume_resharded(self._rank, checkpoint)
         part = checkpoint.rank_state(self.rank, self.world_size, self._checkpoints.url)

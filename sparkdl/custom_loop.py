@@ -16,6 +16,7 @@ from sparkdl.data.dataset import Filters
 from sparkdl.data.readers.base import DEFAULT_READER
 from sparkdl.data.spec import MetricFn, TransformFn
 from sparkdl.errors import ConfigError
+from sparkdl.resources import Resources
 from sparkdl.strategies.base import Strategy
 
 
@@ -43,6 +44,7 @@ def run(
     # where and how it runs
     spark: Any = None,
     use_gpu: Optional[bool] = None,
+    resources: Optional[Resources] = None,
     precision: str = "32",
     timeout_s: float = 600.0,
     progress: Union[bool, ProgressCallback] = True,
@@ -54,6 +56,7 @@ def run(
     max_failures: int = 0,
     watchdog_timeout_s: Optional[float] = 600.0,
     min_workers: Optional[int] = None,
+    on_resize: Optional[str] = None,
     slot_wait_s: float = 30.0,
 ) -> Any:
     """Runs ``train_fn(ctx)`` on ``num_workers`` Spark barrier tasks and returns rank 0's result.
@@ -101,6 +104,10 @@ def run(
             ``"none"`` streams every epoch. Batches are the same either way (docs/data.md).
         spark: the SparkSession; default the active one.
         use_gpu: None uses GPUs when Spark assigns them to tasks; True requires them (docs/gpu.md).
+        resources: the training stage's own task resources, e.g. ``sparkdl.Resources(cpus=4,
+            gpus=1)``: only the barrier stage runs with a Spark resource profile of them, so ETL
+            in the same application keeps ``spark.task.cpus`` (docs/resources.md). None: the
+            application's ``spark.task.*`` settings.
         precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"``; the loop applies it with
             ``ctx.autocast()`` and ``ctx.backward_and_step(loss, optimizer)``.
         timeout_s: bound on rendezvous and every collective.
@@ -118,6 +125,10 @@ def run(
             ``num_workers`` within ``slot_wait_s`` continues on as many as are free, down to this
             many; a relaunch resumes ``checkpoint_dir`` on the new number of workers
             (docs/recovery.md, "Elastic worker counts"); None: never fewer.
+        on_resize: what training on fewer workers than ``num_workers`` does to the optimization:
+            ``"keep_global_batch"``, ``"scale_lr"`` or ``"none"`` (default: the strategy's). The
+            loop applies it: ``ctx.micro_batches()``, ``ctx.gradient_sync``, ``ctx.backward`` and
+            ``ctx.apply_resize_lr`` (docs/recovery.md, "Batch size and learning rate").
         slot_wait_s: how long to wait for enough free task slots (executors still registering,
             or, over Spark Connect, the barrier stage's tasks to start) before failing.
 
@@ -133,7 +144,9 @@ def run(
         warm_up(data.sparkSession, num_workers)
     dataset = spec = data_reader = steps = None
     if settings.data is not None:
-        dataset, spec, data_reader, steps = prepare_data(data, settings.data, num_workers, spark)
+        dataset, spec, data_reader, steps = prepare_data(
+            data, settings.data, num_workers, spark, task_cpus=settings.launch.task_cpus
+        )
     display = ProgressDisplay(enabled=bool(progress), callback=progress if callable(progress) else None)
     outcome = launch(
         train_fn,

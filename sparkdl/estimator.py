@@ -13,7 +13,7 @@ from pyspark.ml import Estimator
 from pyspark.ml.param import Param, Params, TypeConverters
 
 from sparkdl._driver import launch
-from sparkdl._driver.preflight import check_loss, check_optimizer
+from sparkdl._driver.preflight import build_checked_model, check_loss, check_optimizer
 from sparkdl._driver.prepare_data import DataSource, prepare_data
 from sparkdl._driver.progress import ProgressCallback, ProgressDisplay
 from sparkdl._driver.settings import DataSettings, RunSettings
@@ -22,11 +22,11 @@ from sparkdl._net.policy import check_before_data
 from sparkdl._task.fit_loop import FitLoop, LossFn, ModelFactory, OptimizerFactory, default_optimizer, startup_phases
 from sparkdl._version import __version__
 from sparkdl.data import reshard
-from sparkdl.data.plan import InputPlan
 from sparkdl.data.readers.base import DEFAULT_READER
 from sparkdl.data.spec import MetricFn, TransformFn
 from sparkdl.errors import ConfigError
 from sparkdl.model import TorchModel, _FixedModule, _TorchParams  # noqa: F401 - models saved by 0.1 pickled _FixedModule here
+from sparkdl.resources import Resources
 from sparkdl.strategies.base import Strategy
 from sparkdl.tracking import Tracker, describe_callable
 from sparkdl.tracking import check_available as check_tracking
@@ -77,6 +77,13 @@ class TorchEstimator(Estimator, _TorchParams):
             ``num_workers`` within ``slot_wait_s`` trains on as many as are free, down to this
             many; a relaunch resumes the checkpoint on that many workers (``batch_size`` stays
             per worker, so the global batch shrinks); None: never fewer.
+        on_resize: what training on fewer workers than ``num_workers`` does to the optimization
+            (docs/recovery.md, "Batch size and learning rate"): ``"keep_global_batch"`` (the
+            default for AllReduce and ShardedDataParallel) takes ⌈num_workers/M⌉ micro-batches per
+            step on M workers (gradient accumulation), keeping the global batch and steps per epoch;
+            ``"scale_lr"`` multiplies the learning rates by M/num_workers (the linear scaling rule);
+            ``"none"`` (the default, and the only choice, for ModelAveraging, DiLoCo,
+            ElasticAveraging and ParameterServer) trains M·batch_size rows per step at the same lr.
         slot_wait_s: how long to wait for enough free task slots (executors still registering,
             or, over Spark Connect, the barrier stage's tasks to start) before failing with
             ``InsufficientSlotsError``; raise it on clusters whose executors start slowly.
@@ -100,6 +107,10 @@ class TorchEstimator(Estimator, _TorchParams):
             else ``spark.executor.memory``), so later epochs read no Parquet; ``"memory"`` keeps it
             whenever it fits that memory at all (refused before launch when it cannot);
             ``"none"`` streams every epoch. Batches are the same either way (docs/data.md).
+        resources: the training stage's own task resources, e.g. ``sparkdl.Resources(cpus=4,
+            gpus=1)``: only the barrier stage runs with a Spark resource profile of them, so ETL
+            in the same application keeps ``spark.task.cpus`` (docs/resources.md). None: the
+            application's ``spark.task.*`` settings.
         mlflow_experiment: log params, per-epoch metrics and the model to this MLflow
             experiment (``MLFLOW_TRACKING_URI`` picks the store); see :mod:`sparkdl.tracking`.
         tensorboard_dir: write per-epoch scalars there for TensorBoard.
@@ -136,6 +147,7 @@ class TorchEstimator(Estimator, _TorchParams):
         max_failures: int = 0,
         watchdog_timeout_s: Optional[float] = 600.0,
         min_workers: Optional[int] = None,
+        on_resize: Optional[str] = None,
         slot_wait_s: float = 30.0,
         progress: "bool | ProgressCallback" = True,
         cache_dir: Optional[str] = None,
@@ -150,6 +162,7 @@ class TorchEstimator(Estimator, _TorchParams):
         inputs: Optional[Dict[str, Any]] = None,
         decode_threads: Optional[int] = None,
         shard_cache: str = "auto",
+        resources: Optional[Resources] = None,
     ) -> None:
         super().__init__()
         if not callable(model) or isinstance(model, torch.nn.Module):
@@ -178,7 +191,7 @@ class TorchEstimator(Estimator, _TorchParams):
     def _fit(self, dataset: DataSource) -> "TorchModel":
         started = time.time()
         num_workers = self.getOrDefault(self.numWorkers)
-        config = dataclasses.replace(self.settings.launch, num_workers=num_workers)
+        config = dataclasses.replace(self.settings.launch, num_workers=num_workers, planned_workers=num_workers)
         data_settings = self._data_settings()
         spark = getattr(dataset, "sparkSession", None)  # None for URLs and connector sources
         check_before_data(spark)  # under Spark encryption: refused before executors or data are touched
@@ -186,8 +199,10 @@ class TorchEstimator(Estimator, _TorchParams):
             warm_up(spark, num_workers)
         # The model, built once on the driver: its forward must take the inputs, checked before
         # anything launches; it also receives the trained weights at the end.
-        module = _build_checked(self.model_fn, data_settings.plan)
-        info, spec, data_reader, steps = prepare_data(dataset, data_settings, num_workers, spark)
+        module = build_checked_model(self.model_fn, data_settings.plan)
+        info, spec, data_reader, steps = prepare_data(
+            dataset, data_settings, num_workers, spark, task_cpus=config.task_cpus
+        )
         # What would fail every rank (and every relaunch) the same way fails here, named.
         check_optimizer(self.optimizer_fn, module)
         check_loss(module, self.loss_fn, info, spec, data_reader)
@@ -267,7 +282,11 @@ class TorchEstimator(Estimator, _TorchParams):
             "attempts": outcome.attempts,
             "workers": outcome.workers,  # per attempt: fewer than num_workers after a shrinking relaunch
             "resumed": result.get("resumed"),  # {"from_workers", "on_workers"} after an elastic resume
+            # on_resize, micro-batches per step and the global batch of the last attempt (sparkdl._runtime.resize)
+            "resize": result.get("resize"),
             "from_finished_checkpoint": outcome.from_finished_checkpoint,
+            # resources=: the task CPUs/GPUs asked for and the profile id Spark ran the stage with
+            "resources": outcome.resources or None,
         }
         model = TorchModel(
             module=module,
@@ -320,39 +339,3 @@ class TorchEstimator(Estimator, _TorchParams):
             shuffle=self.getOrDefault(self.shuffle),
             seed=self.getOrDefault(self.seed),
         )
-
-
-def _build_checked(model_fn: ModelFactory, plan: InputPlan) -> torch.nn.Module:
-    """``model_fn()``, checked: a Module whose forward accepts the plan's named inputs."""
-    import inspect
-
-    module = model_fn()
-    if not isinstance(module, torch.nn.Module):
-        raise ConfigError(f"model() must return a torch.nn.Module, got {type(module).__name__}")
-    if plan.positional:
-        return module
-    try:
-        parameters = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):  # a forward inspect cannot read (C++, some wrappers): trust it
-        return module
-    kinds = {p.kind for p in parameters.values()}
-    names = plan.model_input_names()
-    if inspect.Parameter.VAR_KEYWORD not in kinds:
-        accepted = [n for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        unknown = [n for n in names if n not in accepted]
-        if unknown:
-            raise ConfigError(
-                f"{type(module).__name__}.forward does not accept the input(s) {', '.join(map(repr, unknown))} of inputs= "
-                f"(its parameters: {', '.join(accepted) or 'none'}); rename the inputs or the parameters of forward"
-            )
-    missing = [
-        n
-        for n, p in parameters.items()
-        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in names
-    ]
-    if missing:
-        raise ConfigError(
-            f"{type(module).__name__}.forward needs {', '.join(map(repr, missing))}, which inputs= does not give "
-            f"(inputs: {', '.join(names)}); add them to inputs= or give them defaults"
-        )
-    return module

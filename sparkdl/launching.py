@@ -23,6 +23,7 @@ from sparkdl.data.batching import TransformFn
 from sparkdl.data.dataset import Filters
 from sparkdl.data.readers.base import DEFAULT_READER
 from sparkdl.errors import ConfigError
+from sparkdl.resources import Resources
 
 __all__ = ["ScriptResult", "launch"]
 
@@ -46,6 +47,7 @@ def launch(
     shard_cache: str = "auto",
     spark: Any = None,
     use_gpu: Optional[bool] = None,
+    resources: Optional[Resources] = None,
     timeout_s: float = 600.0,
     progress: Union[bool, ProgressCallback] = True,
     max_failures: int = 0,
@@ -67,6 +69,10 @@ def launch(
         spark: the SparkSession; default the active one.
         use_gpu: as for ``sparkdl.run``; the child sees only the task's GPUs
             (``CUDA_VISIBLE_DEVICES``), so ``cuda:0`` / ``LOCAL_RANK=0`` is the task's GPU.
+        resources: the training stage's own task resources, e.g. ``sparkdl.Resources(cpus=4,
+            gpus=1)``: only the barrier stage runs with a Spark resource profile of them, so ETL
+            in the same application keeps ``spark.task.cpus`` (docs/resources.md). None: the
+            application's ``spark.task.*`` settings.
         timeout_s: bound on sparkdl's own rendezvous rounds and each store call.
         progress: print the children's output (prefixed with the rank) and their
             ``sparkdl.report`` metrics on the driver; a callable also receives each report;
@@ -94,7 +100,9 @@ def launch(
         warm_up(data.sparkSession, num_workers)
     dataset = spec = data_reader = steps = None
     if settings.data is not None:
-        dataset, spec, data_reader, steps = prepare_data(data, settings.data, num_workers, spark)
+        dataset, spec, data_reader, steps = prepare_data(
+            data, settings.data, num_workers, spark, task_cpus=settings.launch.task_cpus
+        )
     display = ProgressDisplay(enabled=bool(progress), callback=progress if callable(progress) else None)
     outcome = _launch_stage(
         launch_target,

@@ -219,9 +219,11 @@ class _FixedModule:
 def _load_for_inference(model_fn_bytes: bytes, state_bytes: bytes) -> torch.nn.Module:
     from pyspark import TaskContext
 
+    from sparkdl._spark import task_threads
+
     context = TaskContext.get()
     if context is not None:
-        torch.set_num_threads(max(1, context.cpus()))
+        torch.set_num_threads(task_threads(context))
     module = cloudpickle.loads(model_fn_bytes)()
     module.load_state_dict(torch.load(io.BytesIO(state_bytes), weights_only=True))
     return module.eval()

@@ -30,13 +30,20 @@ def save_results(results: Any, out_dir: str, rank: int) -> None:
 
 
 def _run_rank(rank: int, worker: Callable[..., None], port: int, out_dir: str) -> None:
-    """A spawned rank: the worker, then the group torn down, so the process exits with no gloo
-    thread left running (one still running at exit aborted the process: "terminate called
-    without an active exception")."""
+    """A spawned rank: the worker, then the group torn down here, once, for every worker.
+
+    After a worker that returned, the ranks pass a barrier first: a rank that tore its group
+    down (and exited) while its peer still finished its last collective left that peer's gloo
+    thread with a closed connection, and an exception on a gloo thread aborts the process
+    (SIGABRT, seen in CI). A gloo thread still running at exit aborts it too ("terminate called
+    without an active exception"), hence the teardown before exit. After a worker that raised,
+    no barrier: its peer may be gone, and the worker's error is what matters."""
     import torch.distributed as dist
 
     try:
         worker(rank, port, out_dir)
+        if dist.is_initialized():
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -8,6 +8,10 @@ One concern per module:
   way on every rank, found on the driver.
 * :mod:`.cluster` — what the driver asks Spark's scheduler: free task slots (:func:`check_slots`,
   the relaunch's bounded wait for slots other jobs hold) and its task-failure logging.
+* :mod:`.resource_profile` — the training stage's own Spark resource profile from
+  ``resources=`` (:class:`~sparkdl.resources.Resources`), refused before launch where the cluster
+  cannot honour it; :mod:`.host_watch` — Spark's decommissioning passed on to the ranks, a silent
+  host's executors dropped.
 * :mod:`.policy` — whether a failed attempt is relaunched (:class:`FailurePolicy`) and on how many
   workers an attempt runs (:class:`~sparkdl._driver.policy.ScalingPolicy`): decisions, no Spark.
 * :mod:`.stage` — :func:`launch` and one attempt of it: open the progress channel and the

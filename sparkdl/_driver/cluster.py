@@ -11,12 +11,13 @@ import threading
 import time
 from typing import Any, Callable, Iterator, List, Optional
 
+from sparkdl._driver.resource_profile import StageProfile, executor_offers
 from sparkdl.errors import InsufficientSlotsError
 
 logger = logging.getLogger("sparkdl")
 
 
-def check_slots(sc: Any, num_workers: int, wait_s: float) -> None:
+def check_slots(sc: Any, num_workers: int, wait_s: float, stage: Optional[StageProfile] = None) -> None:
     """Fails fast when the cluster cannot run ``num_workers`` tasks at once.
 
     Spark itself would retry the barrier stage for minutes before giving up
@@ -24,14 +25,14 @@ def check_slots(sc: Any, num_workers: int, wait_s: float) -> None:
     after start-up, so while fewer have registered than were asked for this waits up to
     ``wait_s``; once they are all there, too few slots is an error at once. When the number
     to expect is unknown (a standalone or YARN cluster without ``spark.executor.instances``),
-    it waits the whole ``wait_s`` before deciding.
+    it waits the whole ``wait_s`` before deciding. With ``stage``, the slots are those of the
+    training stage's resource profile (executors with enough free cores and GPUs for it).
     """
     deadline = time.monotonic() + wait_s
     jsc = sc._jsc.sc()
     expected = _expected_executors(sc)
     while True:
-        profile = jsc.resourceProfileManager().defaultResourceProfile()
-        slots = int(jsc.maxNumConcurrentTasks(profile))
+        slots = _slots(sc, stage)
         if slots >= num_workers:
             return
         executors = int(jsc.getExecutorIds().size())
@@ -41,22 +42,34 @@ def check_slots(sc: Any, num_workers: int, wait_s: float) -> None:
     task_cpus = sc.getConf().get("spark.task.cpus", "1")
     # Waiting longer helps only when executors may still be registering (the deadline decided).
     still_starting = expected is None or executors < expected
-    raise InsufficientSlotsError(
-        f"num_workers={num_workers} needs {num_workers} concurrent task slots, but the cluster has {slots} "
-        f"({executors} executor(s); slots = executor cores / spark.task.cpus={task_cpus}). "
-        f"Lower num_workers to at most {slots}, or add executors or cores"
-        + (
-            f"; if executors are still starting, wait longer for them with slot_wait_s (now {wait_s:g} s)."
-            if still_starting
-            else "."
+    wait = f"; if executors are still starting, wait longer for them with slot_wait_s (now {wait_s:g} s)."
+    if stage is not None and stage.java is not None:
+        shortage = (
+            f"num_workers={num_workers} needs {num_workers} concurrent task slots of {stage.describe()}, but the "
+            f"cluster has {slots} for it ({executor_offers(sc)}). Lower num_workers to at most {slots}, ask for "
+            f"fewer resources per task (resources=), or add executors with more cores or GPUs"
         )
-    )
+    else:
+        shortage = (
+            f"num_workers={num_workers} needs {num_workers} concurrent task slots, but the cluster has {slots} "
+            f"({executors} executor(s); slots = executor cores / spark.task.cpus={task_cpus}). "
+            f"Lower num_workers to at most {slots}, or add executors or cores"
+        )
+    raise InsufficientSlotsError(shortage + (wait if still_starting else "."))
 
 
-def free_slots(sc: Any) -> int:
-    """Task slots not held by a running or pending task of an active stage (other jobs')."""
+def _slots(sc: Any, stage: Optional[StageProfile]) -> int:
+    """The tasks of the stage's profile (else the default one) the executors can run at once."""
     jsc = sc._jsc.sc()
-    slots = int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
+    profile = stage.java if stage is not None and stage.java is not None else None
+    if profile is None:
+        profile = jsc.resourceProfileManager().defaultResourceProfile()
+    return int(jsc.maxNumConcurrentTasks(profile))
+
+
+def free_slots(sc: Any, stage: Optional[StageProfile] = None) -> int:
+    """Task slots not held by a running or pending task of an active stage (other jobs')."""
+    slots = _slots(sc, stage)
     tracker = sc.statusTracker()
     busy = 0
     for stage in tracker.getActiveStageIds():
@@ -66,7 +79,9 @@ def free_slots(sc: Any) -> int:
     return max(0, slots - busy)
 
 
-def relaunch_workers(sc: Any, num_workers: int, min_workers: int, wait_s: float, attempt: int = 2) -> int:
+def relaunch_workers(
+    sc: Any, num_workers: int, min_workers: int, wait_s: float, attempt: int = 2, stage: Optional[StageProfile] = None
+) -> int:
     """The workers an attempt runs on: ``num_workers`` when that many slots are free, else as
     many as are free once the executors expected have registered (or after ``wait_s``), at least
     ``min_workers``.
@@ -77,7 +92,7 @@ def relaunch_workers(sc: Any, num_workers: int, min_workers: int, wait_s: float,
     deadline = time.monotonic() + wait_s
     expected = _expected_executors(sc)
     while True:
-        free = free_slots(sc)
+        free = free_slots(sc, stage)
         if free >= num_workers:
             return num_workers
         executors = int(sc._jsc.sc().getExecutorIds().size())
@@ -115,7 +130,14 @@ def busy_stages(sc: Any) -> List[str]:
     return found
 
 
-def wait_for_free_slots(sc: Any, num_workers: int, wait_s: float, say: Callable[[str], None], attempt: int = 2) -> None:
+def wait_for_free_slots(
+    sc: Any,
+    num_workers: int,
+    wait_s: float,
+    say: Callable[[str], None],
+    attempt: int = 2,
+    stage: Optional[StageProfile] = None,
+) -> None:
     """A relaunch without ``min_workers``: waits up to ``wait_s`` until ``num_workers`` task
     slots are free (other jobs' tasks may hold some: a barrier stage starts all its tasks or
     none, and would wait for them unbounded), saying once what it waits for.
@@ -124,7 +146,7 @@ def wait_for_free_slots(sc: Any, num_workers: int, wait_s: float, say: Callable[
         InsufficientSlotsError: fewer slots are free after ``wait_s``.
     """
     deadline = time.monotonic() + wait_s
-    free = free_slots(sc)
+    free = free_slots(sc, stage)
     if free >= num_workers:
         return
     said = time.monotonic()
@@ -135,7 +157,7 @@ def wait_for_free_slots(sc: Any, num_workers: int, wait_s: float, say: Callable[
     )
     while time.monotonic() < deadline:
         time.sleep(0.25)  # polling the scheduler: a slot freeing has no Python-side event
-        free = free_slots(sc)
+        free = free_slots(sc, stage)
         if free >= num_workers:
             logger.info("attempt %d: %d task slots free after %.1fs", attempt, free, time.monotonic() - said)
             return

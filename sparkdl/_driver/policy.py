@@ -72,13 +72,15 @@ class ScalingPolicy:
 
     ``num_workers`` when they are free; with ``min_workers`` set, as many as are free down to
     ``min_workers`` (the first launch too: a cluster that lost a host before the fit started is
-    the same cluster as one that lost it during the fit). ``batch_size`` stays per worker, so the
-    message says the global batch shrinks.
+    the same cluster as one that lost it during the fit). The message says what happens to the
+    global batch: ``batch_size`` stays per worker, so it shrinks unless ``on_resize`` is
+    ``"keep_global_batch"`` (each worker then accumulates gradients, :mod:`sparkdl._runtime.resize`).
     """
 
     num_workers: int
     min_workers: Optional[int] = None
     slot_wait_s: float = 30.0
+    on_resize: Optional[str] = None
 
     @property
     def elastic(self) -> bool:
@@ -87,10 +89,16 @@ class ScalingPolicy:
     def decide(self, free: int, attempt: int, has_checkpoints: bool) -> Scaling:
         if free >= self.num_workers or not self.elastic:
             return Scaling(self.num_workers)
+        if self.on_resize == "keep_global_batch":
+            batch = "on_resize=keep_global_batch: each worker accumulates gradients, the global batch stays as planned"
+        elif self.on_resize == "scale_lr":
+            batch = "batch_size is per worker: the global batch shrinks; on_resize=scale_lr scales the learning rate with it"
+        else:
+            batch = "batch_size is per worker: the global batch shrinks"
         if attempt == 1:
-            how = "starting there (batch_size is per worker: the global batch is smaller than planned)"
+            how = f"starting there ({batch})"
         elif has_checkpoints:
-            how = "resuming the newest checkpoint on that many (batch_size is per worker: the global batch shrinks)"
+            how = f"resuming the newest checkpoint on that many ({batch})"
         else:
             how = "from scratch (no checkpoint_dir)"
         return Scaling(

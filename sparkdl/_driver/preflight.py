@@ -15,6 +15,7 @@ import torch
 
 from sparkdl.data.batching import DataSpec, batch_rows, call_model, to_tensors, validation_batches
 from sparkdl.data.dataset import DatasetInfo
+from sparkdl.data.plan import InputPlan
 from sparkdl.data.readers import reader_from_name
 from sparkdl.data.readers.base import DEFAULT_READER, DataReader
 from sparkdl.errors import ConfigError
@@ -23,6 +24,42 @@ logger = logging.getLogger("sparkdl.preflight")
 
 #: Rows of the probe batch: enough for a label out of range to show, small enough for any model.
 PROBE_ROWS = 32
+
+
+def build_checked_model(model_fn: Callable[[], Any], plan: InputPlan) -> torch.nn.Module:
+    """``model_fn()``, checked: a Module whose forward accepts the plan's named inputs."""
+    import inspect
+
+    module = model_fn()
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"model() must return a torch.nn.Module, got {type(module).__name__}")
+    if plan.positional:
+        return module
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):  # a forward inspect cannot read (C++, some wrappers): trust it
+        return module
+    kinds = {p.kind for p in parameters.values()}
+    names = plan.model_input_names()
+    if inspect.Parameter.VAR_KEYWORD not in kinds:
+        accepted = [n for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        unknown = [n for n in names if n not in accepted]
+        if unknown:
+            raise ConfigError(
+                f"{type(module).__name__}.forward does not accept the input(s) {', '.join(map(repr, unknown))} of inputs= "
+                f"(its parameters: {', '.join(accepted) or 'none'}); rename the inputs or the parameters of forward"
+            )
+    missing = [
+        n
+        for n, p in parameters.items()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in names
+    ]
+    if missing:
+        raise ConfigError(
+            f"{type(module).__name__}.forward needs {', '.join(map(repr, missing))}, which inputs= does not give "
+            f"(inputs: {', '.join(names)}); add them to inputs= or give them defaults"
+        )
+    return module
 
 
 def check_optimizer(optimizer_fn: Callable[[Any], Any], module: torch.nn.Module) -> None:

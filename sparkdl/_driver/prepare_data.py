@@ -43,10 +43,11 @@ UNEVEN_SHARDS = 1.5
 
 
 def prepare_data(
-    data: DataSource, settings: "DataSettings", num_workers: int, spark: Any = None
+    data: DataSource, settings: "DataSettings", num_workers: int, spark: Any = None, task_cpus: Optional[float] = None
 ) -> Tuple[DatasetInfo, DataSpec, DataReader, int]:
     """Everything the tasks need to read ``data`` as ``settings`` say, checked on the driver
-    before launch.
+    before launch. ``task_cpus``: the training stage's CPUs per task when ``resources=`` sets
+    them (how many ranks share an executor's memory), else ``spark.task.cpus``.
 
     Returns the training dataset, the data spec (with the validation plan), the reader, and the
     steps per epoch (from the rows that pass the filter and are not held out).
@@ -115,14 +116,19 @@ def prepare_data(
     spec = dataclasses.replace(
         spec,
         shard_cache=_shard_cache(
-            settings, dataset, num_workers, data_reader, spark or getattr(data, "sparkSession", None)
+            settings, dataset, num_workers, data_reader, spark or getattr(data, "sparkSession", None), task_cpus
         ),
     )
     return dataset, spec, data_reader, steps
 
 
 def _shard_cache(
-    settings: "DataSettings", dataset: DatasetInfo, num_workers: int, reader: DataReader, spark: Any
+    settings: "DataSettings",
+    dataset: DatasetInfo,
+    num_workers: int,
+    reader: DataReader,
+    spark: Any,
+    task_cpus: Optional[float] = None,
 ) -> shard_cache.Decision:
     """Whether each rank keeps its decoded shard in memory, from the setting, the largest rank's
     shard and the memory a task has (Spark's settings; their defaults without a session)."""
@@ -131,7 +137,9 @@ def _shard_cache(
     from sparkdl._spark import Session
 
     spark = spark or SparkSession.getActiveSession()
-    memory, source = shard_cache.task_memory_bytes(Session(spark).conf if spark is not None else lambda key: None)
+    memory, source = shard_cache.task_memory_bytes(
+        Session(spark).conf if spark is not None else lambda key: None, task_cpus
+    )
     decision = shard_cache.decide(
         settings.shard_cache, dataset, num_workers, settings.holdout, reader.caches_row_groups, memory, source
     )

@@ -102,7 +102,16 @@ def format_epoch(record: Dict[str, Any], total_epochs: Optional[int] = None) -> 
     epoch = record.get("epoch", "?")
     of = f"/{total_epochs}" if total_epochs else ""
     parts = [f"[sparkdl] epoch {epoch}{of}"]
-    for key in ("loss", *validation_figures([record]), "samples_per_sec", "seconds", "comm_bytes", "cache_mb"):
+    # global_batch: rows per optimizer step over all workers (on_resize, sparkdl._runtime.resize).
+    for key in (
+        "loss",
+        *validation_figures([record]),
+        "global_batch",
+        "samples_per_sec",
+        "seconds",
+        "comm_bytes",
+        "cache_mb",
+    ):
         if key in record:
             parts.append(f"{key} {_fmt(record[key])}")
     return "  ".join(parts)

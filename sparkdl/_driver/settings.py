@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional, Sequence
 
+from sparkdl._runtime.resize import on_resize_for
 from sparkdl._runtime.validation import named_metrics
 from sparkdl._task.config import LaunchConfig
 from sparkdl.checkpoint import CheckpointConfig
@@ -99,7 +100,9 @@ _LAUNCH = (
     "max_failures",
     "watchdog_timeout_s",
     "min_workers",
+    "on_resize",
     "slot_wait_s",
+    "resources",
 )
 _DATA = tuple(f.name for f in dataclasses.fields(DataSettings) if f.init)
 #: Arguments that only make sense with data.
@@ -130,6 +133,8 @@ class RunSettings:
         launch = LaunchConfig(
             progress=bool(arguments.get("progress", True)), **{k: arguments[k] for k in _LAUNCH if k in arguments}
         )
+        # The strategy's default, or a ConfigError for a choice it refuses (sparkdl._runtime.resize).
+        launch = dataclasses.replace(launch, on_resize=on_resize_for(launch.on_resize, strategy))
         checkpoint_dir, every = arguments.get("checkpoint_dir"), arguments.get("checkpoint_every")
         if every is not None and checkpoint_dir is None:
             raise ConfigError("checkpoint_every is set but checkpoint_dir is not: name a directory for the checkpoints")

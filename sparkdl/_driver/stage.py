@@ -21,9 +21,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import cloudpickle
 
 from sparkdl._driver.cluster import check_slots, quiet_task_failure_logs, relaunch_workers, wait_for_free_slots
+from sparkdl._driver.host_watch import stop_using_host, watch_decommissioning
 from sparkdl._driver.monitor import JobMonitor
 from sparkdl._driver.policy import Decision, FailurePolicy, ScalingPolicy, same_failure
 from sparkdl._driver.progress import ProgressDisplay
+from sparkdl._driver.resource_profile import StageProfile, stage_profile, stage_profile_ids
 from sparkdl._net.channel import ChannelServer, new_secret
 from sparkdl._net.policy import security_policy
 from sparkdl._net.rendezvous_store import StoreServer
@@ -51,6 +53,9 @@ class LaunchOutcome:
     from_finished_checkpoint: bool = False
     #: The workers each attempt ran on (fewer than ``num_workers`` after a shrinking relaunch).
     workers: List[int] = dataclasses.field(default_factory=list)
+    #: The training stage's resources (``resources=``) and the resource profile ids Spark's status
+    #: store recorded for the stages of the last attempt; empty over Spark Connect.
+    resources: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def launch(
@@ -80,7 +85,10 @@ def launch(
     if spark is None:
         raise ConfigError("no active SparkSession: create one (SparkSession.builder...getOrCreate()) or pass spark=")
     session = Session(spark)
-    check_gpu_request(session.conf, config.use_gpu)  # fail now, not after executors start
+    stage = stage_profile(session, config.resources)  # refused now when the cluster cannot honour it
+    check_gpu_request(
+        session.conf, config.use_gpu, None if stage is None else stage.task_gpus
+    )  # not after executors start
     security = security_policy(session.conf)  # refuses unencrypted collectives under Spark encryption
     lost_host_after_s = host_timeout_s(session.conf(HOST_TIMEOUT_CONF), config.heartbeat_interval_s)
     display = display or ProgressDisplay(enabled=config.progress)
@@ -106,7 +114,7 @@ def launch(
             config.num_workers,
         )
     policy = FailurePolicy(config.max_failures)
-    scaler = ScalingPolicy(config.num_workers, config.min_workers, config.slot_wait_s)
+    scaler = ScalingPolicy(config.num_workers, config.min_workers, config.slot_wait_s, config.on_resize)
     drains = 0  # attempts that ended in a drain: relaunched without counting as failures
     attempts: List[Dict[str, Any]] = []
     previous: Optional[TrainingError] = None
@@ -115,14 +123,19 @@ def launch(
         attempt_config, steps = config, steps_per_epoch
         if not session.connect:
             if config.min_workers is None:
-                check_slots(spark.sparkContext, config.num_workers, config.slot_wait_s)
+                check_slots(spark.sparkContext, config.num_workers, config.slot_wait_s, stage)
                 if attempt > 1:  # another job may hold a slot the failed attempt freed: wait for it, bounded
                     wait_for_free_slots(
-                        spark.sparkContext, config.num_workers, config.slot_wait_s, lambda m: _say(config, m), attempt
+                        spark.sparkContext,
+                        config.num_workers,
+                        config.slot_wait_s,
+                        lambda m: _say(config, m),
+                        attempt,
+                        stage,
                     )
             else:
                 free = relaunch_workers(
-                    spark.sparkContext, config.num_workers, config.min_workers, config.slot_wait_s, attempt
+                    spark.sparkContext, config.num_workers, config.min_workers, config.slot_wait_s, attempt, stage
                 )
                 scaling = scaler.decide(free, attempt, has_checkpoints=checkpoints is not None)
                 if scaling.num_workers != config.num_workers:
@@ -137,12 +150,13 @@ def launch(
         workers.append(attempt_config.num_workers)
         started = time.time()
         try:
-            value = _launch_once(
+            value, profile_ids = _launch_once(
                 session,
                 train_fn,
                 attempt_config,
                 strategy,
                 display,
+                stage,
                 dataset=dataset,
                 data_spec=data_spec,
                 reader=reader,
@@ -191,7 +205,8 @@ def launch(
         break
     if checkpoints is not None:
         checkpoints.save_finished(value)
-    return LaunchOutcome(value, attempts, workers=workers)
+    resources = {} if stage is None else {**stage.run_info(), "stage_resource_profile_ids": profile_ids}
+    return LaunchOutcome(value, attempts, workers=workers, resources=resources)
 
 
 #: Drains relaunched in one run before a drain counts as a failure (a cluster that keeps
@@ -220,10 +235,12 @@ def _launch_once(
     config: LaunchConfig,
     strategy: Strategy,
     display: ProgressDisplay,
+    stage: Optional[StageProfile] = None,
     lost_host_after_s: Optional[float] = None,
     **payload_fields: Any,
-) -> Any:
-    """One barrier stage; raises :class:`_AttemptFailed` carrying the run's ``TrainingError``."""
+) -> Tuple[Any, List[int]]:
+    """One barrier stage; returns rank 0's value and the resource profile ids Spark recorded for
+    the stage (none over Connect); raises :class:`_AttemptFailed` carrying the run's ``TrainingError``."""
     tag = f"sparkdl-{uuid.uuid4().hex[:12]}"
     monitor = JobMonitor(config.num_workers, lambda: session.cancel(tag), display)
     host = session.channel_host()
@@ -264,7 +281,7 @@ def _launch_once(
     if not session.connect:
         # Spark's decommissioning is seen by the driver only: it passes the notice on (sparkdl._runtime.drain).
         threading.Thread(
-            target=_watch_decommissioning,
+            target=watch_decommissioning,
             args=(session, monitor, rendezvous_store, stop_watchdog),
             name="sparkdl-decommission-watch",
             daemon=True,
@@ -273,7 +290,7 @@ def _launch_once(
         # A host whose link died keeps its TCP connections open: only the silence shows it.
         threading.Thread(
             target=monitor.watch_hosts,
-            args=(lost_host_after_s, stop_watchdog, lambda address: _stop_using_host(session, address)),
+            args=(lost_host_after_s, stop_watchdog, lambda address: stop_using_host(session, address)),
             name="sparkdl-host-watch",
             daemon=True,
         ).start()
@@ -311,7 +328,10 @@ def _launch_once(
         # failed and killed task (its traceback and Java stack again) are off meanwhile.
         with quiet_task_failure_logs(None if session.connect else session.spark.sparkContext, tag):
             results = session.run_barrier(
-                config.num_workers, run_tasks, f"sparkdl: train on {config.num_workers} barrier tasks ({strategy.name})"
+                config.num_workers,
+                run_tasks,
+                f"sparkdl: train on {config.num_workers} barrier tasks ({strategy.name})",
+                profile=None if stage is None else stage.profile,
             )
     except KeyboardInterrupt:
         stop_interrupted()
@@ -339,65 +359,22 @@ def _launch_once(
         raise _AttemptFailed(TrainingError(monitor.failures))
     # Our own tasks' results, through Spark's result path (as mapPartitions' pickles were).
     values = {rank: cloudpickle.loads(value) for rank, value in results}
-    return values.get(0)
+    return values.get(0), _profile_ids(session, tag)
 
 
-def _watch_decommissioning(
-    session: Session, monitor: JobMonitor, rendezvous_store: StoreServer, stop: threading.Event
-) -> None:
-    """Once a second: is Spark decommissioning an executor a rank runs on? Then the run drains
-    (sparkdl._runtime.drain): the notice goes into the launch's rendezvous rendezvous_store, where every rank's
-    heartbeat reads it. A decommissioning executor no longer counts as alive on its host, so the
-    executors seen on each rank's host are remembered from the checks before."""
-    from sparkdl._runtime.drain import DRAIN_KEY
-
-    scheduler = session.spark.sparkContext._jsc.sc().taskScheduler()
-    seen: Dict[str, set] = {}  # a rank's executor address -> the executors seen alive there
-    while not stop.wait(1.0):
-        for rank, address in sorted(monitor.addresses.items()):
-            try:
-                alive = scheduler.getExecutorsAliveOnHost(address)
-                if alive.isDefined():
-                    found = alive.get().iterator()
-                    while found.hasNext():
-                        seen.setdefault(address, set()).add(found.next())
-                going = sorted(
-                    executor for executor in seen.get(address, ()) if scheduler.isExecutorDecommissioned(executor)
-                )
-            except Exception:  # noqa: BLE001 - the session may be stopping; the stage's own outcome decides
-                logger.debug("could not ask Spark about decommissioning on %s", address, exc_info=True)
-                continue
-            if going:
-                reason = f"Spark is decommissioning executor {going[0]} on {monitor.hosts.get(rank) or address}, where rank {rank} runs"
-                logger.warning("%s: the ranks checkpoint at their next agreement and the run resumes from it", reason)
-                rendezvous_store.publish(DRAIN_KEY, reason.encode("utf-8"))
-                return
+def _profile_ids(session: Session, tag: str) -> List[int]:
+    if session.connect:
+        return []
+    try:
+        return stage_profile_ids(session.spark.sparkContext, tag)
+    except Exception:  # noqa: BLE001 - a report only: the stage ran
+        logger.debug("could not read the stage's resource profile from Spark's status store", exc_info=True)
+        return []
 
 
 #: On a classic session the slots were counted before the launch; the bound on the tasks'
 #: start adds what a cold start takes (a new Python worker importing torch: seconds).
 _CLASSIC_START_GRACE_S = 60.0
-
-
-def _stop_using_host(session: Session, address: str) -> None:
-    """Asks Spark to drop the executors at ``address``: until Spark notices a silent host itself
-    (``spark.network.timeout``, 120 s), it would still count their slots, and a relaunch would
-    wait for a task it can never start there. Over Spark Connect there is no SparkContext to ask."""
-    if session.connect:
-        return
-    jsc = session.spark.sparkContext._jsc.sc()
-    alive = jsc.taskScheduler().getExecutorsAliveOnHost(address)  # Option[Set[String]]
-    executors = []
-    if alive.isDefined():
-        found = alive.get().iterator()
-        while found.hasNext():
-            executors.append(found.next())
-    for executor in executors:
-        # Marks it pending removal at once: maxNumConcurrentTasks stops counting its slots.
-        killed = jsc.killExecutor(executor)
-        logger.warning(
-            "executor %s on %s: asked Spark to drop it (%s)", executor, address, "done" if killed else "refused"
-        )
 
 
 def _raised_by_an_interrupt(exc: BaseException) -> bool:

@@ -7,5 +7,7 @@
 * :mod:`.device`, :mod:`.device_feed`, :mod:`.host_batches`, :mod:`.precision` — where the rank
   trains and how batches reach it;
 * :mod:`.checkpoint_writer` — a rank's checkpoint part, written in the background;
-* :mod:`.drain` — the just-in-time checkpoint of a host that is about to go away.
+* :mod:`.drain` — the just-in-time checkpoint of a host that is about to go away;
+* :mod:`.resize`, :mod:`.accumulation` — ``on_resize``: gradient accumulation or a scaled
+  learning rate on fewer workers than ``num_workers``.
 """

@@ -231,20 +231,32 @@ def _describe(addresses: Sequence[str], physical: Sequence[str]) -> str:
     return text
 
 
-def check_gpu_request(conf_get: Callable[[str], Optional[str]], use_gpu: Optional[bool]) -> None:
+def check_gpu_request(
+    conf_get: Callable[[str], Optional[str]], use_gpu: Optional[bool], stage_gpus: Optional[int] = None
+) -> None:
     """Driver-side check before launching: ``use_gpu=True`` needs Spark to assign GPUs to tasks.
 
     Fails in milliseconds instead of after the executors start. Only the obvious case is checked
-    (no ``spark.task.resource.gpu.amount``); each task checks what it really got.
+    (no ``spark.task.resource.gpu.amount``, or a training stage profile without GPUs); each task
+    checks what it really got.
 
     Args:
         conf_get: ``SparkConf.get``-like: setting name -> value or None.
         use_gpu: the run's ``use_gpu``.
+        stage_gpus: GPUs per task of the training stage's own resource profile (``resources=``),
+            which replaces the application's ``spark.task.resource.gpu.amount``; None: no profile.
 
     Raises:
         ConfigError: ``use_gpu=True`` and tasks request no GPU.
     """
     if use_gpu is not True:
+        return
+    if stage_gpus is not None:
+        if stage_gpus <= 0:
+            raise ConfigError(
+                "use_gpu=True but the training stage's resources= ask for no GPUs per task: set "
+                "sparkdl.Resources(gpus=1), with spark.executor.resource.gpu.amount and a discovery script"
+            )
         return
     amount = conf_get("spark.task.resource.gpu.amount")
     try:

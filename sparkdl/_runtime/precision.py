@@ -146,6 +146,11 @@ class PrecisionRuntime:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` alone, through the grad scaler for ``16-mixed``: a micro-batch of an
+        accumulated step whose last micro-batch goes through :meth:`backward_and_step`."""
+        (self.scaler.scale(loss) if self.scaler is not None and self.scaler.is_enabled() else loss).backward()
+
     def backward_and_step(
         self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, max_grad_norm: Optional[float] = None
     ) -> bool:

@@ -17,6 +17,7 @@ import torch
 from sparkdl._runtime.device_feed import DeviceFeed
 from sparkdl._runtime.drain import DrainNotice
 from sparkdl._runtime.precision import PrecisionRuntime
+from sparkdl._runtime.resize import ResizePlan
 from sparkdl._runtime.stream import StreamPosition
 from sparkdl.data.batching import DataSpec
 from sparkdl.data.dataset import DatasetInfo
@@ -58,6 +59,8 @@ class Rank:
         first_batch_time: wall-clock time of the first batch handed out.
         resumed_from, resumed_user_states: the ranks (and their user states) of the checkpoint
             an elastic resume loaded; else None.
+        resize: the attempt's ``on_resize`` arithmetic (accumulation, learning-rate factor).
+        checkpoint_workers: the workers that wrote the checkpoint loaded, None before one is.
     """
 
     env: DistEnv
@@ -75,6 +78,8 @@ class Rank:
     first_batch_time: Optional[float] = None
     resumed_from: Optional[int] = None
     resumed_user_states: Optional[List[Dict[str, Any]]] = None
+    resize: ResizePlan = dataclasses.field(default_factory=ResizePlan)
+    checkpoint_workers: Optional[int] = None
 
     @property
     def rank(self) -> int:

@@ -11,7 +11,9 @@ import re
 from typing import Optional
 
 from sparkdl._runtime.precision import Precision
+from sparkdl._runtime.resize import NO_CHANGE, ResizePlan, check_on_resize
 from sparkdl.errors import ConfigError
+from sparkdl.resources import Resources, check_resources
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,13 @@ class LaunchConfig:
             ``num_workers`` within ``slot_wait_s`` runs on as many as are free, down to this many
             (a relaunch resumes the checkpoint on the new number of workers); None means
             ``num_workers``: no shrinking.
+        on_resize: what a run on fewer workers than ``num_workers`` does to the optimization:
+            ``"keep_global_batch"``, ``"scale_lr"`` or ``"none"`` (:mod:`sparkdl._runtime.resize`);
+            None here until :meth:`RunSettings.from_arguments` sets the strategy's default.
+        planned_workers: ``num_workers`` as asked (set from it; an attempt on fewer keeps it).
+        resources: the training stage's own task resources (a Spark resource profile for the
+            barrier stage only, see :class:`sparkdl.Resources`); None runs it with the
+            application's ``spark.task.*`` defaults.
     """
 
     num_workers: int
@@ -47,8 +56,12 @@ class LaunchConfig:
     max_failures: int = 0
     watchdog_timeout_s: Optional[float] = 600.0
     min_workers: Optional[int] = None
+    on_resize: Optional[str] = None
+    planned_workers: Optional[int] = None
+    resources: Optional[Resources] = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "resources", check_resources(self.resources))
         if not isinstance(self.num_workers, int) or isinstance(self.num_workers, bool) or self.num_workers < 1:
             raise ConfigError(f"num_workers={self.num_workers!r} must be a positive integer")
         if not self.timeout_s > 0:
@@ -75,6 +88,20 @@ class LaunchConfig:
                 f"min_workers={self.min_workers!r} must be an integer with 1 <= min_workers <= num_workers={self.num_workers}, "
                 f"or None (= num_workers: never train on fewer)"
             )
+        check_on_resize(self.on_resize)
+        if self.planned_workers is None:  # dataclasses.replace(config, num_workers=M) keeps it
+            object.__setattr__(self, "planned_workers", self.num_workers)
+
+    def resize_plan(self, batch_size: Optional[int]) -> ResizePlan:
+        """This attempt's accumulation and learning-rate arithmetic (its ``num_workers`` against
+        the planned ones)."""
+        return ResizePlan(self.on_resize or NO_CHANGE, self.planned_workers, self.num_workers, batch_size)
+
+    @property
+    def task_cpus(self) -> Optional[float]:
+        """The training stage's CPUs per task when ``resources`` sets them, else None
+        (``spark.task.cpus``)."""
+        return None if self.resources is None else self.resources.cpus
 
     @property
     def heartbeat_interval_s(self) -> float:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
 from sparkdl._net.channel import ChannelClient, ChannelError
 from sparkdl._runtime.device import task_device
+from sparkdl._spark import task_threads
 from sparkdl._task.environment import environment, torchrun_environment
 from sparkdl._task.output import forward_logs, output_to_driver, rank_prefixed_output
 from sparkdl._task.script import ChildFailure, LaunchTarget, resolve_script, run_child
@@ -78,7 +79,11 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
             f"to an address of the driver's or client's host that the executors can reach"
         ) from exc
     from sparkdl._runtime.rank import Liveness
+    from sparkdl._task.allocator import keep_step_memory
 
+    # Before anything is allocated for training: a fresh worker would give every step's memory
+    # back to the kernel and fault it in again (sparkdl._task.allocator).
+    keep_step_memory()
     liveness = Liveness()
     heartbeat = _Heartbeat(client, liveness, payload.config.heartbeat_interval_s)
     # ``scopes`` closes after the finally block below: the device stays selected until the
@@ -86,7 +91,7 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
     with (
         rank_prefixed_output(rank, payload.quiet_console),
         forward_logs(client, rank),
-        _task_threads(barrier.cpus()),
+        _task_threads(task_threads(barrier)),
         contextlib.ExitStack() as scopes,
     ):
         context = None
@@ -160,6 +165,7 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
                 liveness=liveness,
                 assignment=assignment,
                 precision=payload.config.precision,
+                resize=config.resize_plan(payload.data_spec.batch_size if payload.data_spec else None),
                 startup_marks=marks,
             )
             context.set_phase("training")

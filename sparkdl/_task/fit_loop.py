@@ -74,6 +74,9 @@ class FitLoop:
             state = _LoopState(**restored["loop"])
             if ctx.resumed_from is not None:
                 state = _resharded_counters(ctx, state)
+        # on_resize="scale_lr" on another number of workers than the lr was for; else nothing.
+        ctx.apply_resize_lr(optimizer)
+        resize = ctx.report_resize()
         resumed_at = state.global_step
         watch = LossWatch(ctx, NONFINITE_CHECK_EVERY)
         start = time.time()
@@ -84,20 +87,33 @@ class FitLoop:
             epoch_start = time.time()
             comm_start = ctx.comm_bytes
             loss_sum = torch.full((), state.loss_sum, dtype=torch.float64, device=ctx.device)
-            for features, labels in ctx.epoch_batches(skip=state.step):
-                optimizer.zero_grad(set_to_none=True)
-                with ctx.autocast():  # the run's precision: a no-op for "32"
-                    output = call_model(model, features)  # model(**inputs) with inputs=
-                    loss = self.loss(output, labels)
-                watch.add(epoch, state.step + 1, loss)
-                ctx.backward_and_step(loss, optimizer)  # through the grad scaler for "16-mixed"
+            starts_step = True
+            # One micro-batch per step, or accumulation_steps of them on fewer workers with
+            # on_resize="keep_global_batch": the step's losses scaled so its gradient is their mean,
+            # synchronized only at its last backward. state.step counts batches (the data position).
+            for features, labels, scale, last in ctx.micro_batches(skip=state.step):
+                if starts_step:
+                    optimizer.zero_grad(set_to_none=True)
+                starts_step = last
+                with ctx.gradient_sync(model, last):
+                    with ctx.autocast():  # the run's precision: a no-op for "32"
+                        output = call_model(model, features)  # model(**inputs) with inputs=
+                        loss = self.loss(output, labels)
+                    watch.add(epoch, state.step + 1, loss)
+                    scaled = loss if scale == 1.0 else loss * scale
+                    if last:
+                        ctx.backward_and_step(scaled, optimizer)  # through the grad scaler for "16-mixed"
+                    else:
+                        ctx.backward(scaled)
                 rows = batch_rows(features)
                 loss_sum.add_(loss.detach(), alpha=rows)  # one op: the float64 sum takes the loss as it is
                 state.samples += rows
                 state.step += 1
-                state.global_step += 1
                 if state.output_shape is None:
                     state.output_shape = list(output.shape[1:])
+                if not last:  # checkpoints and drains only between optimizer steps
+                    continue
+                state.global_step += 1
                 saved = (
                     bool(self.checkpoint_every)
                     and state.global_step % self.checkpoint_every == 0
@@ -140,6 +156,7 @@ class FitLoop:
                 "seconds": seconds,
                 "samples_per_sec": total_samples / seconds if seconds > 0 else math.inf,
                 "comm_bytes": int(totals[2].item() / ctx.world_size),
+                "global_batch": ctx.global_batch_size,  # rows per optimizer step (on_resize)
                 **_per_rank_rates(ctx, state.samples, seconds),  # rank0_samples_per_sec, rank1_...
             }
             # Strategy-specific figures (a parameter server's staleness...); nothing for most strategies.
@@ -174,6 +191,7 @@ class FitLoop:
             "checkpoints": dict(ctx.checkpoint_stats),
             "device": str(ctx.device),
             "precision": ctx.precision,
+            "resize": resize,
             "shard_cache": ctx.shard_cache_stats(),
             "resumed": {"from_workers": ctx.resumed_from, "on_workers": ctx.world_size}
             if ctx.resumed_from is not None

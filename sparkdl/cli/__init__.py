@@ -27,11 +27,13 @@ from typing import Callable, Dict, List, Optional
 
 from sparkdl.cli._common import UsageError, load_factory, rank_rates
 from sparkdl.cli._compare import build_compare_parser, compare_main
+from sparkdl.cli._inputs import parse_inputs
 from sparkdl.cli._inspect import build_inspect_parser, describe, format_description, inspect_main
 from sparkdl.cli._launch import build_launch_parser, launch_main
 from sparkdl.cli._package import build_package_parser, package, package_main
+from sparkdl.cli._plan import build_plan_parser, plan_main
 from sparkdl.cli._predict import build_predict_parser, predict, predict_main
-from sparkdl.cli._train import LOSSES, OPTIMIZERS, build_parser, main, parse_inputs, throughput, train
+from sparkdl.cli._train import LOSSES, OPTIMIZERS, build_parser, main, throughput, train
 
 COMMANDS: Dict[str, Callable[[Optional[List[str]]], int]] = {
     "train": main,
@@ -40,9 +42,10 @@ COMMANDS: Dict[str, Callable[[Optional[List[str]]], int]] = {
     "package": package_main,
     "launch": launch_main,
     "compare": compare_main,
+    "plan": plan_main,
 }
 
-USAGE = """usage: sparkdl {train,predict,inspect,package,compare,launch} [options]
+USAGE = """usage: sparkdl {train,predict,inspect,package,compare,plan,launch} [options]
 
   train     train a model on a Spark cluster (= sparkdl-train and jobs/train.py); writes DIR/model, DIR/metrics.json
   predict   load a saved model and write predictions for a Parquet dataset; --label also evaluates
@@ -50,6 +53,7 @@ USAGE = """usage: sparkdl {train,predict,inspect,package,compare,launch} [option
   package   zip sparkdl for spark-submit --py-files (executors without sparkdl installed)
   launch    run an existing training script unchanged on barrier tasks, torchrun style: sparkdl launch train.py -- ARGS
   compare   train the model with each strategy for the same epochs; one table, DIR/compare.json, DIR/compare.png
+  plan      calibrate for a minute, predict each strategy on 2..1024 workers; one table, DIR/plan.json, DIR/plan.png
 
 'sparkdl COMMAND --help' describes a command's options."""
 
@@ -77,6 +81,8 @@ __all__ = [
     "USAGE",
     "UsageError",
     "build_compare_parser",
+    "build_plan_parser",
+    "plan_main",
     "build_inspect_parser",
     "build_launch_parser",
     "build_package_parser",

@@ -11,7 +11,7 @@ import time
 from typing import List, Optional
 
 from sparkdl.cli._common import UsageError, spark_session
-from sparkdl.cli._train import build_parser, estimator_arguments
+from sparkdl.cli._train import add_train_options, estimator_arguments
 
 #: ``sparkdl train`` options that ``compare`` takes as they are (dest names).
 SHARED_OPTIONS = (
@@ -37,6 +37,7 @@ SHARED_OPTIONS = (
     "metrics",
     "precision",
     "slot_wait_s",
+    "resources",
 )
 
 
@@ -46,12 +47,8 @@ def build_compare_parser() -> argparse.ArgumentParser:
         description="Train the model with each strategy (same data, model, optimizer, seed and epochs) and compare "
         "samples/s, comm bytes per sample, the loss after the budget and the time to a target loss.",
     )
-    train = build_parser()
-    # The train parser's own actions, shared (what argparse's parents= does, without train's
-    # strategy, checkpoint and tracking options, which a comparison sets or refuses).
-    for action in train._actions:
-        if action.dest in SHARED_OPTIONS:
-            parser._add_action(action)
+    # Without train's strategy, checkpoint and tracking options, which a comparison sets or refuses.
+    add_train_options(parser, SHARED_OPTIONS)
     parser.add_argument(
         "--strategies",
         default=None,

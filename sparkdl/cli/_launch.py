@@ -58,7 +58,7 @@ def build_launch_parser() -> argparse.ArgumentParser:
 
 def launch_main(argv: Optional[List[str]] = None) -> int:
     """Entry point of ``sparkdl launch``; returns the exit status."""
-    from sparkdl.cli._train import parse_inputs
+    from sparkdl.cli._inputs import parse_inputs
 
     args = build_launch_parser().parse_args(argv)
     script_args = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args

@@ -1,4 +1,4 @@
-"""``sparkdl train`` (= ``sparkdl-train`` and ``jobs/train.py``): options, ``--input`` specs,
+"""``sparkdl train`` (= ``sparkdl-train`` and ``jobs/train.py``): options (``--input`` specs are parsed in ``_inputs``),
 the estimator run, metrics.json with throughput and a hint for executors' missing modules, and
 the one summary line a run ends with."""
 
@@ -10,7 +10,7 @@ import os
 import re
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,7 @@ from sparkdl.cli._common import (
     rank_rates,
     spark_session,
 )
+from sparkdl.cli._inputs import parse_inputs
 from sparkdl.data.readers import registered_readers
 
 # Where the package re-exports this module's names: what pickles and MLflow's "optimizer"/"loss"
@@ -49,6 +50,15 @@ LOSSES: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "l1": _squeezed(F.l1_loss),
     "bce_with_logits": _squeezed(F.binary_cross_entropy_with_logits),
 }
+
+
+def add_train_options(parser: argparse.ArgumentParser, dests: Sequence[str]) -> None:
+    """``sparkdl train``'s own argparse actions named by ``dests``, added to ``parser`` (what
+    argparse's ``parents=`` does, for a subset): commands that take the same model, data and
+    training options cannot drift apart from ``train``."""
+    for action in build_parser()._actions:
+        if action.dest in dests:
+            parser._add_action(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="32",
         help="training precision (16-mixed needs GPUs)",
     )
+    parser.add_argument(
+        "--resources",
+        type=_resources,
+        default=None,
+        metavar="cpus=N,gpus=N,memory=SIZE",
+        help="the training stage's own task resources (a Spark resource profile for that stage only; ETL keeps "
+        "spark.task.cpus), e.g. cpus=4,gpus=1 (docs/resources.md)",
+    )
     recovery = parser.add_argument_group("fault tolerance (README, 'Surviving failures')")
     recovery.add_argument(
         "--checkpoint-dir",
@@ -163,6 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a relaunch that finds fewer free slots than --num-workers continues on as many as are free, down to N (default: --num-workers)",
     )
     recovery.add_argument(
+        "--on-resize",
+        choices=("keep_global_batch", "scale_lr", "none"),
+        help="on fewer workers than --num-workers: accumulate gradients to the global batch, scale lr, or neither (default: per strategy)",
+    )
+    recovery.add_argument(
         "--no-resume", dest="resume", action="store_false", help="ignore existing checkpoints and train from scratch"
     )
     tracking = parser.add_argument_group("tracking (pip install 'sparkdl-torch[tracking]')")
@@ -174,60 +197,6 @@ def build_parser() -> argparse.ArgumentParser:
     tracking.add_argument("--mlflow-tracking-uri", default=None, help="MLflow store (default: $MLFLOW_TRACKING_URI)")
     tracking.add_argument("--tensorboard-dir", default=None, help="write per-epoch scalars for TensorBoard here")
     return parser
-
-
-def parse_inputs(items: List[str]) -> Dict[str, Any]:
-    """``--input NAME=SPEC`` arguments as the ``inputs=`` dict (see ``--help``)."""
-    from sparkdl.data.inputs import Image, Sequence
-
-    inputs: Dict[str, Any] = {}
-    for item in items:
-        name, sep, spec = item.partition("=")
-        name = name.strip()
-        if not sep or not name or not spec:
-            raise UsageError(f"--input {item!r}: expected NAME=SPEC, e.g. image=image:jpeg_bytes:224x224x3")
-        if name in inputs:
-            raise UsageError(f"--input {name!r} is given twice")
-        kind, _, rest = spec.partition(":")
-        try:
-            if kind == "image" and rest:
-                parts = rest.split(":")
-                column, shape, options = parts[0], (parts[1] if len(parts) > 1 else ""), parts[2:]
-                dims = [int(v) for v in shape.lower().split("x")] if shape else []
-                if len(dims) not in (2, 3):
-                    raise UsageError(f"--input {item!r}: image size must be HxW or HxWxC, e.g. 224x224x3")
-                crop = [int(o.split("=", 1)[1]) for o in options if o.startswith("crop=")]
-                unknown = [o for o in options if o != "flip" and not o.startswith("crop=")]
-                if unknown:
-                    raise UsageError(f"--input {item!r}: unknown image option(s) {unknown}; valid: flip, crop=PIXELS")
-                inputs[name] = Image(
-                    column,
-                    size=(dims[0], dims[1]),
-                    channels=dims[2] if len(dims) == 3 else 3,
-                    random_flip="flip" in options,
-                    random_crop=crop[0] if crop else 0,
-                )
-            elif kind == "sequence" and rest:
-                parts = rest.split(":")
-                if len(parts) not in (2, 3):
-                    raise UsageError(f"--input {item!r}: expected sequence:COLUMN:MAX_LENGTH[:PAD]")
-                inputs[name] = Sequence(
-                    parts[0],
-                    max_length=int(parts[1]),
-                    pad_value=int(parts[2]) if len(parts) == 3 else 0,
-                    lengths_input=f"{name}_lengths",
-                )
-            elif kind == "dense" and rest:
-                inputs[name] = [c.strip() for c in rest.split(",") if c.strip()]
-            elif ":" not in spec and "," not in spec:
-                inputs[name] = spec.strip()
-            else:
-                raise UsageError(
-                    f"--input {item!r}: SPEC must be COLUMN, dense:COLS, image:COLUMN:HxW[xC] or sequence:COLUMN:MAX_LENGTH[:PAD]"
-                )
-        except ValueError as exc:
-            raise UsageError(f"--input {item!r}: {exc}") from exc
-    return inputs
 
 
 def _strategy_kwargs(pairs: List[str]) -> Dict[str, Any]:
@@ -296,7 +265,18 @@ def estimator_arguments(args: argparse.Namespace) -> Dict[str, Any]:
         validation=args.validation,
         metrics=named_metrics(args.metrics) or None,  # the estimator's own vocabulary
         precision=args.precision,
+        resources=args.resources,
     )
+
+
+def _resources(text: str) -> Any:
+    from sparkdl.errors import ConfigError
+    from sparkdl.resources import Resources
+
+    try:
+        return Resources.parse(text)
+    except ConfigError as exc:  # argparse reports ArgumentTypeError as a usage error, in one line
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def train(args: argparse.Namespace) -> Dict[str, Any]:
@@ -320,6 +300,7 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
         checkpoint_async=args.checkpoint_async,
         max_failures=args.max_failures,
         min_workers=args.min_workers,
+        on_resize=args.on_resize,
         resume=args.resume,
         mlflow_experiment=args.mlflow_experiment,
         tensorboard_dir=args.tensorboard_dir,

@@ -231,6 +231,7 @@ def check_data(data: Any, estimator: TorchEstimator) -> None:
         estimator._data_settings(),
         estimator.getOrDefault(estimator.numWorkers),
         getattr(data, "sparkSession", None),
+        task_cpus=estimator.settings.launch.task_cpus,
     )
 
 

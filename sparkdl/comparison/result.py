@@ -261,8 +261,11 @@ class Comparison:
 
     def _heading(self) -> str:
         s = self.settings
+        workers, batch = s.get("num_workers"), s.get("batch_size")
+        # The rows per optimizer step: what the learning rate is tuned for (docs/recovery.md, on_resize).
+        global_batch = workers * batch if isinstance(workers, int) and isinstance(batch, int) else "?"
         return (
-            f"{s.get('num_workers')} workers, batch {s.get('batch_size')}/worker, {s.get('epochs')} epoch(s) per strategy "
+            f"{workers} workers, batch {batch}/worker (global batch {global_batch}), {s.get('epochs')} epoch(s) per strategy "
             f"(equal samples), seed {s.get('seed')}; samples/s over epochs {_epochs(s.get('epochs'))}; time = training seconds "
             f"(sum of epoch times, rank 0)"
         )

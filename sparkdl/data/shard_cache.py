@@ -131,11 +131,12 @@ def decide(
     )
 
 
-def task_memory_bytes(conf: Callable[[str], Optional[str]]) -> Tuple[int, str]:
+def task_memory_bytes(conf: Callable[[str], Optional[str]], task_cpus: Optional[float] = None) -> Tuple[int, str]:
     """The memory one task's Python process may use, and the settings it comes from:
     ``spark.executor.pyspark.memory`` when set (Spark's limit on the Python workers), else
     ``spark.executor.memory`` (default 1g), shared by the executor's concurrent tasks
-    (``spark.executor.cores / spark.task.cpus`` when both are set)."""
+    (``spark.executor.cores / spark.task.cpus`` when both are set; ``task_cpus``, the training
+    stage's own CPUs per task from ``resources=``, in place of ``spark.task.cpus``)."""
     pyspark = conf("spark.executor.pyspark.memory")
     name, value = (
         ("spark.executor.pyspark.memory", pyspark)
@@ -143,7 +144,8 @@ def task_memory_bytes(conf: Callable[[str], Optional[str]]) -> Tuple[int, str]:
         else ("spark.executor.memory", conf("spark.executor.memory") or "1g")
     )
     total = _bytes_of(value)
-    cores, task_cpus = conf("spark.executor.cores"), conf("spark.task.cpus") or "1"
+    cores = conf("spark.executor.cores")
+    task_cpus = f"{task_cpus:g}" if task_cpus is not None else conf("spark.task.cpus") or "1"
     tasks = 1
     try:
         if cores:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ContextManager
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -26,6 +27,8 @@ class AllReduce(Strategy):
     """
 
     name = "allreduce"
+    #: On fewer workers, accumulate to the planned global batch (docs/recovery.md).
+    on_resize_choices = ("keep_global_batch", "scale_lr", "none")
 
     bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False
@@ -65,6 +68,13 @@ class _AllReduceRuntime(StrategyRuntime):
 
     def final_module(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def gradient_sync(self, model: torch.nn.Module, enabled: bool) -> ContextManager[None]:
+        # DDP's no_sync(): gradients accumulate locally; the next synchronizing backward
+        # allreduces the sum (and the forward hook above counts no bytes inside it).
+        if enabled or not isinstance(model, DistributedDataParallel):
+            return contextlib.nullcontext()
+        return model.no_sync()
 
 
 def _count_gradient_sync(runtime: _AllReduceRuntime, sent: int, ddp: DistributedDataParallel, _args: Any) -> None:

@@ -52,6 +52,14 @@ def _check_int(owner: str, field: str, value: Any, minimum: int, meaning: str) -
         raise ConfigError(f"{owner}.{field}={value!r} must be {kind} ({meaning})")
 
 
+#: Why the averaging strategies take only on_resize="none" (docs/recovery.md).
+_AVERAGING_RESIZE = (
+    "each replica steps on its own batch_size rows with its own learning rate, and a resize changes only how "
+    "many replicas are averaged, so there is no global batch to keep and no batch growth for the linear "
+    "scaling rule to follow (DiLoCo's outer learning rate does not scale with the replicas either)"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelAveraging(Strategy):
     """Local SGD: ranks train independently and average their parameters every ``sync_every`` steps.
@@ -100,6 +108,8 @@ class ModelAveraging(Strategy):
     """
 
     name = "model_averaging"
+    on_resize_choices = ("none",)
+    on_resize_reason = _AVERAGING_RESIZE
     identical_final_weights = True
 
     sync_every: int = 8
@@ -154,6 +164,8 @@ class ElasticAveraging(Strategy):
     """
 
     name = "elastic_averaging"
+    on_resize_choices = ("none",)
+    on_resize_reason = _AVERAGING_RESIZE
     identical_final_weights = True
 
     sync_every: int = 4

@@ -9,8 +9,9 @@ subclasses both and sets ``name``; nothing in the loop or the launcher branches 
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
-from typing import Any, Callable, ClassVar, Dict, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, ClassVar, ContextManager, Dict, Optional, Sequence, Tuple, Type
 
 import torch
 
@@ -68,6 +69,12 @@ class Strategy(abc.ABC):
     #: Whether a run is bit-reproducible for a fixed seed (and so a resumed run bit-identical to
     #: an uninterrupted one). Asynchronous strategies, whose update order depends on timing, are not.
     deterministic: ClassVar[bool] = True
+    #: The ``on_resize=`` values the strategy accepts, its default first
+    #: (:mod:`sparkdl._runtime.resize`); a strategy that knows nothing of it keeps today's
+    #: behaviour by default and lets the user choose.
+    on_resize_choices: ClassVar[Tuple[str, ...]] = ("none", "keep_global_batch", "scale_lr")
+    #: Why the strategy refuses the other values (in the ConfigError).
+    on_resize_reason: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -110,6 +117,12 @@ class StrategyRuntime(abc.ABC):
     def final_module(self, model: torch.nn.Module) -> torch.nn.Module:
         """The plain module holding the strategy's result (e.g. the final average), same on all
         ranks when ``identical_final_weights``. Called once, after the last step, on every rank."""
+
+    def gradient_sync(self, model: torch.nn.Module, enabled: bool) -> ContextManager[None]:
+        """Context for a backward pass whose gradients are (``enabled``) or are not yet
+        synchronized: gradient accumulation (``on_resize="keep_global_batch"``) runs all but a
+        step's last micro-batch with ``enabled=False``. Default: nothing to turn off."""
+        return contextlib.nullcontext()
 
     def evaluation_module(self, model: torch.nn.Module) -> torch.nn.Module:
         """The module whose forward the validation pass runs: it must run no collectives,

@@ -14,9 +14,10 @@ the end: ``final_module`` all-gathers every parameter into an unsharded copy of 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,8 @@ class ShardedDataParallel(Strategy):
     """
 
     name = "sharded"
+    #: On fewer workers, accumulate to the planned global batch (docs/recovery.md).
+    on_resize_choices = ("keep_global_batch", "scale_lr", "none")
 
     reshard_after_forward: bool = True
     shard_modules: Optional[Tuple[str, ...]] = None
@@ -218,6 +221,19 @@ class _ShardedRuntime(StrategyRuntime):
             ) from exc
         self._step_bytes = self._bytes_per_step(module, units)
         return module
+
+    @contextlib.contextmanager
+    def gradient_sync(self, model: torch.nn.Module, enabled: bool) -> Iterator[None]:
+        # FSDP2's counterpart of DDP's no_sync(): the backward keeps the unsharded gradients
+        # and skips the reduce-scatter until a backward with the sync back on.
+        if enabled or not hasattr(model, "set_requires_gradient_sync"):
+            yield
+            return
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
 
     def _bytes_per_step(self, root: torch.nn.Module, units: Sequence[Tuple[str, torch.nn.Module]]) -> int:
         """Bytes this rank sends in one training step's collectives: each unit is all-gathered

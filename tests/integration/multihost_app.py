@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -367,6 +368,190 @@ dist.destroy_process_group()
 """
 
 
+def resource_facts(ctx):
+    """A sparkdl.run function: every rank's host, the GPU addresses Spark assigned its task, the
+    device assignment sparkdl made of them, and its CPU amount and threads, gathered across hosts."""
+    import torch
+    import torch.distributed as dist
+    from pyspark import TaskContext
+
+    task = TaskContext.get()
+    exact = getattr(task, "cpuAmount", None)
+    mine = {
+        "host": socket.gethostname(),
+        "gpus": list(task.resources()["gpu"].addresses) if "gpu" in task.resources() else [],
+        "spark_addresses": list(ctx.device_assignment.spark_addresses),
+        "cpus": task.cpus(),
+        "cpu_amount": None if exact is None else str(exact()),
+        "torch_threads": torch.get_num_threads(),
+        "omp": os.environ.get("OMP_NUM_THREADS"),
+    }
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def stage_resources(spark) -> dict:
+    """ETL, a training stage with 2 CPUs and 1 GPU per task, ETL again, in one application: the
+    resource profile ids Spark's status store recorded for each, the slots counted with and
+    without the profile, and a profile the executors cannot hold."""
+    import sparkdl
+    from sparkdl._driver.cluster import free_slots
+    from sparkdl._driver.resource_profile import stage_profile, stage_profile_ids
+    from sparkdl._spark import Session
+
+    sc = spark.sparkContext
+
+    def etl(tag):
+        sc.addJobTag(tag)
+        try:
+            spark.range(0, 2000, 1, 4).selectExpr("id % 7 AS k").groupBy("k").count().collect()
+        finally:
+            sc.removeJobTag(tag)
+        return stage_profile_ids(sc, tag)
+
+    resources = sparkdl.Resources(cpus=2, gpus=1)
+    result = {"etl_before": etl("etl-before")}
+    sc.addJobTag("train")
+    try:
+        result["ranks"] = sparkdl.run(resource_facts, num_workers=2, progress=False, resources=resources)
+    finally:
+        sc.removeJobTag("train")
+    result["train_profiles"] = stage_profile_ids(sc, "train")
+    result["etl_after"] = etl("etl-after")
+    result["slots"] = {"default": free_slots(sc), "profile": free_slots(sc, stage_profile(Session(spark), resources))}
+    started = time.monotonic()
+    try:
+        sparkdl.run(resource_facts, num_workers=2, progress=False, resources=sparkdl.Resources(cpus=4, gpus=1))
+        result["too_big"] = None
+    except sparkdl.InsufficientSlotsError as exc:
+        result["too_big"] = {"error": str(exc), "seconds": time.monotonic() - started}
+    return result
+
+
+def plan_mlp():
+    """The plan validation's model: 256-1024-1024-10, 1.31 M parameters (5.3 MB of float32): its
+    synchronisation costs more than its compute on the shaped links, as on a slow network."""
+    import torch
+
+    return torch.nn.Sequential(
+        torch.nn.Linear(256, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 10),
+    )
+
+
+def plan_strategies():
+    from sparkdl.strategies import (
+        AllReduce,
+        ElasticAveraging,
+        ModelAveraging,
+        OuterSGD,
+        ParameterServer,
+        ShardedDataParallel,
+    )
+
+    return {
+        "AllReduce": AllReduce(),
+        "ModelAveraging(sync_every=8)": ModelAveraging(sync_every=8),
+        "DiLoCo(sync_every=16)": ModelAveraging(
+            sync_every=16, outer_optimizer=OuterSGD(lr=0.7, momentum=0.9, nesterov=True)
+        ),
+        "ElasticAveraging(sync_every=4)": ElasticAveraging(sync_every=4),
+        "ParameterServer": ParameterServer(),
+        "ShardedDataParallel": ShardedDataParallel(),
+    }
+
+
+def plan_data(out_dir: str, rows: int) -> str:
+    """``rows`` rows of 256 float features in 10 classes, 32 rows per row group."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(7)
+    centers = rng.standard_normal((10, 256)).astype(np.float32)
+    labels = rng.integers(0, 10, rows)
+    features = centers[labels] + rng.standard_normal((rows, 256)).astype(np.float32)
+    path = os.path.join(out_dir, "plan-data")
+    os.makedirs(path, exist_ok=True)
+    table = pa.table(
+        {"features": pa.array(list(features), type=pa.list_(pa.float32())), "label": labels.astype(np.int64)}
+    )
+    pq.write_table(table, os.path.join(path, "part-0.parquet"), row_group_size=32)
+    return path
+
+
+#: How far a plan's samples/s may be from the measured ones (the issue's bar).
+PLAN_TOLERANCE = 0.25
+#: The validation's data: 16 steps of 32 rows per epoch on each of 2 workers.
+PLAN_EPOCH_ROWS = 2 * 32 * 16
+#: Seconds of steady epochs each validation fit runs at least, at the planned rate.
+STEADY_S = 4.0
+
+
+def plan_against_fits(spark, args, rate: str, out_dir: str) -> dict:
+    """On links shaped to ``rate``: ``sparkdl.plan``'s prediction for 2 workers against each
+    strategy's measured steady samples/s (the median epoch after the first) on the same data."""
+    import statistics
+    import subprocess
+
+    import torch
+
+    import sparkdl
+
+    netcluster = [sys.executable, os.path.join(REPO, "scripts", "netcluster")]
+    subprocess.run([*netcluster, "shape", rate], check=True, capture_output=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        data = plan_data(out_dir, rows=PLAN_EPOCH_ROWS)
+        optimizer = lambda params: torch.optim.Adam(params, lr=1e-3)  # noqa: E731
+        strategies = plan_strategies()
+        planned = sparkdl.plan(
+            model=plan_mlp, data=data, batch_size=32, strategies=strategies, workers=[2], optimizer=optimizer
+        )
+        predicted = {p.strategy: p.samples_per_s for p in planned.predictions}
+
+        def measure(strategy, epochs: int) -> float:
+            fitted = sparkdl.TorchEstimator(
+                model=plan_mlp,
+                optimizer=optimizer,
+                strategy=strategy,
+                num_workers=2,
+                batch_size=32,
+                epochs=epochs,
+                progress=False,
+            ).fit(data)
+            return statistics.median(epoch["samples_per_sec"] for epoch in fitted.history[1:])
+
+        measured, fits = {}, {}
+        for label, strategy in strategies.items():
+            # The first epoch warms up; the others are measured, at least STEADY_S of them at the
+            # planned rate: an epoch of a compute-bound strategy lasts a fifth of a second, too
+            # short a window on a shared machine.
+            epochs = 1 + max(3, math.ceil(STEADY_S * predicted[label] / PLAN_EPOCH_ROWS))
+            runs = [measure(strategy, epochs)]
+            # The machine is shared: a fit off by more than the tolerance is measured once more and
+            # the two averaged. A model error stays off; a neighbour's burst does not.
+            if abs(predicted[label] / runs[0] - 1) > PLAN_TOLERANCE:
+                runs.append(measure(strategy, epochs))
+            measured[label], fits[label] = statistics.mean(runs), runs
+        return {
+            "rate": rate,
+            "predicted": predicted,
+            "fits": fits,
+            "bound": {p.strategy: p.bound for p in planned.predictions},
+            "measured": measured,
+            "calibration": planned.to_json()["measured"],
+            "task_steps": [task["local_step_s"] for task in planned.calibration["tasks"]],
+            "network": planned.calibration["network"],
+        }
+    finally:
+        subprocess.run([*netcluster, "shape", "none"], check=True, capture_output=True)
+
+
 def scenario_dir(args, scenario: str) -> str:
     return os.path.join(args.out, scenario.replace(":", "-"))
 
@@ -411,6 +596,10 @@ def run_scenario(spark, args, scenario: str) -> dict:
     if name == "allow_plaintext_collectives":  # not a run: accept gloo's plaintext from now on
         spark.conf.set("spark.sparkdl.allowUnencryptedCollectives", "true")
         return {}
+    if name == "resources":
+        return stage_resources(spark)
+    if name == "plan":  # plan:RATE
+        return plan_against_fits(spark, args, option, out_dir)
     if name == "canary":
         return canary(spark, args, out_dir)
     if name == "drain":  # drain:decommission or drain:sigterm

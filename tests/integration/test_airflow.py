@@ -12,6 +12,7 @@ retry resumes from that checkpoint instead of starting over.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import queue
@@ -350,6 +351,8 @@ with DAG({dag_id!r}, schedule=None, start_date=pendulum.datetime(2024, 1, 1, tz=
     task = {operator}(task_id="job", retry_delay=timedelta(seconds=0), **{kwargs!r})
 
 if __name__ == "__main__":
+    import faulthandler, signal
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that times out asks for the stacks
     run = dag.test(logical_date=None)
     ti = run.get_task_instances()[0]
     print("RESULT " + json.dumps({{"state": str(ti.state), "try_number": ti.try_number}}), flush=True)
@@ -388,6 +391,22 @@ for _ in range(2):  # both Python workers are running a task
 print("BLOCKING " + json.dumps({"driver": os.getpid(), "sid": os.getsid(0), "workers": workers}), flush=True)
 threading.Event().wait()
 """
+
+
+def _signal_a_thread_other_than_main(pid: int, signum: int) -> None:
+    """Sends ``signum`` to one thread of process ``pid`` other than its main thread (tgkill)."""
+    others = sorted(int(tid) for tid in os.listdir(f"/proc/{pid}/task") if int(tid) != pid)
+    assert others, f"process {pid} has no thread but its main one"
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.tgkill(pid, others[0], signum) != 0:
+        raise OSError(ctypes.get_errno(), f"tgkill({pid}, {others[0]}, {signum})")
+
+
+def _drain(lines: "queue.Queue[Optional[str]]") -> list:
+    drained = []
+    while not lines.empty():
+        drained.append(lines.get() or "")
+    return drained
 
 
 def test_killing_the_task_stops_spark_submit_its_driver_and_python_workers(tmp_path, airflow_python, airflow_env):
@@ -440,12 +459,18 @@ def test_killing_the_task_stops_spark_submit_its_driver_and_python_workers(tmp_p
         assert info["driver"] in running and all(w in running for w in info["workers"]), running
         assert any("org.apache.spark.deploy.SparkSubmit" in c for c in running.values()), running
 
-        task.send_signal(signal.SIGTERM)  # what Airflow's supervisor does to kill a task
-        task.wait(timeout=120)
+        # Airflow's supervisor kills a task with SIGTERM to the task's process, which the kernel
+        # hands to any of its threads not blocking it; the hard case is a thread other than the
+        # main one (Python runs signal handlers on the main thread only), so it is delivered there.
+        _signal_a_thread_other_than_main(task.pid, signal.SIGTERM)
+        try:
+            task.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.kill(task.pid, signal.SIGUSR1)  # the runner's faulthandler prints every thread's stack
+            reader.join(timeout=10)
+            pytest.fail("the task outlived SIGTERM by 120 s:\n" + "".join(output + _drain(lines))[-6000:])
         reader.join(timeout=30)
-        while not lines.empty():
-            output.append(lines.get() or "")
-        text = "".join(output)
+        text = "".join(output + _drain(lines))
         assert "the task is being killed; stopping spark-submit" in text, text[-4000:]
         assert 'RESULT {"state": "failed", "try_number": 1}' in text, text[-4000:]
         # JVM shutdown hooks and the PySpark daemon's exit take seconds on a loaded machine: a

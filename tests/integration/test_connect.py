@@ -152,6 +152,33 @@ def test_run_from_a_connect_client(connect, connect_digits):
     assert result == {"sum": 3.0, "rows": (1437 // 64) * 32, "world": 2}
 
 
+def _cpu_amount(ctx):
+    from pyspark import TaskContext
+
+    world = torch.tensor([1.0])
+    torch.distributed.all_reduce(world)
+    return {
+        "world": int(world.item()),
+        "cpu_amount": str(TaskContext.get().cpuAmount()),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def test_the_training_stage_runs_with_its_own_resource_profile_from_a_connect_client(connect):
+    """Four ranks on the server's two one-core executors: only the training stage's profile of
+    half a core per task (built over Connect, sent with the stage) makes room for them."""
+    from pyspark import TaskContext
+
+    if not hasattr(TaskContext, "cpuAmount"):  # PySpark before 4.3: fractional CPUs refused, named
+        with pytest.raises(sparkdl.ConfigError, match=r"fractional task CPUs need Spark 4\.3"):
+            sparkdl.run(_cpu_amount, num_workers=4, spark=connect, progress=False, resources={"cpus": 0.5})
+        return
+    result = sparkdl.run(
+        _cpu_amount, num_workers=4, spark=connect, progress=False, resources=sparkdl.Resources(cpus=0.5), slot_wait_s=60
+    )
+    assert result == {"world": 4, "cpu_amount": "0.5", "threads": 1}
+
+
 def _fail_on_rank_1(ctx):
     if ctx.rank == 1:
         raise ValueError("rank 1 refuses")

@@ -64,7 +64,7 @@ def test_cli_package_keeps_the_one_module_names():
         "build_parser",
     ):
         assert callable(getattr(cli, name)), name
-    assert set(cli.COMMANDS) == {"train", "predict", "inspect", "package", "launch", "compare"} and issubclass(
+    assert set(cli.COMMANDS) == {"train", "predict", "inspect", "package", "launch", "compare", "plan"} and issubclass(
         cli.UsageError, Exception
     )
     factory = _train._optimizer_factory("sgd", 0.1, 0.9)  # executors import it by reference

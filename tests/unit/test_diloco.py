@@ -12,7 +12,6 @@ from typing import Any, Dict, List
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 import sparkdl
 from sparkdl._runtime.checkpoint_writer import capture
@@ -158,32 +157,23 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         master_addr="127.0.0.1",
         master_port=port,
     )
-    try:
-        outer = ModelAveraging(sync_every=TAU, warmup_steps=WARMUP, outer_optimizer=sparkdl.OuterSGD()).create_runtime(
-            env
-        )
-        results = {
-            "plain": _train(ModelAveraging(sync_every=TAU, warmup_steps=WARMUP).create_runtime(env), rank, STEPS),
-            "lr1": _train(
-                ModelAveraging(sync_every=TAU, warmup_steps=WARMUP, outer_optimizer=_plain_identity()).create_runtime(
-                    env
-                ),
-                rank,
-                STEPS,
-            ),
-            "nesterov": _train(outer, rank, STEPS),
-            "nesterov_state": outer.state_dict(),
-            "uninterrupted": _adam_run(env, rank, range(1, STEPS + 1)),
-            "interrupted": _adam_run(env, rank, range(1, RESUME_AT)),
-        }
-        results["resumed"] = _adam_run(env, rank, range(RESUME_AT, STEPS + 1), restore=results["interrupted"]["part"])
-        results["digits_plain"] = _digits(env, rank, None)
-        results["digits_diloco"] = _digits(
-            env, rank, sparkdl.OuterSGD(lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
-        )
-        results["bad"] = _bad_factories(env)
-    finally:
-        dist.destroy_process_group()
+    outer = ModelAveraging(sync_every=TAU, warmup_steps=WARMUP, outer_optimizer=sparkdl.OuterSGD()).create_runtime(env)
+    results = {
+        "plain": _train(ModelAveraging(sync_every=TAU, warmup_steps=WARMUP).create_runtime(env), rank, STEPS),
+        "lr1": _train(
+            ModelAveraging(sync_every=TAU, warmup_steps=WARMUP, outer_optimizer=_plain_identity()).create_runtime(env),
+            rank,
+            STEPS,
+        ),
+        "nesterov": _train(outer, rank, STEPS),
+        "nesterov_state": outer.state_dict(),
+        "uninterrupted": _adam_run(env, rank, range(1, STEPS + 1)),
+        "interrupted": _adam_run(env, rank, range(1, RESUME_AT)),
+    }
+    results["resumed"] = _adam_run(env, rank, range(RESUME_AT, STEPS + 1), restore=results["interrupted"]["part"])
+    results["digits_plain"] = _digits(env, rank, None)
+    results["digits_diloco"] = _digits(env, rank, sparkdl.OuterSGD(lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True))
+    results["bad"] = _bad_factories(env)
     save_results(results, out_dir, rank)
 
 

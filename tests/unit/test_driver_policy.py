@@ -37,4 +37,17 @@ def test_fewer_free_slots_shrink_the_attempt_and_say_how_it_continues(attempt, h
     )
     assert how in decision.message
     # batch_size is per worker: a shrunk run that goes on says its global batch is smaller.
-    assert ("global batch" in decision.message) == (attempt == 1 or has_checkpoints)
+    assert ("global batch shrinks" in decision.message) == (attempt == 1 or has_checkpoints)
+
+
+@pytest.mark.parametrize(
+    "on_resize, says",
+    [
+        ("keep_global_batch", "each worker accumulates gradients, the global batch stays as planned"),
+        ("scale_lr", "the global batch shrinks; on_resize=scale_lr scales the learning rate with it"),
+        ("none", "batch_size is per worker: the global batch shrinks)"),
+    ],
+)
+def test_the_shrink_message_says_what_on_resize_does_to_the_global_batch(on_resize, says):
+    decision = ScalingPolicy(4, min_workers=2, on_resize=on_resize).decide(2, attempt=2, has_checkpoints=True)
+    assert says in decision.message

@@ -139,29 +139,24 @@ OVERFLOWS = {"rank 1 only": {1}, "rank 0 only": {0}, "none": set()}
 
 
 def _overflow_worker(rank: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-
     join_group(rank, port, 2)
     results: Dict[str, Any] = {}
-    try:
-        for name, overflowing in OVERFLOWS.items():
-            runtime = _scaled_runtime(world_size=2)  # no all_reduce_max: torch.distributed's
-            poisoned = rank in overflowing
-            layer, x, inner = _problem(poison=poisoned)
-            after_steps: List[int] = []
-            # The averaging strategies' wrapper counts step() calls to schedule their collectives.
-            optimizer = _SyncingOptimizer(inner, functools.partial(after_steps.append, 1))
-            before = layer.weight.detach().clone()
-            loss = layer(x).sum() if poisoned else layer(x).pow(2).mean()
-            stepped = runtime.backward_and_step(loss, optimizer)
-            results[name] = {
-                "stepped": stepped,
-                "weights_moved": not torch.equal(layer.weight, before),
-                "after_steps": len(after_steps),
-                "scale": runtime.scaler.get_scale(),
-            }
-    finally:
-        dist.destroy_process_group()
+    for name, overflowing in OVERFLOWS.items():
+        runtime = _scaled_runtime(world_size=2)  # no all_reduce_max: torch.distributed's
+        poisoned = rank in overflowing
+        layer, x, inner = _problem(poison=poisoned)
+        after_steps: List[int] = []
+        # The averaging strategies' wrapper counts step() calls to schedule their collectives.
+        optimizer = _SyncingOptimizer(inner, functools.partial(after_steps.append, 1))
+        before = layer.weight.detach().clone()
+        loss = layer(x).sum() if poisoned else layer(x).pow(2).mean()
+        stepped = runtime.backward_and_step(loss, optimizer)
+        results[name] = {
+            "stepped": stepped,
+            "weights_moved": not torch.equal(layer.weight, before),
+            "after_steps": len(after_steps),
+            "scale": runtime.scaler.get_scale(),
+        }
     save_results(results, out_dir, rank)
 
 

@@ -179,3 +179,13 @@ def test_a_filter_that_keeps_nothing_of_a_row_group_is_remembered_as_empty(uneve
     _stream(reader, info, spec, 0, 1, 100)
     stats = reader.shard_cache.stats()
     assert stats["row_groups"] == 1 and stats["rows"] == 300 and stats["served_row_groups"] > 0
+
+
+def test_the_training_stages_own_cpus_per_task_decide_how_many_ranks_share_an_executors_memory():
+    conf = {"spark.executor.memory": "4g", "spark.executor.cores": "4", "spark.task.cpus": "1"}
+    # resources=Resources(cpus=4): one rank per 4-core executor has all of its memory.
+    assert shard_cache.task_memory_bytes(conf.get, task_cpus=4) == (4 << 30, "spark.executor.memory=4g")
+    assert shard_cache.task_memory_bytes(conf.get, task_cpus=0.5) == (
+        512 << 20,
+        "spark.executor.memory=4g shared by 8 concurrent tasks",
+    )

@@ -47,6 +47,11 @@ class ParameterServer(Strategy):
     """
 
     name = "parameter_server"
+    on_resize_choices = ("none",)
+    on_resize_reason = (
+        "the servers apply every worker's gradient of batch_size rows as it arrives, so there is no global batch "
+        "to keep, and fewer workers mean fewer pushes per second, not larger batches to scale the learning rate for"
+    )
     identical_final_weights = True
     # The order in which the servers apply the workers' pushes depends on timing.
     deterministic = False

@@ -1,0 +1,194 @@
+"""``sparkdl.plan``: how each strategy would scale from 2 to 1024 workers, predicted from a
+one-minute calibration on the user's own cluster, model and data.
+
+* :mod:`.calibration` — the short stage that times two tasks' steps and data paths together, the model's
+  bytes and the link between two executors;
+* :mod:`.models` — the cost models (ring allreduce, averaging every τ, parameter-server load,
+  FSDP's gathers), no Spark;
+* :mod:`.units` — ``10Gbit``, ``50us``;
+* :mod:`.report` — :class:`Plan`: the table, ``plan.json``, the plot.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, Optional, Sequence, Union
+
+import torch
+
+from sparkdl.errors import ConfigError
+from sparkdl.planning.calibration import NetworkCalibration, measure_task, slowest
+from sparkdl.planning.models import Measured, StrategyShape, sweep
+from sparkdl.planning.report import Plan
+from sparkdl.planning.units import bandwidth_bytes, latency_seconds
+from sparkdl.strategies import (
+    AllReduce,
+    ElasticAveraging,
+    ModelAveraging,
+    OuterSGD,
+    ParameterServer,
+    ShardedDataParallel,
+)
+from sparkdl.strategies.base import Strategy
+
+__all__ = ["Plan", "plan", "DEFAULT_WORKERS"]
+
+logger = logging.getLogger("sparkdl")
+
+#: The worker counts a plan predicts for by default: powers of two from 2 to 1024.
+DEFAULT_WORKERS = tuple(2**k for k in range(1, 11))
+
+
+def default_strategies() -> Dict[str, Strategy]:
+    return {
+        "AllReduce": AllReduce(),
+        "ModelAveraging(sync_every=8)": ModelAveraging(sync_every=8),
+        "DiLoCo(sync_every=64)": ModelAveraging(
+            sync_every=64, outer_optimizer=OuterSGD(lr=0.7, momentum=0.9, nesterov=True)
+        ),
+        "ElasticAveraging(sync_every=4)": ElasticAveraging(sync_every=4),
+        "ParameterServer": ParameterServer(),
+        "ShardedDataParallel": ShardedDataParallel(),
+    }
+
+
+def shape_of(label: str, strategy: Strategy) -> StrategyShape:
+    """The cost model of a strategy object."""
+    if isinstance(strategy, AllReduce):
+        return StrategyShape("allreduce", label)
+    if isinstance(strategy, ModelAveraging):
+        return StrategyShape("averaging", label, sync_every=int(strategy.sync_every))
+    if isinstance(strategy, ElasticAveraging):
+        return StrategyShape("elastic", label, sync_every=int(strategy.sync_every))
+    if isinstance(strategy, ParameterServer):
+        return StrategyShape("parameter_server", label)
+    if isinstance(strategy, ShardedDataParallel):
+        return StrategyShape("sharded", label)
+    raise ConfigError(f"strategy {label} ({type(strategy).__name__}) has no cost model in sparkdl plan")
+
+
+def plan(
+    model: Callable[[], torch.nn.Module],
+    data: Any,
+    batch_size: int = 32,
+    strategies: Any = None,
+    workers: Sequence[int] = DEFAULT_WORKERS,
+    bandwidth: Union[str, float, None] = None,
+    latency: Union[str, float, None] = None,
+    optimizer: Optional[Callable] = None,
+    loss: Optional[Callable] = None,
+    feature_cols: Optional[Sequence[str]] = None,
+    label_col: Any = "label",
+    inputs: Optional[Dict[str, Any]] = None,
+    spark: Any = None,
+    progress: bool = False,
+) -> Plan:
+    """Calibrates on this cluster (about a minute) and predicts each strategy on ``workers``.
+
+    Args:
+        model, data, batch_size, optimizer, loss, feature_cols, label_col, inputs: as for
+            ``TorchEstimator`` (the same checks: a model that cannot be built or data that cannot
+            be read fail as ``fit`` would).
+        strategies: as for ``sparkdl.compare`` (objects, a mapping label -> strategy, or a text
+            such as ``"allreduce,model_averaging:sync_every=16"``); default AllReduce,
+            ModelAveraging τ=8, DiLoCo τ=64, ElasticAveraging τ=4, ParameterServer,
+            ShardedDataParallel.
+        workers: the worker counts to predict for (default 2, 4, ..., 1024).
+        bandwidth: the link between hosts (``"10Gbit"``) instead of the measured one; needed
+            when the calibration's two tasks share a host (loopback is not a network).
+        latency: one message's cost (``"50us"``) instead of the measured one.
+
+    Returns:
+        :class:`Plan`: ``print(plan.table())``, ``plan.save(dir)`` writes plan.json and plan.png.
+    """
+    from sparkdl._driver.preflight import build_checked_model, check_loss, check_optimizer
+    from sparkdl._driver.prepare_data import prepare_data
+    from sparkdl._task.fit_loop import default_optimizer
+    from sparkdl.comparison.strategies import labelled_strategies
+    from sparkdl.custom_loop import run
+    from sparkdl.estimator import TorchEstimator
+
+    labelled = labelled_strategies(strategies) if strategies is not None else tuple(default_strategies().items())
+    shapes = [shape_of(label, strategy) for label, strategy in labelled]
+    counts = _worker_counts(workers)
+    stated_bandwidth, stated_latency = bandwidth_bytes(bandwidth), latency_seconds(latency)
+    optimizer = optimizer or default_optimizer  # fit's default: Adam, lr=1e-3
+    loss = loss or torch.nn.functional.cross_entropy
+    # The estimator's own checks, before anything launches: the model builds, the data reads.
+    estimator = TorchEstimator(
+        model=model,
+        optimizer=optimizer,
+        loss=loss,
+        feature_cols=feature_cols,
+        label_col=label_col,
+        inputs=inputs,
+        num_workers=1,
+        batch_size=batch_size,
+        epochs=1,
+        progress=progress,
+    )
+    data_settings = estimator.settings.data
+    # What fit checks before it launches, in the same order and words.
+    module = build_checked_model(model, data_settings.plan)
+    info, spec, reader, _ = prepare_data(data, data_settings, 1, spark)
+    check_optimizer(optimizer, module)
+    check_loss(module, loss, info, spec, reader)
+    probe = stated_bandwidth is None or stated_latency is None
+    calibrated = run(
+        measure_task(model, optimizer, loss, batch_size),
+        num_workers=2 if probe else 1,  # two tasks time their steps together, then the link between them
+        data=data,
+        feature_cols=data_settings.feature_cols,
+        inputs=data_settings.inputs,
+        label_col=data_settings.label_col,
+        batch_size=batch_size,
+        shuffle=True,
+        spark=spark,
+        progress=progress,
+    )
+    task = slowest(calibrated["tasks"])
+    network = None
+    notes = []
+    if probe:
+        network = NetworkCalibration(**calibrated["network"])
+        if network.loopback and stated_bandwidth is None:
+            warning = (
+                f"the network probe's two tasks ran on one host ({network.hosts[0]}): it measured loopback "
+                f"({network.bandwidth * 8 / 1e9:.3g} Gbit/s), not a network between hosts; pass bandwidth= "
+                f"(--bandwidth 10Gbit) for the cluster you plan for"
+            )
+            logger.warning("%s", warning)
+            notes.append(warning)
+    measured = Measured(
+        batch_size=batch_size,
+        local_step_s=task.local_step_s,
+        compute_step_s=task.compute_step_s,
+        data_rows_per_s=task.data_rows_per_s,
+        param_bytes=task.param_bytes,
+        grad_bytes=task.grad_bytes,
+        optimizer_bytes=task.optimizer_bytes,
+        largest_unit_bytes=task.largest_unit_bytes,
+        bandwidth=stated_bandwidth if stated_bandwidth is not None else network.bandwidth,
+        latency_s=stated_latency if stated_latency is not None else network.latency_s,
+        backend="nccl" if task.device.startswith("cuda") else "gloo",
+    )
+    if stated_bandwidth is not None:
+        notes.append(f"bandwidth stated: {stated_bandwidth * 8 / 1e9:.3g} Gbit/s per link")
+    if stated_latency is not None:
+        notes.append(f"latency stated: {stated_latency * 1e6:.0f} us per message")
+    calibration = {
+        "task": vars(task),
+        "tasks": calibrated["tasks"],
+        "network": None if network is None else {**vars(network)},
+    }
+    return Plan(measured, sweep(measured, shapes, counts), calibration, notes)
+
+
+def _worker_counts(workers: Sequence[int]) -> Sequence[int]:
+    try:
+        counts = sorted({int(n) for n in workers})
+    except (TypeError, ValueError):
+        raise ConfigError(f"workers={workers!r} must be worker counts such as [2, 4, 8]") from None
+    if not counts or counts[0] < 1 or any(int(n) != n for n in workers):
+        raise ConfigError(f"workers={workers!r} must be positive whole numbers such as [2, 4, 8]")
+    return counts

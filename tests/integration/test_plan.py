@@ -1,0 +1,89 @@
+"""``sparkdl.plan`` on the shared local-cluster: a real calibration (two tasks' steps and data
+paths timed together, a gloo probe between them), the predictions, what it writes, and bad input
+failing as ``fit`` would. Its predictions against measurement across hosts are checked in
+test_multihost.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+import sparkdl
+from sparkdl.errors import DataError
+
+pytestmark = pytest.mark.spark
+
+
+def _mlp():
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+
+def test_a_plan_on_one_host_calibrates_predicts_and_warns_that_loopback_is_no_network(
+    spark, digits_df, tmp_path, caplog
+):
+    with caplog.at_level(logging.WARNING, logger="sparkdl"):
+        plan = sparkdl.plan(model=_mlp, data=digits_df, batch_size=32, workers=[2, 8, 64], spark=spark)
+    # Both probe tasks ran on this host: the plan says it measured loopback, and asks for bandwidth=.
+    assert any("measured loopback" in note and "pass bandwidth=" in note for note in plan.notes), plan.notes
+    assert any("measured loopback" in record.getMessage() for record in caplog.records)
+    measured = plan.measured
+    # The model's bytes: 64x128 + 128 + 128x10 + 10 float32 parameters; Adam keeps two moments.
+    params = (64 * 128 + 128 + 128 * 10 + 10) * 4
+    assert measured.param_bytes == params and measured.grad_bytes == params
+    assert measured.optimizer_bytes == 2 * params
+    assert 0 < measured.compute_step_s <= measured.local_step_s * 1.5 and measured.data_rows_per_s > 0
+    assert measured.bandwidth > 0 and measured.latency_s > 0
+    # Both tasks timed their steps together; the plan uses the slowest one's.
+    tasks = plan.calibration["tasks"]
+    assert len(tasks) == 2 and measured.local_step_s == max(task["local_step_s"] for task in tasks)
+    assert measured.data_rows_per_s == min(task["data_rows_per_s"] for task in tasks)
+    assert len(plan.predictions) == 6 * 3 and {p.workers for p in plan.predictions} == {2, 8, 64}
+    for strategy in plan.strategies:
+        rates = [p.samples_per_s for p in plan.of(strategy)]
+        assert all(0 < p.efficiency <= 1.0 + 1e-9 for p in plan.of(strategy)), strategy
+        assert rates == sorted(rates), strategy  # more workers never predict fewer samples/s here
+    written = plan.save(str(tmp_path))
+    document = json.loads((tmp_path / "plan.json").read_text())
+    assert sorted(written) == sorted([str(tmp_path / "plan.json"), str(tmp_path / "plan.png")])
+    assert len(document["predictions"]) == 18 and "not predicted" in document["notes"][-1]
+    assert "AllReduce" in plan.table() and "calibration:" in plan.table()
+
+
+def test_a_stated_link_replaces_the_probe_and_a_slow_one_stops_allreduce_early(spark, digits_df):
+    plan = sparkdl.plan(
+        model=_mlp,
+        data=digits_df,
+        batch_size=32,
+        strategies="allreduce,model_averaging:sync_every=64",
+        workers=[2, 1024],
+        bandwidth="10mbit",
+        latency="1ms",
+        spark=spark,
+    )
+    assert plan.measured.bandwidth == pytest.approx(10e6 / 8) and plan.measured.latency_s == pytest.approx(1e-3)
+    assert plan.calibration["network"] is None  # nothing probed: both were stated
+    assert len(plan.calibration["tasks"]) == 1  # so one task was enough
+    stop = plan.stops_scaling(plan.strategies[0])
+    assert stop is not None and stop.workers == 2 and stop.comm_bound == "bandwidth", plan.table()
+    averaging = plan.of(plan.strategies[1])
+    assert averaging[0].samples_per_s > plan.of(plan.strategies[0])[0].samples_per_s
+
+
+def test_a_model_that_cannot_be_built_and_data_that_cannot_be_read_fail_as_fit_does(spark, digits_df, tmp_path):
+    def not_a_module():
+        return "a layer"
+
+    def raises():
+        raise RuntimeError("no such layer")
+
+    missing = str(tmp_path / "nowhere")
+    for model, data in ((not_a_module, digits_df), (raises, digits_df), (_mlp, missing)):
+        with pytest.raises(Exception) as planned:
+            sparkdl.plan(model=model, data=data, spark=spark, bandwidth="10Gbit", latency="50us")
+        with pytest.raises(Exception) as fitted:
+            sparkdl.TorchEstimator(model=model, progress=False).fit(data)
+        assert type(planned.value) is type(fitted.value) and str(planned.value) == str(fitted.value)
+        assert isinstance(planned.value, (sparkdl.ConfigError, DataError, RuntimeError))

@@ -130,13 +130,15 @@ def plan(
     data_settings = estimator.settings.data
     # What fit checks before it launches, in the same order and words.
     module = build_checked_model(model, data_settings.plan)
-    info, spec, reader, _ = prepare_data(data, data_settings, 1, spark)
+    probe = stated_bandwidth is None or stated_latency is None
+    tasks = 2 if probe else 1  # two tasks time their steps together, then the link between them
+    # Prepared for the calibration's tasks: a DataFrame's copy, laid out for them, is the one run() reuses.
+    info, spec, reader, _ = prepare_data(data, data_settings, tasks, spark)
     check_optimizer(optimizer, module)
     check_loss(module, loss, info, spec, reader)
-    probe = stated_bandwidth is None or stated_latency is None
     calibrated = run(
         measure_task(model, optimizer, loss, batch_size),
-        num_workers=2 if probe else 1,  # two tasks time their steps together, then the link between them
+        num_workers=tasks,
         data=data,
         feature_cols=data_settings.feature_cols,
         inputs=data_settings.inputs,

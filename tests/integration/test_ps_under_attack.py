@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import pytest
 
 import sparkdl
+from sparkdl._net.frames import RETRIES_AFTER_PROOF
 from sparkdl._net.server import recv_exact
 from sparkdl.strategies.parameter_server.transport import ShardClient
 from sparkdl.strategies.parameter_server.wire import GREETING, ParameterServerError
@@ -34,8 +35,17 @@ from tests.sockets import closed_by_server
 pytestmark = pytest.mark.spark
 
 EPOCHS = 2
-#: Garbage bytes, then a handshake with the wrong secret: two rejections the server must log.
-ATTACKS = 2
+#: A client with the wrong secret tries this often: a hang-up after it proved the secret may also
+#: be the server shedding load, so it retries (sparkdl._net.frames.connect_retrying).
+WRONG_SECRET_TRIES = 1 + RETRIES_AFTER_PROOF
+#: Garbage bytes, then a client with the wrong secret: the rejections the server must log.
+ATTACKS = 1 + WRONG_SECRET_TRIES
+#: What the server says of each of them. Rank 1 waits for all of them before it trains on, counting
+#: only these: its server is closed once it has finished, and an attacker's retry that came after
+#: that was refused a connection (a CI failure, when rank 1 was released by a count of 2 that the
+#: garbage and the first wrong-secret try had reached). The half-open connection the test also
+#: holds is dropped once its handshake time (5 s) runs out, as "handshake not completed".
+AUTH_FAILED = "authentication failed"
 #: Generous bounds on events (a loaded 2-core machine), never expected to be reached: the run's
 #: start (the first run of a session starts the executors' Python workers), the attack's arrival.
 START_WAIT_S = 600
@@ -43,11 +53,11 @@ ATTACK_WAIT_S = 240
 REJECTED = "parameter server on rank 1: dropping unauthenticated peer"
 
 
-def _attacked_loop(epochs: int, attacks: int, wait_s: float) -> Callable[[Any], Dict[str, Any]]:
+def _attacked_loop(epochs: int, attacks: int, wait_s: float, reason: str) -> Callable[[Any], Dict[str, Any]]:
     """Rank 1 publishes its shard server's address after its first step and counts, before every
-    step, the rejections its server has logged. Half-way through it waits (on that count, bounded)
-    until the attack is in, so the attack lands mid-run however the timing goes. Built in a
-    function so Spark ships it by value."""
+    step, the rejections for ``reason`` its server has logged. Half-way through it waits (on that
+    count, bounded) until the attack is in, so the attack lands mid-run however the timing goes.
+    Built in a function so Spark ships it by value."""
 
     def train(ctx: Any) -> Dict[str, Any]:
         import logging as _logging
@@ -63,7 +73,8 @@ def _attacked_loop(epochs: int, attacks: int, wait_s: float) -> Callable[[Any], 
 
         class _Rejections(_logging.Handler):
             def emit(self, record: _logging.LogRecord) -> None:
-                if "dropping unauthenticated peer" in record.getMessage():
+                message = record.getMessage()
+                if "dropping unauthenticated peer" in message and reason in message:
                     with seen:
                         rejections[0] += 1
                         seen.notify_all()
@@ -152,7 +163,7 @@ def test_an_established_worker_keeps_training_while_a_bad_peer_attacks_its_serve
     def fit() -> None:
         try:
             outcome["result"] = sparkdl.run(
-                _attacked_loop(EPOCHS, ATTACKS, ATTACK_WAIT_S),
+                _attacked_loop(EPOCHS, ATTACKS, ATTACK_WAIT_S, AUTH_FAILED),
                 num_workers=2,
                 # Bulk-synchronous: every step either rank finishes needs the other's push to rank
                 # 1's server, so each step after the attack proves that server kept serving rank 0.
@@ -175,7 +186,8 @@ def test_an_established_worker_keeps_training_while_a_bad_peer_attacks_its_serve
     try:
         address = log.address(timeout=START_WAIT_S)
         assert address is not None, outcome
-        # A half-open handshake: the server greets it and holds it, and the run must not care.
+        # A half-open handshake: the server greets it and holds it until its handshake time runs
+        # out, and the run must not care.
         half_open = socket.create_connection(address, timeout=30)
         assert recv_exact(half_open, len(GREETING), time.monotonic() + 30) == GREETING
         garbage = socket.create_connection(address, timeout=30)
@@ -201,9 +213,9 @@ def test_an_established_worker_keeps_training_while_a_bad_peer_attacks_its_serve
     landed = next((i for i, count in enumerate(seen) if count >= ATTACKS), None)
     assert landed is not None and landed <= result["total"] // 2, seen
     print(f"\nattack complete before rank 1's step {landed} of {result['total']}")
-    # The driver saw the same rejections, forwarded from rank 1 ("authentication failed" both).
-    rejected = [m for m in log.messages if REJECTED in m]
-    assert len(rejected) >= ATTACKS and all("authentication failed" in m for m in rejected[:ATTACKS]), log.messages
+    # The driver saw the same rejections, forwarded from rank 1.
+    rejected = [m for m in log.messages if REJECTED in m and AUTH_FAILED in m]
+    assert len(rejected) >= ATTACKS, log.messages
     # The servers' model learned from both ranks.
     module = digits_mlp()
     module.load_state_dict(result["state"])

@@ -9,6 +9,8 @@ replaces torch's ``env://`` rendezvous handler: ``dist.init_process_group()`` wi
 building an unauthenticated torch ``TCPStore`` client. A script that changes ``MASTER_ADDR`` or
 ``MASTER_PORT`` gets torch's own handler for its own store; a ``TCPStore`` the script builds itself
 on sparkdl's store fails its handshake (torch's client retries until its timeout, then raises).
+(4) It raises glibc's allocator thresholds as a fit's task does (:mod:`sparkdl._task.allocator`;
+left alone when the user's environment tunes or replaces the allocator).
 
 Then it runs the target: a script as ``python script.py args`` would (``runpy``, ``__main__``,
 ``sys.argv``, the script's directory first on ``sys.path``), exiting with its status; or a
@@ -185,6 +187,10 @@ def main(argv: List[str]) -> int:
         spec = json.loads(handle.read().decode("utf-8"))
     install_env_handler(tuple(spec["store"]), secret, bool(spec["encrypt"]))
     del secret
+    from sparkdl._task.allocator import keep_step_memory
+
+    # A fresh process, as a fit's task is: its steps' memory stays in the heap from the first step.
+    keep_step_memory()
     from sparkdl._task.frameworks import one_process_per_task
 
     # The child is this rank's one process: a framework starting more fails at once, naming the rank.

@@ -119,13 +119,23 @@ def _callable_target(scale, out_dir):
     with open(os.path.join(out_dir, f"pid{dist.get_rank()}"), "w") as handle:
         handle.write(str(os.getpid()))
     dist.destroy_process_group()
-    return {"sum": value.item() * scale, "rank": int(os.environ["RANK"]), "pid": os.getpid()}
+    from tests.malloc_probe import mapped_blocks_added
+
+    return {
+        "sum": value.item() * scale,
+        "rank": int(os.environ["RANK"]),
+        "pid": os.getpid(),
+        "mapped_blocks_added": mapped_blocks_added(1 << 20),
+    }
 
 
 def test_a_callable_target_returns_rank_zeros_value(spark, tmp_path):
     value = sparkdl.launch(_callable_target, 10, str(tmp_path), num_workers=2, spark=spark, progress=False)
     assert value["sum"] == 30.0 and value["rank"] == 0
     assert value["pid"] != os.getpid()  # it ran in a child, not in the task's (or the driver's) process
+    # The child raised glibc's thresholds as a fit's task does (sparkdl._task.allocator): a 1 MiB
+    # block comes from its heap, where a fresh process would map it on its own.
+    assert value["mapped_blocks_added"] == 0
 
 
 FAILING_SCRIPT = """

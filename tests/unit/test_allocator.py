@@ -11,26 +11,18 @@ import sys
 
 import pytest
 
+#: The probe imports tests.malloc_probe: the interpreters start in the repository.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator: Linux only")
 
 PROBE = r"""
-import ctypes, json, sys
+import json, sys
 from sparkdl._task.allocator import keep_step_memory
+from tests.malloc_probe import mapped_blocks_added
 
-class MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2: ten size_t
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-libc = ctypes.CDLL(None)
-libc.mallinfo2.restype = MallInfo2
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
 kept = keep_step_memory() if sys.argv[1] == "keep" else None
-before = libc.mallinfo2().hblks
-block = libc.malloc(1 << 20)
-during = libc.mallinfo2().hblks
-libc.free(block)
-print(json.dumps({"kept": kept, "mapped_blocks_added": during - before}))
+print(json.dumps({"kept": kept, "mapped_blocks_added": mapped_blocks_added(1 << 20)}))
 """
 
 
@@ -38,7 +30,13 @@ def _probe(mode: str, **env: str) -> dict:
     environment = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     environment.update(env)
     done = subprocess.run(
-        [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, env=environment, timeout=60, check=True
+        [sys.executable, "-c", PROBE, mode],
+        capture_output=True,
+        text=True,
+        env=environment,
+        cwd=REPO_ROOT,
+        timeout=60,
+        check=True,
     )
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -16,9 +16,11 @@ kill. What these operators add:
   since a retry would fail the same way;
 * killing the task (a timeout, "mark failed": Airflow calls ``on_kill``) stops spark-submit, its
   driver and their children: spark-submit runs in a session of its own whose process group gets
-  SIGTERM, then SIGKILL after ``kill_grace_seconds``; the provider's own kill (YARN application,
+  SIGTERM, then SIGKILL after ``kill_grace_seconds`` (from a reaper process, as Airflow 3 SIGKILLs
+  the task's own process 5 s after its SIGTERM); the provider's own kill (YARN application,
   Kubernetes driver pod, standalone cluster driver) follows. This holds when Airflow's SIGTERM
-  lands on a thread other than the task's main thread, and the job prints nothing more.
+  lands on a thread other than the task's main thread, when the job prints nothing more, and
+  when its handler interrupts the logging of a line (session_hook.py says how).
 
 ``output_dir`` must be readable by the Airflow worker (local in client mode, or shared storage
 mounted on the worker) for the XCom; with ``checkpoint_dir`` templated per DAG run
@@ -29,63 +31,16 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import signal
-import subprocess
-import threading
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from sparkdl_airflow.entry import PREDICT, TRAIN
+from sparkdl_airflow.session_hook import SessionSparkSubmitHook
 
 USAGE_ERROR = 2  # sparkdl train/predict: bad options; retrying cannot help
-
-
-class _SessionSparkSubmitHook(SparkSubmitHook):
-    """The provider's hook, but spark-submit starts a session of its own, so that a kill reaches
-    the driver and every process under it (the hook's own kill signals spark-submit alone, and a
-    Python driver outlives its JVM parent)."""
-
-    kill_grace_seconds: float = 20.0
-
-    def submit(self, application: str = "", **kwargs: Any) -> Optional[str]:
-        kwargs.setdefault("start_new_session", True)
-        return super().submit(application, **kwargs)
-
-    def _process_spark_submit_log(self, itr: Iterator[Any]) -> None:
-        # The provider reads spark-submit's output on the main thread, blocked in read() until the
-        # next line. Airflow kills a task with SIGTERM to its process, and the kernel may hand it
-        # to any thread (the task process has others: the supervisor's comms, an event loop);
-        # Python then runs the handler, and so on_kill, only once the main thread runs bytecode
-        # again, which a job printing nothing more never let it do: the kill hung and the job
-        # outlived the task. A thread reads the lines instead; the main thread takes them from a
-        # queue, waking at least every OUTPUT_POLL_SECONDS.
-        lines: "queue.Queue[Any]" = queue.Queue()
-        threading.Thread(target=_pump, args=(itr, lines), name="spark-submit-output", daemon=True).start()
-        super()._process_spark_submit_log(_polled(lines))
-
-    def on_kill(self) -> None:
-        process = getattr(self, "_submit_sp", None)
-        if process is not None and process.poll() is None:
-            self.log.info(
-                "sparkdl: the task is being killed; stopping spark-submit (pid %d) and every process of its session",
-                process.pid,
-            )
-            _signal_group(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=self.kill_grace_seconds)
-            except subprocess.TimeoutExpired:
-                self.log.warning(
-                    "spark-submit (pid %d) outlived SIGTERM by %.0f s; sending SIGKILL",
-                    process.pid,
-                    self.kill_grace_seconds,
-                )
-                _signal_group(process.pid, signal.SIGKILL)
-                process.wait()
-        super().on_kill()  # the cluster side: YARN application, Kubernetes pod, standalone driver
 
 
 class _SparkdlJobOperator(SparkSubmitOperator):
@@ -133,7 +88,7 @@ class _SparkdlJobOperator(SparkSubmitOperator):
 
     def _get_hook(self) -> SparkSubmitHook:
         hook = super()._get_hook()
-        hook.__class__ = _SessionSparkSubmitHook  # the same hook, with the two methods above
+        hook.__class__ = SessionSparkSubmitHook  # the same hook, with spark-submit in a session of its own
         hook.kill_grace_seconds = self.kill_grace_seconds
         return hook
 
@@ -225,38 +180,6 @@ class SparkdlPredictOperator(_SparkdlJobOperator):
                     f"{name} = {value:.4f} is below the required {float(floor)} (predictions in {metrics.get('predictions')})"
                 )
         return {k: metrics.get(k) for k in ("status", "rows", "evaluation", "predictions", "model", "wall_seconds")}
-
-
-OUTPUT_POLL_SECONDS = 0.5
-_END = object()  # spark-submit's output ended
-
-
-def _pump(itr: Iterator[Any], lines: "queue.Queue[Any]") -> None:
-    try:
-        for line in itr:
-            lines.put(line)
-    finally:
-        lines.put(_END)
-
-
-def _polled(lines: "queue.Queue[Any]") -> Iterator[Any]:
-    """The lines :func:`_pump` queued, in order, until the end; between them the main thread
-    returns to Python every OUTPUT_POLL_SECONDS, so that a pending signal handler runs."""
-    while True:
-        try:
-            line = lines.get(timeout=OUTPUT_POLL_SECONDS)
-        except queue.Empty:
-            continue
-        if line is _END:
-            return
-        yield line
-
-
-def _signal_group(pgid: int, signum: int) -> None:
-    try:
-        os.killpg(pgid, signum)
-    except ProcessLookupError:  # the whole group has exited already
-        pass
 
 
 def _read_json(path: str) -> Optional[Dict[str, Any]]:

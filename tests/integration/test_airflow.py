@@ -28,6 +28,7 @@ from typing import Optional
 
 import pytest
 
+from sparkdl_airflow.reaper import live_processes
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.slow
@@ -84,18 +85,12 @@ with create_session() as session:
 def _live_processes():
     """pid -> (session id, command line) of every live (not zombie) process."""
     found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid, (_, session) in live_processes().items():
         try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                cmdline = handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                found[pid] = (session, handle.read().replace(b"\0", b" ").decode(errors="replace").strip())
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-        if fields[0] not in ("Z", "X"):
-            found[int(entry)] = (int(fields[3]), cmdline)  # fields[3]: the session id
     return found
 
 
@@ -389,8 +384,12 @@ for _ in range(2):  # both Python workers are running a task
     with conn:
         workers.append(int(conn.makefile().read()))
 print("BLOCKING " + json.dumps({"driver": os.getpid(), "sid": os.getsid(0), "workers": workers}), flush=True)
-threading.Event().wait()
 """
+# What the driver does once both workers are blocked, until it is killed.
+SILENT = "threading.Event().wait()\n"  # prints nothing more: Airflow's main thread waits for a line
+# Prints without a pause: Airflow's main thread is nearly always logging a line, inside structlog's
+# per-file lock, when the SIGTERM handler interrupts it (an on_kill that logged deadlocked there).
+CHATTY = "line = 0\nwhile True:\n    line += 1\n    print('still training', line, flush=True)\n"
 
 
 def _signal_a_thread_other_than_main(pid: int, signum: int) -> None:
@@ -409,80 +408,149 @@ def _drain(lines: "queue.Queue[Optional[str]]") -> list:
     return drained
 
 
-def test_killing_the_task_stops_spark_submit_its_driver_and_python_workers(tmp_path, airflow_python, airflow_env):
-    """Airflow kills a task by sending its process SIGTERM; the task runner's handler calls the
-    operator's on_kill. Every process of spark-submit's session (the SparkSubmit JVM, the Python
-    driver, the PySpark daemon and its task workers) must be gone afterwards."""
-    (tmp_path / "blocking.py").write_text(BLOCKING_JOB)
-    runner = _one_task_dag(
-        airflow_env,
-        "sparkdl_kill",
-        "SparkdlTrainOperator",
-        application=str(tmp_path / "blocking.py"),
-        output_dir=str(tmp_path / "out"),
-    )
-    task = subprocess.Popen(
-        [airflow_python, str(runner)],
-        env=airflow_env,
-        cwd=str(tmp_path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    lines: "queue.Queue[Optional[str]]" = queue.Queue()
+class _BlockingTask:
+    """The one-task DAG of a job whose driver blocks with both Python workers busy, run by
+    ``dag.test()`` in a process (and session) of its own; its output read by a thread."""
 
-    def read():
-        for line in task.stdout:
-            lines.put(line)
-        lines.put(None)  # end of output: the task process has exited
+    def __init__(self, tmp_path, airflow_python, airflow_env, job: str, **operator_kwargs):
+        (tmp_path / "blocking.py").write_text(job)
+        runner = _one_task_dag(
+            airflow_env,
+            "sparkdl_kill",
+            "SparkdlTrainOperator",
+            application=str(tmp_path / "blocking.py"),
+            output_dir=str(tmp_path / "out"),
+            **operator_kwargs,
+        )
+        self.tmp_path, self.output, self.info = tmp_path, [], None
+        self.lines: "queue.Queue[Optional[str]]" = queue.Queue()
+        self.process = subprocess.Popen(
+            [airflow_python, str(runner)],
+            env=airflow_env,
+            cwd=str(tmp_path),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    output, info, sid = [], None, None
-    try:
+    def _read(self):
+        for line in self.process.stdout:
+            self.lines.put(line)
+        self.lines.put(None)  # end of output: the task process has exited
+
+    def wait_until_blocking(self) -> dict:
+        """Waits for the driver's BLOCKING line; returns its pids: driver, sid, workers."""
         deadline = time.monotonic() + 240  # Airflow's start-up plus a spark-submit on a busy 2-core machine
-        while info is None:
+        while self.info is None:
             try:
-                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
                 line = None
-            assert line is not None, "the job never reported both workers busy:\n" + "".join(output)[-4000:]
-            output.append(line)
-            if "BLOCKING " in line:
-                info = json.JSONDecoder().raw_decode(line.split("BLOCKING ", 1)[1])[
-                    0
-                ]  # the task log appends its fields
-        sid = info["sid"]
-        assert sid != os.getsid(task.pid)  # the operator started spark-submit in a session of its own
-        running = _session_processes(sid)
-        assert info["driver"] in running and all(w in running for w in info["workers"]), running
+            assert line is not None, "the job never reported both workers busy:\n" + "".join(self.output)[-4000:]
+            self.output.append(line)
+            if "BLOCKING " in line:  # the task log appends its fields after the JSON
+                self.info = json.JSONDecoder().raw_decode(line.split("BLOCKING ", 1)[1])[0]
+        assert self.info["sid"] != os.getsid(
+            self.process.pid
+        )  # the operator started spark-submit in a session of its own
+        running = _session_processes(self.info["sid"])
+        assert self.info["driver"] in running and all(w in running for w in self.info["workers"]), running
         assert any("org.apache.spark.deploy.SparkSubmit" in c for c in running.values()), running
+        return running
 
+    def text(self) -> str:
+        self.reader.join(timeout=30)
+        return "".join(self.output + _drain(self.lines))
+
+    def stacks_after(self, seconds: float) -> Optional[str]:
+        """None once the task's process has exited within ``seconds``; else its threads' stacks."""
+        try:
+            self.process.wait(timeout=seconds)
+            return None
+        except subprocess.TimeoutExpired:
+            os.kill(self.process.pid, signal.SIGUSR1)  # the runner's faulthandler prints every thread's stack
+            self.reader.join(timeout=10)
+            text = "".join(self.output + _drain(self.lines))
+            dump = text.find("Thread 0x")  # faulthandler's first thread
+            return text[dump : dump + 8000] if dump >= 0 else text[-6000:]
+
+    def clean_up(self):
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        _kill_everything_of(str(self.tmp_path), [self.info["sid"]] if self.info else [])
+
+
+@pytest.mark.parametrize("driver_then", [SILENT, CHATTY], ids=["silent", "chatty"])
+def test_killing_the_task_stops_spark_submit_its_driver_and_python_workers(
+    tmp_path, airflow_python, airflow_env, driver_then
+):
+    """Airflow kills a task by sending its process SIGTERM; the task runner's handler calls the
+    operator's on_kill. Every process of spark-submit's session (the SparkSubmit JVM, the Python
+    driver, the PySpark daemon and its task workers) must be gone afterwards, whether the job is
+    silent or printing when the kill comes."""
+    task = _BlockingTask(tmp_path, airflow_python, airflow_env, BLOCKING_JOB + driver_then)
+    try:
+        running = task.wait_until_blocking()
         # Airflow's supervisor kills a task with SIGTERM to the task's process, which the kernel
         # hands to any of its threads not blocking it; the hard case is a thread other than the
         # main one (Python runs signal handlers on the main thread only), so it is delivered there.
-        _signal_a_thread_other_than_main(task.pid, signal.SIGTERM)
-        try:
-            task.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.kill(task.pid, signal.SIGUSR1)  # the runner's faulthandler prints every thread's stack
-            reader.join(timeout=10)
-            pytest.fail("the task outlived SIGTERM by 120 s:\n" + "".join(output + _drain(lines))[-6000:])
-        reader.join(timeout=30)
-        text = "".join(output + _drain(lines))
-        assert "the task is being killed; stopping spark-submit" in text, text[-4000:]
+        _signal_a_thread_other_than_main(task.process.pid, signal.SIGTERM)
+        stacks = task.stacks_after(120)
+        # pytrace=False: the message alone, so that the stacks are what a CI summary shows first.
+        if stacks is not None:
+            pytest.fail("the task outlived SIGTERM by 120 s; its threads' stacks:\n" + stacks, pytrace=False)
+        text = task.text()
+        killed = re.search(
+            r"the task was killed; stopped spark-submit \(pid \d+\) and the processes of its group: (SIGTERM[^\n]*)",
+            text,
+        )
+        assert killed and "exited with" in killed.group(1), text[-4000:]
         assert 'RESULT {"state": "failed", "try_number": 1}' in text, text[-4000:]
         # JVM shutdown hooks and the PySpark daemon's exit take seconds on a loaded machine: a
         # generous bound, waited on with pidfds, not slept.
         left = _wait_exited(list(running), timeout=90)
+        sid = task.info["sid"]
         assert not left and not _session_processes(sid), (
             f"still running after the task was killed: {_session_processes(sid)}"
         )
     finally:
-        if task.poll() is None:
-            os.killpg(task.pid, signal.SIGKILL)
-        _kill_everything_of(str(tmp_path), [sid] if sid else [])
+        task.clean_up()
+
+
+# A driver that ignores SIGTERM: one slow to stop (a long shutdown hook), at its worst.
+IGNORES_SIGTERM = "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+
+
+def test_a_driver_that_outlives_sigterm_is_killed_after_the_grace_period_though_airflow_killed_the_task(
+    tmp_path, airflow_python, airflow_env
+):
+    """Airflow 3's supervisor SIGKILLs a task's process 5 s after its SIGTERM, so the SIGKILL after
+    ``kill_grace_seconds`` cannot come from there: the reaper process that on_kill starts sends it."""
+    task = _BlockingTask(
+        tmp_path, airflow_python, airflow_env, IGNORES_SIGTERM + BLOCKING_JOB + SILENT, kill_grace_seconds=3
+    )
+    try:
+        running = task.wait_until_blocking()
+        jvm = [pid for pid, cmdline in running.items() if "org.apache.spark.deploy.SparkSubmit" in cmdline]
+        _signal_a_thread_other_than_main(task.process.pid, signal.SIGTERM)
+        # on_kill starts the reaper, then sends spark-submit's group SIGTERM, which ends the JVM.
+        assert not _wait_exited(jvm, timeout=90), "on_kill's SIGTERM never stopped the SparkSubmit JVM"
+        os.kill(task.process.pid, signal.SIGKILL)  # as Airflow's supervisor does while the driver runs on
+        task.process.wait(timeout=30)
+        left = _wait_exited(list(running), timeout=90)
+        sid = task.info["sid"]
+        assert not left and not _session_processes(sid), (
+            f"still running after the task was killed: {_session_processes(sid)}"
+        )
+        reapers = [
+            pid for pid, (_, cmdline) in _live_processes().items() if f"sparkdl_airflow.reaper {jvm[0]} " in cmdline
+        ]
+        assert not _wait_exited(reapers, timeout=30)  # and the reaper ended itself
+    finally:
+        task.clean_up()
 
 
 STALE_JOB = """

@@ -32,6 +32,7 @@ from sparkdl.strategies.parameter_server import ParameterServer, ParameterServer
 from sparkdl.strategies.parameter_server.layout import TableSpec
 from sparkdl.strategies.parameter_server.runtime import ParameterServerRuntime
 from sparkdl.strategies.parameter_server.shard import Shard, build_server_optimizer
+from tests.gloo import exit_without_finalizing
 
 # ---- the strategy's settings ---------------------------------------------------------------
 
@@ -338,6 +339,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     finally:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
+    exit_without_finalizing()
 
 
 def _free_port() -> int:

@@ -38,6 +38,7 @@ from sparkdl._net.rendezvous_wire import (
 )
 from sparkdl._runtime.rendezvous import active_store, rendezvous, teardown
 from sparkdl.errors import PeerLostError
+from tests.gloo import exit_without_finalizing
 
 SECRET = b"s" * 32
 WORLD = 2
@@ -564,6 +565,7 @@ def _ranks_worker(rank: int, directory: str) -> None:
         result["exception"] = traceback.format_exc()
         teardown()
     torch.save(result, os.path.join(directory, f"rank{rank}.pt"))
+    exit_without_finalizing()
 
 
 @pytest.fixture(scope="module")

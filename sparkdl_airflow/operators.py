@@ -19,8 +19,9 @@ kill. What these operators add:
   SIGTERM, then SIGKILL after ``kill_grace_seconds`` (from a reaper process, as Airflow 3 SIGKILLs
   the task's own process 5 s after its SIGTERM); the provider's own kill (YARN application,
   Kubernetes driver pod, standalone cluster driver) follows. This holds when Airflow's SIGTERM
-  lands on a thread other than the task's main thread, when the job prints nothing more, and
-  when its handler interrupts the logging of a line (session_hook.py says how).
+  lands on a thread other than the task's main thread, when the job prints nothing more, when
+  its handler interrupts the logging of a line, and when the kill comes before spark-submit has
+  started, which then never starts (session_hook.py says how).
 
 ``output_dir`` must be readable by the Airflow worker (local in client mode, or shared storage
 mounted on the worker) for the XCom; with ``checkpoint_dir`` templated per DAG run
@@ -38,7 +39,7 @@ from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOpe
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from sparkdl_airflow.entry import PREDICT, TRAIN
-from sparkdl_airflow.session_hook import SessionSparkSubmitHook
+from sparkdl_airflow.session_hook import NotSubmitted, SessionSparkSubmitHook
 
 USAGE_ERROR = 2  # sparkdl train/predict: bad options; retrying cannot help
 
@@ -90,7 +91,19 @@ class _SparkdlJobOperator(SparkSubmitOperator):
         hook = super()._get_hook()
         hook.__class__ = SessionSparkSubmitHook  # the same hook, with spark-submit in a session of its own
         hook.kill_grace_seconds = self.kill_grace_seconds
+        hook.task_killed = self._was_killed
         return hook
+
+    def on_kill(self) -> None:
+        # Airflow's SIGTERM handler calls this and lets the task go on: the kill is recorded first,
+        # so that a spark-submit not started yet never starts (session_hook.py). Without a hook
+        # nothing was submitted, and building one here would fetch the connection inside the handler.
+        self._killed = True
+        if self._hook is not None:
+            super().on_kill()
+
+    def _was_killed(self) -> bool:
+        return getattr(self, "_killed", False)
 
     @property
     def metrics_path(self) -> str:
@@ -103,6 +116,8 @@ class _SparkdlJobOperator(SparkSubmitOperator):
         self._hook = None  # built afresh per try, from the rendered fields
         try:
             super().execute(context)
+        except NotSubmitted:
+            raise  # no job ran: neither metrics nor an exit status to report
         except AirflowException as exc:
             metrics = _read_json(self.metrics_path) or {}
             code = getattr(getattr(self._hook, "_submit_sp", None), "returncode", None)

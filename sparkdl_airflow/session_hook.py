@@ -14,6 +14,15 @@ say, with the provider's own cluster-side kill (which logs too), runs on a threa
 Airflow 3's supervisor SIGKILLs the task's process 5 s after its SIGTERM, so the SIGKILL that ends
 a spark-submit group still running after ``kill_grace_seconds`` is sent by a reaper process
 (:mod:`sparkdl_airflow.reaper`), which outlives the task.
+
+Airflow 3's handler only calls ``on_kill``: the task then goes on where the signal interrupted it.
+A kill that lands before spark-submit has started (while the operator renders its arguments, in a
+``pre_execute``) finds nothing to stop, and the task would then start spark-submit, in a session
+that Airflow's SIGKILL of the task does not reach: a job trained on for a task already killed. So
+the kill is recorded first (:attr:`SessionSparkSubmitHook.task_killed`, which the operator points
+at its own record, set even before this hook exists); ``submit`` refuses to start spark-submit
+after it, and a kill that lands while spark-submit is starting (after that check, before the hook
+knows the process) stops its session as soon as the output loop begins.
 """
 
 from __future__ import annotations
@@ -25,9 +34,10 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
+from airflow.sdk.exceptions import AirflowException
 
 from sparkdl_airflow.reaper import KILLED
 
@@ -39,17 +49,33 @@ _END = object()  # spark-submit's output ended
 REAPER_MARGIN_SECONDS = 5.0
 
 
+class NotSubmitted(AirflowException):
+    """The task was killed before spark-submit started, so it was not started."""
+
+
 class SessionSparkSubmitHook(SparkSubmitHook):
     """The provider's hook, but spark-submit starts a session of its own, so that a kill reaches
     the driver and every process under it (the hook's own kill signals spark-submit alone, and a
     Python driver outlives its JVM parent)."""
 
     kill_grace_seconds: float = 20.0
+    #: Whether the task has been killed, by this hook's on_kill or before the hook existed (the
+    #: operator sets it to its own record).
+    task_killed: Callable[[], bool] = staticmethod(lambda: False)
+    _killed = False
     _after_kill: Optional[threading.Thread] = None
+    _stop_claim: Optional[threading.Lock] = None
 
     def submit(self, application: str = "", **kwargs: Any) -> Optional[str]:
+        if self._kill_requested():
+            raise NotSubmitted("sparkdl: the task was killed before spark-submit started; nothing was submitted")
+        # Made before spark-submit exists, so a kill (which needs the process) always finds it.
+        self._stop_claim = threading.Lock()
         kwargs.setdefault("start_new_session", True)
         return super().submit(application, **kwargs)
+
+    def _kill_requested(self) -> bool:
+        return self._killed or self.task_killed()
 
     def _process_spark_submit_log(self, itr: Iterator[Any]) -> None:
         # The provider reads spark-submit's output on the main thread, blocked in read() until the
@@ -57,6 +83,8 @@ class SessionSparkSubmitHook(SparkSubmitHook):
         # the supervisor's comms, an event loop) had its handler, and so on_kill, wait for a line
         # that a job printing nothing more never wrote. A thread reads the lines instead; the main
         # thread takes them from a queue, waking at least every OUTPUT_POLL_SECONDS.
+        if self._kill_requested():  # a kill landed while spark-submit was starting: it found no process
+            self._stop_once(self._submit_sp)
         lines: "queue.Queue[Any]" = queue.Queue()
         threading.Thread(target=_pump, args=(itr, lines), name="spark-submit-output", daemon=True).start()
         try:
@@ -69,20 +97,26 @@ class SessionSparkSubmitHook(SparkSubmitHook):
         # Called from Airflow's SIGTERM handler: no logging here (see the module's docstring).
         # Signals, waits and starting a process (no preexec_fn: no fork hooks, no import lock)
         # take no lock that the interrupted main thread may hold.
-        if self._after_kill is not None:  # a second SIGTERM: the first one's kill is under way or done
-            return
+        self._killed = True  # first: submit() starts nothing after this
         process = getattr(self, "_submit_sp", None)
-        stopped = None
-        if process is not None and process.poll() is None:
-            stopped = stop_session(process, self.kill_grace_seconds)
+        if process is not None:  # else spark-submit has not started, or the output loop stops it
+            self._stop_once(process)
+
+    def _stop_once(self, process: subprocess.Popen) -> None:
+        """Stops spark-submit's session and starts the report and the cluster-side kill, once: a
+        second SIGTERM, or the handler running inside the output loop's own call, does nothing."""
+        claim = self._stop_claim
+        if claim is None or not claim.acquire(blocking=False):  # never blocks: safe in a signal handler
+            return
+        stopped = stop_session(process, self.kill_grace_seconds) if process.poll() is None else None
         # Not a daemon: the task's process does not exit before the report and the cluster side are done.
         self._after_kill = threading.Thread(
             target=self._report_and_kill_cluster_side, args=(process, stopped), name="sparkdl-after-kill"
         )
         self._after_kill.start()
 
-    def _report_and_kill_cluster_side(self, process: Optional[subprocess.Popen], stopped: Optional[Stopped]) -> None:
-        if process is not None and stopped is not None:
+    def _report_and_kill_cluster_side(self, process: subprocess.Popen, stopped: Optional[Stopped]) -> None:
+        if stopped is not None:
             outcome = f"exited with {stopped.exit_code}" if stopped.exit_code is not None else "still running"
             self.log.info(
                 "sparkdl: the task was killed; stopped spark-submit (pid %d) and the processes of its group: "

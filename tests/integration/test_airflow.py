@@ -342,8 +342,9 @@ from datetime import timedelta
 from airflow.sdk import DAG
 from sparkdl_airflow import SparkdlPredictOperator, SparkdlTrainOperator
 
+{preamble}
 with DAG({dag_id!r}, schedule=None, start_date=pendulum.datetime(2024, 1, 1, tz="UTC"), catchup=False) as dag:
-    task = {operator}(task_id="job", retry_delay=timedelta(seconds=0), **{kwargs!r})
+    task = {operator}(task_id="job", retry_delay=timedelta(seconds=0), {extra}**{kwargs!r})
 
 if __name__ == "__main__":
     import faulthandler, signal
@@ -354,10 +355,16 @@ if __name__ == "__main__":
 """
 
 
-def _one_task_dag(airflow_env, dag_id, operator, **kwargs):
+def _one_task_dag(airflow_env, dag_id, operator, preamble="", extra="", **kwargs):
+    """The DAG file; ``preamble`` is code before the DAG, ``extra`` operator arguments as code
+    (``"pre_execute=wait, "``: what a repr cannot carry)."""
     path = os.path.join(airflow_env["AIRFLOW__CORE__DAGS_FOLDER"], f"{dag_id}.py")
     with open(path, "w") as handle:
-        handle.write(ONE_TASK_DAG.format(dag_id=dag_id, operator=operator, kwargs={**SPARK, **kwargs}))
+        handle.write(
+            ONE_TASK_DAG.format(
+                dag_id=dag_id, operator=operator, preamble=preamble, extra=extra, kwargs={**SPARK, **kwargs}
+            )
+        )
     return path
 
 
@@ -412,12 +419,24 @@ class _BlockingTask:
     """The one-task DAG of a job whose driver blocks with both Python workers busy, run by
     ``dag.test()`` in a process (and session) of its own; its output read by a thread."""
 
-    def __init__(self, tmp_path, airflow_python, airflow_env, job: str, **operator_kwargs):
+    def __init__(
+        self,
+        tmp_path,
+        airflow_python,
+        airflow_env,
+        job: str,
+        preamble="",
+        extra="",
+        operator="SparkdlTrainOperator",
+        **operator_kwargs,
+    ):
         (tmp_path / "blocking.py").write_text(job)
         runner = _one_task_dag(
             airflow_env,
             "sparkdl_kill",
-            "SparkdlTrainOperator",
+            operator,
+            preamble=preamble,
+            extra=extra,
             application=str(tmp_path / "blocking.py"),
             output_dir=str(tmp_path / "out"),
             **operator_kwargs,
@@ -441,18 +460,24 @@ class _BlockingTask:
             self.lines.put(line)
         self.lines.put(None)  # end of output: the task process has exited
 
-    def wait_until_blocking(self) -> dict:
-        """Waits for the driver's BLOCKING line; returns its pids: driver, sid, workers."""
+    def wait_for_line(self, marker: str, what: str) -> str:
+        """Waits for the first line of output containing ``marker``; fails saying ``what`` never happened."""
         deadline = time.monotonic() + 240  # Airflow's start-up plus a spark-submit on a busy 2-core machine
-        while self.info is None:
+        while True:
             try:
                 line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
                 line = None
-            assert line is not None, "the job never reported both workers busy:\n" + "".join(self.output)[-4000:]
+            assert line is not None, f"{what}:\n" + "".join(self.output)[-4000:]
             self.output.append(line)
-            if "BLOCKING " in line:  # the task log appends its fields after the JSON
-                self.info = json.JSONDecoder().raw_decode(line.split("BLOCKING ", 1)[1])[0]
+            if marker in line:
+                return line
+
+    def wait_until_blocking(self) -> dict:
+        """Waits for the driver's BLOCKING line; returns its pids: driver, sid, workers."""
+        line = self.wait_for_line("BLOCKING ", "the job never reported both workers busy")
+        # The task log appends its fields after the JSON.
+        self.info = json.JSONDecoder().raw_decode(line.split("BLOCKING ", 1)[1])[0]
         assert self.info["sid"] != os.getsid(
             self.process.pid
         )  # the operator started spark-submit in a session of its own
@@ -549,6 +574,91 @@ def test_a_driver_that_outlives_sigterm_is_killed_after_the_grace_period_though_
             pid for pid, (_, cmdline) in _live_processes().items() if f"sparkdl_airflow.reaper {jvm[0]} " in cmdline
         ]
         assert not _wait_exited(reapers, timeout=30)  # and the reaper ended itself
+    finally:
+        task.clean_up()
+
+
+# A pre_execute that holds the task until Airflow's SIGTERM handler (which calls on_kill) has run:
+# the kill lands before spark-submit starts, every time.
+HOLDS_UNTIL_KILLED = """
+def hold_until_killed(context):
+    import signal, threading
+    handled = threading.Event()
+    airflow_handler = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum, frame):
+        airflow_handler(signum, frame)
+        handled.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    print("HOLDING UNTIL KILLED", flush=True)
+    # Python runs a handler when the main thread runs bytecode, and the signal lands on another
+    # thread: an untimed wait would never return to let it run.
+    while not handled.wait(0.1):
+        pass
+"""
+
+
+def test_a_kill_before_spark_submit_starts_submits_nothing(tmp_path, airflow_python, airflow_env):
+    """Airflow 3's handler only calls on_kill and the task goes on: a kill that found nothing to
+    stop must keep spark-submit from starting afterwards, else the job would train on in a session
+    that the supervisor's SIGKILL of the task does not reach."""
+    started = tmp_path / "the job started"
+    job = f"open({str(started)!r}, 'w').close()\n" + BLOCKING_JOB + SILENT
+    task = _BlockingTask(
+        tmp_path, airflow_python, airflow_env, job, preamble=HOLDS_UNTIL_KILLED, extra="pre_execute=hold_until_killed, "
+    )
+    try:
+        task.wait_for_line("HOLDING UNTIL KILLED", "the task never reached its pre_execute")
+        _signal_a_thread_other_than_main(task.process.pid, signal.SIGTERM)
+        stacks = task.stacks_after(120)
+        if stacks is not None:
+            pytest.fail("the task outlived SIGTERM by 120 s; its threads' stacks:\n" + stacks, pytrace=False)
+        text = task.text()
+        assert "the task was killed before spark-submit started; nothing was submitted" in text, text[-4000:]
+        assert 'RESULT {"state": "failed", "try_number": 1}' in text, text[-4000:]
+        # No process of the job's was ever started: spark-submit names the application on its command line.
+        application = str(tmp_path / "blocking.py")
+        assert not [cmd for _, cmd in _live_processes().values() if application in cmd], _live_processes()
+        assert not started.exists()
+    finally:
+        task.clean_up()
+
+
+# The kill lands while spark-submit is starting: just after submit() looked for one, before the hook
+# knows the process. The operator's own record of the kill reads False once, then True.
+KILLED_WHILE_STARTING = """
+class KilledWhileStarting(SparkdlTrainOperator):
+    looked = 0
+
+    def _was_killed(self):
+        type(self).looked += 1
+        return type(self).looked > 1
+"""
+
+
+def test_a_kill_while_spark_submit_starts_stops_its_session(tmp_path, airflow_python, airflow_env):
+    task = _BlockingTask(
+        tmp_path,
+        airflow_python,
+        airflow_env,
+        BLOCKING_JOB + SILENT,
+        preamble=KILLED_WHILE_STARTING,
+        operator="KilledWhileStarting",
+    )
+    try:
+        stacks = task.stacks_after(120)
+        if stacks is not None:
+            pytest.fail("the task did not end within 120 s; its threads' stacks:\n" + stacks, pytrace=False)
+        text = task.text()
+        assert re.search(
+            r"the task was killed; stopped spark-submit \(pid \d+\) and the processes of its group", text
+        ), text[-4000:]
+        assert 'RESULT {"state": "failed", "try_number": 1}' in text, text[-4000:]
+        application = str(tmp_path / "blocking.py")
+        left = [pid for pid, (_, cmd) in _live_processes().items() if application in cmd]
+        assert not _wait_exited(left, timeout=90), _live_processes()
+        assert "BLOCKING " not in text  # the job was stopped before its workers were busy
     finally:
         task.clean_up()
 

@@ -152,6 +152,7 @@ def _train_ddp(model_fn, x, y, steps: int, batch: int, epochs: int, rank: int, w
 
 def _ddp_worker(rank: int, world: int, port: int, model_fn, features, labels, batch: int, epochs: int, out):
     import torch.distributed as dist
+    from _ranks import exit_without_finalizing
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
@@ -169,9 +170,7 @@ def _ddp_worker(rank: int, world: int, port: int, model_fn, features, labels, ba
         store.wait([f"done-{other}" for other in range(1, world)])
     else:
         store.set(f"done-{rank}", "1")
-    # Not through the interpreter's finalization, where torch's gloo objects abort a process now
-    # and then after destroy_process_group (tests/gloo.py, exit_without_finalizing, has figures).
-    os._exit(0)
+    exit_without_finalizing()
 
 
 def run_ddp(model_fn, features, labels, batch: int, epochs: int) -> Dict:

@@ -89,6 +89,7 @@ def crypto_part(repeats: int) -> None:
 def _ps_worker(rank: int, port: int, jobs: List[Dict[str, Any]], out: Any) -> None:
     """``benchmarks/parameter_server.py``'s ``_wire_worker`` for PS jobs, with ``encrypt``."""
     import torch.distributed as dist
+    from _ranks import exit_without_finalizing
 
     from sparkdl.strategies.base import DistEnv
     from sparkdl.strategies.parameter_server.runtime import ParameterServerRuntime
@@ -131,6 +132,7 @@ def _ps_worker(rank: int, port: int, jobs: List[Dict[str, Any]], out: Any) -> No
                 runtime.close()
     finally:
         dist.destroy_process_group()
+    exit_without_finalizing()  # the results are on the SimpleQueue already
 
 
 def ps_part(repeats: int) -> None:

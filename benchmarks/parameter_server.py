@@ -129,6 +129,7 @@ def _gather(message: str) -> List[str]:
 
 def _wire_worker(rank: int, port: int, jobs: List[Dict[str, Any]], out: Any) -> None:
     import torch.distributed as dist
+    from _ranks import exit_without_finalizing
 
     from sparkdl.strategies.base import DistEnv
     from sparkdl.strategies.parameter_server.runtime import ParameterServerRuntime as _ParameterServerRuntime
@@ -206,6 +207,7 @@ def _wire_worker(rank: int, port: int, jobs: List[Dict[str, Any]], out: Any) -> 
                 runtime.close()
     finally:
         dist.destroy_process_group()
+    exit_without_finalizing()  # the results are on the SimpleQueue already
 
 
 def _free_port() -> int:

@@ -1,6 +1,6 @@
 """Where the cached epochs lose to in-memory DDP on two ranks: every step's wall time, not the mean.
 
-    .venv/bin/python benchmarks/cached_step_times.py [--steps 146] [--epochs 6] [--rounds 3] [--world 2]
+    .venv/bin/python benchmarks/cached_step_times.py [--steps 146] [--epochs 6] [--rounds 3] [--world 2] [--checkpoints]
 
 The data-bound configuration of ``allreduce_vs_ddp.py`` (``Linear(64, 10)``, batch 1024, SGD) on
 ``--world`` ranks (two by default), one process pinned to one core each, a real gloo group and no
@@ -8,7 +8,10 @@ Spark (nor Java: it runs on any machine with torch, numpy, pyarrow and cryptogra
 
 * **in memory**: the plain DDP loop over the rank's rows as tensors, a new permutation per epoch;
 * **sparkdl, shard cache**: ``FitLoop`` with ``AllReduce`` and the shard cache on, so the epochs
-  after the first read the rank's decoded shard from memory (#31's path).
+  after the first read the rank's decoded shard from memory (#31's path);
+* with ``--checkpoints``, also **sparkdl, shard cache, checkpoint dir**: the same with a checkpoint
+  directory, as a production fit has: a checkpoint written in the background at each epoch's end,
+  and the ranks' agreements on draining (sparkdl._runtime.drain).
 
 A forward hook stamps each training step; the intervals of the epochs after the second (the cache
 warm, the first permutation done) are summarized per rank and round: median, mean, tail and the
@@ -67,8 +70,9 @@ def in_memory(x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace, stamps
             optimizer.step()
 
 
-def sparkdl_cached(env, dataset, args: argparse.Namespace, stamps: List[float]) -> None:
+def sparkdl_cached(env, dataset, args: argparse.Namespace, stamps: List[float], checkpoints: bool = False) -> None:
     from sparkdl._task.fit_loop import FitLoop
+    from sparkdl.checkpoint import FileCheckpointStore
     from sparkdl.context import TrainContext
     from sparkdl.data.batching import DataSpec
     from sparkdl.data.readers import reader_from_name
@@ -85,6 +89,7 @@ def sparkdl_cached(env, dataset, args: argparse.Namespace, stamps: List[float]) 
         data_spec=DataSpec(batch_size=BATCH, seed=0, shard_cache=cache),
         reader=reader_from_name("arrow"),
         steps_per_epoch=args.steps,
+        store=FileCheckpointStore(tempfile.mkdtemp(prefix="sparkdl-cached-steps-ckpt-")) if checkpoints else None,
     )
     loop = FitLoop(
         model=lambda: Stamped(MODELS["linear"](), stamps),
@@ -105,6 +110,13 @@ def steady_intervals_ms(stamps: List[float], args: argparse.Namespace) -> np.nda
     return np.concatenate(epochs) * 1000
 
 
+CHECKPOINTED = "sparkdl, shard cache, checkpoint dir"
+
+
+def sides(args: argparse.Namespace) -> List[str]:
+    return ["in memory", "sparkdl, shard cache"] + ([CHECKPOINTED] if args.checkpoints else [])
+
+
 def rank_main(rank: int, world_size: int, store: Store, args: argparse.Namespace, workdir: str):
     from sparkdl._runtime.rendezvous import teardown
     from sparkdl._task.allocator import keep_step_memory
@@ -118,7 +130,7 @@ def rank_main(rank: int, world_size: int, store: Store, args: argparse.Namespace
         # As a fit's task does before training (sparkdl._task.allocator), for both loops alike.
         keep_step_memory()
     env = join(rank, world_size, store, core=0)
-    measured: Dict[str, List[np.ndarray]] = {"in memory": [], "sparkdl, shard cache": []}
+    measured: Dict[str, List[np.ndarray]] = {side: [] for side in sides(args)}
     try:
         for _ in range(args.rounds):
             stamps: List[float] = []
@@ -127,6 +139,10 @@ def rank_main(rank: int, world_size: int, store: Store, args: argparse.Namespace
             stamps = []
             sparkdl_cached(env, dataset, args, stamps)
             measured["sparkdl, shard cache"].append(steady_intervals_ms(stamps, args))
+            if args.checkpoints:
+                stamps = []
+                sparkdl_cached(env, dataset, args, stamps, checkpoints=True)
+                measured[CHECKPOINTED].append(steady_intervals_ms(stamps, args))
     finally:
         teardown()
     return measured
@@ -138,6 +154,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--world", type=int, default=2, help="ranks, each pinned to a core of its own")
+    parser.add_argument("--checkpoints", action="store_true", help="also the cached loop with a checkpoint directory")
     parser.add_argument(
         "--glibc-defaults",
         action="store_true",
@@ -169,14 +186,15 @@ def main() -> None:
                     f"{np.percentile(d, 90):.3f} | {np.percentile(d, 99):.3f} | {excess:.0f} | {floor / d.mean():.3f} |"
                 )
     # The ranks step together, so the loop's throughput follows the mean step (alike on every rank).
-    ratios = [
-        np.mean([by_rank[r]["in memory"][n].mean() / by_rank[r]["sparkdl, shard cache"][n].mean() for r in by_rank])
-        for n in range(args.rounds)
-    ]
-    print(
-        f"sparkdl with the shard cache / in-memory DDP, samples/s by round: {', '.join(f'{r:.3f}' for r in ratios)}"
-        f" (median {np.median(ratios):.3f})"
-    )
+    for side in sides(args)[1:]:
+        ratios = [
+            np.mean([by_rank[r]["in memory"][n].mean() / by_rank[r][side][n].mean() for r in by_rank])
+            for n in range(args.rounds)
+        ]
+        print(
+            f"{side} / in-memory DDP, samples/s by round: {', '.join(f'{r:.3f}' for r in ratios)}"
+            f" (median {np.median(ratios):.3f})"
+        )
 
 
 if __name__ == "__main__":

@@ -263,11 +263,16 @@ class TrainContext(ResizeMethods):
 
     def should_drain(self) -> bool:
         """Whether every rank is to checkpoint now and stop, because a host of the run is being
-        decommissioned (sparkdl._runtime.drain). A collective: every rank calls it at the same step.
-        Always False without a checkpoint directory (nothing to resume from)."""
-        from sparkdl._runtime.drain import agreed
+        decommissioned (sparkdl._runtime.drain). Call it after every optimizer step, on every
+        rank: the ranks agree through a small allreduce about every half second, so most calls
+        return at once. Always False without a checkpoint directory (nothing to resume from)."""
+        from sparkdl._runtime.drain import DrainAgreement
 
-        return self._checkpoints is not None and agreed(self._rank.liveness.drain, self.device)
+        if self._checkpoints is None:
+            return False
+        if self._rank.drain_agreement is None:
+            self._rank.drain_agreement = DrainAgreement(self._rank.liveness.drain, self.device)
+        return self._rank.drain_agreement.check()
 
     @property
     def drain_reason(self) -> str:

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from sparkdl._runtime.device_feed import DeviceFeed
-from sparkdl._runtime.drain import DrainNotice
+from sparkdl._runtime.drain import DrainAgreement, DrainNotice
 from sparkdl._runtime.precision import PrecisionRuntime
 from sparkdl._runtime.resize import ResizePlan
 from sparkdl._runtime.stream import StreamPosition
@@ -61,6 +61,7 @@ class Rank:
             an elastic resume loaded; else None.
         resize: the attempt's ``on_resize`` arithmetic (accumulation, learning-rate factor).
         checkpoint_workers: the workers that wrote the checkpoint loaded, None before one is.
+        drain_agreement: when ``ctx.should_drain`` agrees next, None before its first call.
     """
 
     env: DistEnv
@@ -80,6 +81,7 @@ class Rank:
     resumed_user_states: Optional[List[Dict[str, Any]]] = None
     resize: ResizePlan = dataclasses.field(default_factory=ResizePlan)
     checkpoint_workers: Optional[int] = None
+    drain_agreement: Optional[DrainAgreement] = None
 
     @property
     def rank(self) -> int:

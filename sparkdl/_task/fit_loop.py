@@ -11,7 +11,6 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from sparkdl._runtime.drain import DRAIN_CHECK_EVERY
 from sparkdl.context import TrainContext
 from sparkdl.data.batching import batch_rows, call_model
 from sparkdl.errors import HostDrained, NonFiniteLossError
@@ -123,11 +122,7 @@ class FitLoop:
                     watch.check()  # a checkpoint never holds weights a NaN loss already spoiled
                     state.loss_sum = loss_sum.item()
                     self._save(ctx, model, optimizer, state, ctx.comm_bytes - comm_start, time.time() - epoch_start)
-                if (
-                    state.global_step % DRAIN_CHECK_EVERY == 0
-                    and state.step < ctx.steps_per_epoch
-                    and ctx.should_drain()
-                ):
+                if state.step < ctx.steps_per_epoch and ctx.should_drain():
                     # A host is going away: this step's checkpoint (unless just taken), stored before anyone stops.
                     if not saved:
                         watch.check()

@@ -48,7 +48,7 @@ def test_a_decommissioned_host_drains_the_run_with_a_checkpoint_and_it_resumes_t
     assert second["error"] is None and line["workers"][0] == 2 and line["workers"][1] in relaunch_sizes, line
     drained_at = int(first["error"].split("drained at step ")[1].split()[0])
     # The checkpoint of the drain step itself: the relaunch redid no step. The notice came after
-    # step 12 and the ranks agree every 8 steps.
-    assert drained_at > 12 and drained_at % 8 == 0, first
+    # step 12; the ranks agree about every half second (steps of 0.05 s here: every 10 or fewer).
+    assert drained_at > 12, first
     assert line["steps"]["resumed_at"] == drained_at, line
     assert line["accuracy"] >= 0.6, line

@@ -638,6 +638,8 @@ class KilledWhileStarting(SparkdlTrainOperator):
 
 
 def test_a_kill_while_spark_submit_starts_stops_its_session(tmp_path, airflow_python, airflow_env):
+    """The narrow window after submit()'s check: on_kill found no process, so the output loop,
+    the first code that knows spark-submit's, stops its session; the task reports it and fails."""
     task = _BlockingTask(
         tmp_path,
         airflow_python,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import sys
 from typing import Any, Callable, Dict, Optional, Tuple
 
 #: (the store's address, the job's secret): what a rank needs to join; None for a lone rank.
@@ -62,14 +61,3 @@ def run_ranks(target: Callable[..., Any], world_size: int, *args: Any) -> Dict[i
 
 def _rank_process(target: Callable[..., Any], rank: int, world_size: int, store: Store, args: tuple, results) -> None:
     results.put((rank, target(rank, world_size, store, *args)))
-
-
-def exit_without_finalizing() -> None:
-    """Ends a spawned rank whose results are out (a file written, or put on a ``SimpleQueue``,
-    which writes to its pipe at once) and whose groups are destroyed, before the interpreter's
-    finalization: there torch's gloo objects abort a few percent of exits (SIGABRT, "terminate
-    called without an active exception"; tests/gloo.py has the figures), which
-    ``torch.multiprocessing.spawn`` would report as the benchmark's failure."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -152,7 +152,8 @@ def _train_ddp(model_fn, x, y, steps: int, batch: int, epochs: int, rank: int, w
 
 def _ddp_worker(rank: int, world: int, port: int, model_fn, features, labels, batch: int, epochs: int, out):
     import torch.distributed as dist
-    from _ranks import exit_without_finalizing
+
+    from tests.gloo import exit_without_finalizing
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))

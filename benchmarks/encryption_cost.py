@@ -89,10 +89,10 @@ def crypto_part(repeats: int) -> None:
 def _ps_worker(rank: int, port: int, jobs: List[Dict[str, Any]], out: Any) -> None:
     """``benchmarks/parameter_server.py``'s ``_wire_worker`` for PS jobs, with ``encrypt``."""
     import torch.distributed as dist
-    from _ranks import exit_without_finalizing
 
     from sparkdl.strategies.base import DistEnv
     from sparkdl.strategies.parameter_server.runtime import ParameterServerRuntime
+    from tests.gloo import exit_without_finalizing
 
     torch.set_num_threads(1)
     dist.init_process_group(

@@ -129,10 +129,10 @@ def _gather(message: str) -> List[str]:
 
 def _wire_worker(rank: int, port: int, jobs: List[Dict[str, Any]], out: Any) -> None:
     import torch.distributed as dist
-    from _ranks import exit_without_finalizing
 
     from sparkdl.strategies.base import DistEnv
     from sparkdl.strategies.parameter_server.runtime import ParameterServerRuntime as _ParameterServerRuntime
+    from tests.gloo import exit_without_finalizing
 
     torch.set_num_threads(1)
     dist.init_process_group(

@@ -130,7 +130,7 @@ def _rank(rank: int, port: int, out_dir: str, side: str, args: argparse.Namespac
 
 
 def _worker(rank: int, port: int, out_dir: str, side: str, args: argparse.Namespace) -> None:
-    from _ranks import exit_without_finalizing
+    from tests.gloo import exit_without_finalizing
 
     _rank(rank, port, out_dir, side, args)
     exit_without_finalizing()  # its figures are saved and its group destroyed

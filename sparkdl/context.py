@@ -266,11 +266,11 @@ class TrainContext(ResizeMethods):
         decommissioned (sparkdl._runtime.drain). Call it after every optimizer step, on every
         rank: the ranks agree through a small allreduce about every half second, so most calls
         return at once. Always False without a checkpoint directory (nothing to resume from)."""
-        from sparkdl._runtime.drain import DrainAgreement
-
-        if self._checkpoints is None:
+        if self._checkpoints is None:  # asked at every step: nothing more to do here
             return False
         if self._rank.drain_agreement is None:
+            from sparkdl._runtime.drain import DrainAgreement
+
             self._rank.drain_agreement = DrainAgreement(self._rank.liveness.drain, self.device)
         return self._rank.drain_agreement.check()
 

@@ -42,9 +42,13 @@ def test_a_plan_on_one_host_calibrates_predicts_and_warns_that_loopback_is_no_ne
     assert measured.data_rows_per_s == min(task["data_rows_per_s"] for task in tasks)
     assert len(plan.predictions) == 6 * 3 and {p.workers for p in plan.predictions} == {2, 8, 64}
     for strategy in plan.strategies:
-        rates = [p.samples_per_s for p in plan.of(strategy)]
-        assert all(0 < p.efficiency <= 1.0 + 1e-9 for p in plan.of(strategy)), strategy
-        assert rates == sorted(rates), strategy  # more workers never predict fewer samples/s here
+        predictions = plan.of(strategy)
+        assert all(0 < p.efficiency <= 1.0 + 1e-9 for p in predictions), strategy
+        # More workers predict fewer samples/s only where messages' latency outweighs the rest of the
+        # step (the α-β model: n workers pay ~(n-1) latencies a step). On a loaded machine the measured
+        # loopback latency can be that large against this small model's step, so it is allowed there.
+        for fewer, more in zip(predictions, predictions[1:]):
+            assert more.samples_per_s >= fewer.samples_per_s or more.comm_bound == "latency", (strategy, fewer, more)
     written = plan.save(str(tmp_path))
     document = json.loads((tmp_path / "plan.json").read_text())
     assert sorted(written) == sorted([str(tmp_path / "plan.json"), str(tmp_path / "plan.png")])

@@ -8,6 +8,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 from sparkdl._driver import launch
 from sparkdl._driver.prepare_data import DataSource, prepare_data
 from sparkdl._driver.progress import ProgressCallback, ProgressDisplay
+from sparkdl._driver.session_checks import check_session
 from sparkdl._driver.settings import RunSettings
 from sparkdl._driver.warmup import warm_up
 from sparkdl.context import TrainContext
@@ -140,6 +141,8 @@ def run(
     if not callable(train_fn):
         raise ConfigError(f"train_fn={train_fn!r} is not callable")
     settings = RunSettings.from_arguments(locals(), with_data=data is not None)
+    # The session's settings that rule the launch out (dynamic allocation...), in under a second.
+    check_session(spark or getattr(data, "sparkSession", None))
     if getattr(data, "sparkSession", None) is not None:  # a DataFrame: workers start while it is materialized
         warm_up(data.sparkSession, num_workers)
     dataset = spec = data_reader = steps = None

@@ -16,9 +16,9 @@ from sparkdl._driver import launch
 from sparkdl._driver.preflight import build_checked_model, check_loss, check_optimizer
 from sparkdl._driver.prepare_data import DataSource, prepare_data
 from sparkdl._driver.progress import ProgressCallback, ProgressDisplay
+from sparkdl._driver.session_checks import check_session
 from sparkdl._driver.settings import DataSettings, RunSettings
 from sparkdl._driver.warmup import warm_up
-from sparkdl._net.policy import check_before_data
 from sparkdl._task.fit_loop import FitLoop, LossFn, ModelFactory, OptimizerFactory, default_optimizer, startup_phases
 from sparkdl._version import __version__
 from sparkdl.data import reshard
@@ -194,7 +194,7 @@ class TorchEstimator(Estimator, _TorchParams):
         config = dataclasses.replace(self.settings.launch, num_workers=num_workers, planned_workers=num_workers)
         data_settings = self._data_settings()
         spark = getattr(dataset, "sparkSession", None)  # None for URLs and connector sources
-        check_before_data(spark)  # under Spark encryption: refused before executors or data are touched
+        check_session(spark)  # dynamic allocation, Spark's encryption: refused before executors or data are touched
         if spark is not None:  # a DataFrame: the executors' Python workers start while it is materialized
             warm_up(spark, num_workers)
         # The model, built once on the driver: its forward must take the inputs, checked before

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 from sparkdl._driver import launch as _launch_stage
 from sparkdl._driver.prepare_data import DataSource, prepare_data
 from sparkdl._driver.progress import ProgressCallback, ProgressDisplay
+from sparkdl._driver.session_checks import check_session
 from sparkdl._driver.settings import RunSettings
 from sparkdl._driver.warmup import warm_up
 from sparkdl._task.script import LaunchTarget, ScriptResult
@@ -96,6 +97,8 @@ def launch(
         {name: value for name, value in locals().items() if name not in ("target", "args", "launch_target")},
         with_data=data is not None,
     )
+    # The session's settings that rule the launch out (dynamic allocation...), in under a second.
+    check_session(spark or getattr(data, "sparkSession", None))
     if getattr(data, "sparkSession", None) is not None:
         warm_up(data.sparkSession, num_workers)
     dataset = spec = data_reader = steps = None

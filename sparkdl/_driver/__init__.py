@@ -5,7 +5,8 @@ One concern per module:
 
 * :mod:`.settings` — every setting of a run, validated once; :mod:`.prepare_data` — the data a
   run reads, checked and described before launch; :mod:`.preflight` — what would fail the same
-  way on every rank, found on the driver.
+  way on every rank, found on the driver; :mod:`.session_checks` — what the session's own
+  settings rule out (dynamic allocation, encryption), refused before any data is touched.
 * :mod:`.cluster` — what the driver asks Spark's scheduler: free task slots (:func:`check_slots`,
   the relaunch's bounded wait for slots other jobs hold) and its task-failure logging.
 * :mod:`.resource_profile` — the training stage's own Spark resource profile from

@@ -54,15 +54,16 @@ def prepare_data(
 
     Raises:
         DataError: bad data, or a rank whose shard holds no rows.
-        ConfigError: Spark encrypts and unencrypted collectives are not accepted (before
-            anything is read or written: :func:`sparkdl._net.policy.check_before_data`).
+        ConfigError: the session's settings rule the launch out (dynamic allocation on, Spark
+            encrypting without unencrypted collectives accepted), before anything is read or
+            written: :func:`sparkdl._driver.session_checks.check_session`.
     """
-    from sparkdl._net.policy import check_before_data
+    from sparkdl._driver.session_checks import check_session
     from sparkdl.data.selection import shard_rows
 
-    # Under Spark encryption without the collectives accepted, the launch refuses: refuse before
-    # a DataFrame is written to the cache, not after.
-    check_before_data(spark or getattr(data, "sparkSession", None))
+    # What the launch would refuse because of the session's settings, refused before a
+    # DataFrame is written to the cache, not after.
+    check_session(spark or getattr(data, "sparkSession", None))
     plan, spec, filters, holdout = settings.plan, settings.spec, settings.filters, settings.holdout
     data_reader = settings.data_reader()
 

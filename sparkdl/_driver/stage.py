@@ -26,6 +26,7 @@ from sparkdl._driver.monitor import JobMonitor
 from sparkdl._driver.policy import Decision, FailurePolicy, ScalingPolicy, same_failure
 from sparkdl._driver.progress import ProgressDisplay
 from sparkdl._driver.resource_profile import StageProfile, stage_profile, stage_profile_ids
+from sparkdl._driver.session_checks import check_dynamic_allocation
 from sparkdl._net.channel import ChannelServer, new_secret
 from sparkdl._net.policy import security_policy
 from sparkdl._net.rendezvous_store import StoreServer
@@ -85,6 +86,8 @@ def launch(
     if spark is None:
         raise ConfigError("no active SparkSession: create one (SparkSession.builder...getOrCreate()) or pass spark=")
     session = Session(spark)
+    # The entry points checked it before their data; sparkdl.run without data had none to check.
+    check_dynamic_allocation(session.conf, session.master)
     stage = stage_profile(session, config.resources)  # refused now when the cluster cannot honour it
     check_gpu_request(
         session.conf, config.use_gpu, None if stage is None else stage.task_gpus

@@ -17,7 +17,7 @@ under ``spark.ssl``. See docs/security.md.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 from sparkdl.errors import ConfigError
 
@@ -54,30 +54,6 @@ def security_policy(conf_get: Callable[[str], Optional[str]]) -> SecurityPolicy:
             f"unencrypted collectives on a network you trust, set {ALLOW_PLAINTEXT_COLLECTIVES}=true (docs/security.md)"
         )
     return SecurityPolicy(encrypt=True, because=enabled[0])
-
-
-def check_before_data(spark: Any = None) -> None:
-    """Refuses now, before any data is read or a DataFrame written to the cache, what the launch
-    would refuse later (:func:`security_policy`): under Spark encryption without
-    ``spark.sparkdl.allowUnencryptedCollectives`` nothing may train, so nothing should be
-    materialized either. ``spark`` None: the active session; no session: nothing to check yet
-    (the launch needs one and checks then).
-
-    Raises:
-        ConfigError: as :func:`security_policy`.
-    """
-    if spark is None:
-        try:
-            from pyspark.sql import SparkSession
-
-            spark = SparkSession.getActiveSession()
-        except Exception:  # noqa: BLE001 - no Spark here: the launch reports that itself
-            return
-        if spark is None:
-            return
-    from sparkdl._spark import Session
-
-    security_policy(Session(spark).conf)
 
 
 def _true(value: Optional[str]) -> bool:

@@ -28,8 +28,9 @@ DYNAMIC_ALLOCATION_CONF = "spark.dynamicAllocation.enabled"
 _LOCAL_MASTER = re.compile(r"local(\[[^\]]*\])?$")
 
 
-def check_dynamic_allocation(conf_get: Callable[[str], Optional[str]], master: str) -> None:
-    """Refuses ``spark.dynamicAllocation.enabled=true`` on a cluster master.
+def check_dynamic_allocation(conf_get: Callable[[str], Optional[str]], master: Callable[[], str]) -> None:
+    """Refuses ``spark.dynamicAllocation.enabled=true`` on a cluster master (``master()``, read
+    only when the setting is on).
 
     Raises:
         ConfigError: naming the setting, why a barrier stage cannot run under it, and the
@@ -37,7 +38,7 @@ def check_dynamic_allocation(conf_get: Callable[[str], Optional[str]], master: s
             cannot change it).
     """
     value = conf_get(DYNAMIC_ALLOCATION_CONF)
-    if value is None or str(value).strip().lower() != "true" or _LOCAL_MASTER.match(master.strip()):
+    if value is None or str(value).strip().lower() != "true" or _LOCAL_MASTER.match(master().strip()):
         return
     raise ConfigError(
         f"{DYNAMIC_ALLOCATION_CONF}=true: Spark cannot run sparkdl's training stage under dynamic allocation: it is "
@@ -70,5 +71,5 @@ def check_session(spark: Any = None) -> None:
         if spark is None:
             return
     session = spark if isinstance(spark, Session) else Session(spark)
-    check_dynamic_allocation(session.conf, session.master)
+    check_dynamic_allocation(session.conf, lambda: session.master)
     security_policy(session.conf)

@@ -87,7 +87,7 @@ def launch(
         raise ConfigError("no active SparkSession: create one (SparkSession.builder...getOrCreate()) or pass spark=")
     session = Session(spark)
     # The entry points checked it before their data; sparkdl.run without data had none to check.
-    check_dynamic_allocation(session.conf, session.master)
+    check_dynamic_allocation(session.conf, lambda: session.master)
     stage = stage_profile(session, config.resources)  # refused now when the cluster cannot honour it
     check_gpu_request(
         session.conf, config.use_gpu, None if stage is None else stage.task_gpus

@@ -14,7 +14,7 @@ def conf(value):
 @pytest.mark.parametrize("value", ["true", "TRUE", " true "])
 def test_dynamic_allocation_on_a_cluster_is_refused_with_the_setting_and_the_fix(master, value):
     with pytest.raises(ConfigError) as info:
-        check_dynamic_allocation(conf(value), master)
+        check_dynamic_allocation(conf(value), lambda: master)
     message = str(info.value)
     assert message.startswith("spark.dynamicAllocation.enabled=true:")
     assert "barrier" in message and "SPARK-24942" in message
@@ -24,9 +24,9 @@ def test_dynamic_allocation_on_a_cluster_is_refused_with_the_setting_and_the_fix
 
 @pytest.mark.parametrize("value", [None, "false", "False", ""])
 def test_dynamic_allocation_off_or_unset_passes(value):
-    check_dynamic_allocation(conf(value), "yarn")
+    check_dynamic_allocation(conf(value), lambda: "yarn")
 
 
 @pytest.mark.parametrize("master", ["local", "local[2]", "local[*]", "local[4,3]"])
 def test_local_mode_passes_because_spark_ignores_dynamic_allocation_there(master):
-    check_dynamic_allocation(conf("true"), master)
+    check_dynamic_allocation(conf("true"), lambda: master)

@@ -49,7 +49,7 @@ class SparkTable(Source):
         if provider == "delta" and location and self.materialize != "always":
             from sparkdl.connectors.delta import DeltaSource
 
-            return DeltaSource(location).resolve(spark, columns)
+            return DeltaSource(location, materialize=self.materialize).resolve(spark, columns)
         reason = self._not_in_place(spark, details, provider, kind, columns)
         if reason is None:
             files = sorted(spark.table(self.name).inputFiles(), key=lambda f: f.split("/"))

@@ -16,6 +16,10 @@ are unreachable for other users from the start, and are made 0600 once written. 
 deleted when the driver exits (also on SIGTERM, how Airflow, Kubernetes and YARN stop a driver);
 those of drivers that died without cleaning up (a SIGKILL) by the next driver's first
 materialization or by :func:`clear_cache`.
+
+Data that is not a DataFrame (a Delta table version that cannot be read in place, copied by
+delta-rs) is copied by :func:`keyed_copy` into the same directories, with the same lifecycle,
+reused by a key that names it (its table and version) instead of by its plan.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import stat
 import tempfile
 import threading
 import uuid
-from typing import TYPE_CHECKING, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from sparkdl.errors import ConfigError
 from sparkdl.filesystem import delete_tree, normalize_url
@@ -58,6 +62,8 @@ _stale_checked = False
 _private_dirs: dict = {}
 #: (the prepared DataFrame, the columns stored as float32 bytes, dataset URL)
 _entries: List[Tuple["DataFrame", Tuple[str, ...], str]] = []
+#: key -> URL of the copies written by keyed_copy
+_keyed: Dict[str, str] = {}
 
 
 def materialize(
@@ -94,7 +100,7 @@ def materialize(
             logger.info("reusing materialized DataFrame at %s", url)
             return url
 
-    root = _private_root(normalize_url(cache_dir or _default_cache_dir(df), "cache_dir"))
+    root = _private_root(normalize_url(cache_dir or _session_cache_dir(df.sparkSession), "cache_dir"))
     url = f"{root.rstrip('/')}/df-{uuid.uuid4().hex[:12]}"
     from sparkdl._spark import is_connect
 
@@ -113,6 +119,32 @@ def materialize(
         _entries.append((prepared, layout, url))
     _clean_up_on_sigterm()
     logger.info("materialized DataFrame to %s (%d files)", url, num_files)
+    return url
+
+
+def keyed_copy(key: str, write: Callable[[str], None], cache_dir: Optional[str] = None, spark: Any = None) -> str:
+    """The URL of this driver's copy of the data ``key`` names (``"delta:<table>@<version>"``),
+    written by ``write(url)`` (a directory URL it creates) only the first time: a copy that
+    reuses the cache's directories and lifecycle (private local directories, deleted at exit and
+    by :func:`clear_cache`). ``cache_dir`` defaults to ``spark``'s ``spark.sparkdl.cacheDir``,
+    then to the temp dir. A failed write leaves nothing behind."""
+    with _lock:
+        url = _keyed.get(key)
+    if url is not None:
+        logger.info("reusing the copy of %s at %s", key, url)
+        return url
+    root = _private_root(normalize_url(cache_dir or _session_cache_dir(spark), "cache_dir"))
+    url = f"{root.rstrip('/')}/copy-{uuid.uuid4().hex[:12]}"
+    try:
+        write(url)
+    except BaseException:
+        _delete(url)
+        raise
+    _make_private(url)
+    with _lock:
+        _keyed[key] = url
+    _clean_up_on_sigterm()
+    logger.info("copied %s to %s", key, url)
     return url
 
 
@@ -185,15 +217,16 @@ def _same_result(cached: "DataFrame", candidate: "DataFrame") -> bool:
 def cached_urls() -> List[str]:
     """URLs of the DataFrames materialized by this driver process."""
     with _lock:
-        return [url for _, _, url in _entries]
+        return [url for _, _, url in _entries] + list(_keyed.values())
 
 
 def clear_cache() -> None:
     """Deletes every materialized DataFrame of this driver process, and the copies left behind by
     drivers of this user that are no longer running."""
     with _lock:
-        urls = [url for _, _, url in _entries]
+        urls = [url for _, _, url in _entries] + list(_keyed.values())
         _entries.clear()
+        _keyed.clear()
     for url in urls:
         _delete(url)
     remove_stale_caches()
@@ -253,8 +286,11 @@ def _delete(url: str) -> None:
         logger.warning("could not delete materialized data at %s: %s", url, exc)
 
 
-def _default_cache_dir(df: "DataFrame") -> str:
-    spark = df.sparkSession
+def _session_cache_dir(spark: Any) -> str:
+    """``spark.sparkdl.cacheDir`` of the session, else this driver's local directory (with a
+    warning when the session's executors are on other hosts)."""
+    if spark is None:
+        return local_cache_dir()
     configured = spark.conf.get(CACHE_DIR_CONF, None)
     if configured:
         return configured

@@ -17,6 +17,7 @@ import pyarrow.fs as pafs
 from sparkdl.data.columns import ColumnInfo
 from sparkdl.data.petastorm_schema import petastorm_schema, unischema_column
 from sparkdl.data.plan import InputPlan
+from sparkdl.data.table_layout import TableLayout
 from sparkdl.data.tensor_bytes import packed_columns
 from sparkdl.errors import DataError
 from sparkdl.filesystem import child_url, file_paths, normalize_url, open_url
@@ -44,11 +45,18 @@ class ParquetFiles:
         url: the dataset's directory URL (or, with ``files``, a URL naming the source in messages).
         files: file URLs to read, in this order; empty means every Parquet file under ``url``.
         description: what this is (``"Delta table s3://... version 3"``), for messages.
+        layout: what the table says about ``files`` beyond their Parquet (renamed columns,
+            partition values, deleted rows: :mod:`sparkdl.data.table_layout`); None: nothing.
     """
 
     url: str
     files: Tuple[str, ...] = ()
     description: str = ""
+    layout: Optional[TableLayout] = None
+
+    def __post_init__(self) -> None:
+        if self.layout is not None and not self.files:
+            raise ValueError("a table layout describes explicit files: pass files= with it")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +83,10 @@ class DatasetInfo:
     #: What the user passed when the files are sparkdl's own copy of it ("the DataFrame"):
     #: messages then name it instead of the copy's internal path. Empty for data read in place.
     origin: str = ""
+    #: Renamed columns, partition values and deleted rows of a table's files
+    #: (:mod:`sparkdl.data.table_layout`); None for plain Parquet. ``num_rows`` counts the rows
+    #: that are not deleted; positions index every row of the files.
+    layout: Optional[TableLayout] = None
 
     @property
     def columns(self) -> List[str]:
@@ -129,6 +141,8 @@ class DatasetInfo:
             digest.update(f"{name}\0{','.join(map(str, file.row_groups))}\n".encode())
         if not self.files:
             digest.update(f"{self.url}\0{self.num_rows}\0{self.num_row_groups}".encode())
+        if self.layout is not None:
+            digest.update(self.layout.fingerprint())
         return digest.hexdigest()[:20]
 
     @property
@@ -179,6 +193,7 @@ def inspect_dataset(
 
     plan = feature_cols if isinstance(feature_cols, InputPlan) else InputPlan.from_feature_cols(feature_cols, label_col)
     explicit = isinstance(data, ParquetFiles) and bool(data.files)
+    layout = data.layout if isinstance(data, ParquetFiles) else None
     url = normalize_url(data.url if isinstance(data, ParquetFiles) else data)
     if explicit:
         file_urls = [normalize_url(f) for f in data.files]
@@ -211,45 +226,60 @@ def inspect_dataset(
     if plan.label_column:
         column_roles[plan.label_column] = "label"
     unischema = petastorm_schema(url, fs, path) if not explicit else None
+    # A table's columns: the files' renamed to the table's names, and its partition columns.
+    schema = layout.table_schema(dataset.schema) if layout is not None else dataset.schema
     if unischema is not None:
         infos = {c: unischema_column(unischema, c, column_roles[c]) for c in plan.columns}
     else:
         packed = packed_columns(dataset.schema)
-        infos = {c: describe_column(dataset.schema, c, column_roles[c], url, packed) for c in plan.columns}
+        infos = {c: describe_column(schema, c, column_roles[c], url, packed) for c in plan.columns}
     plan.check(infos, f"dataset {url!r}")
-    filter_cols = referenced_columns(filters, dataset.schema, url) if filters is not None else ()
+    filter_cols = referenced_columns(filters, schema, url) if filters is not None else ()
     checked = list(plan.columns) + [c for c in filter_cols if c not in plan.columns]
 
     files: List[FileInfo] = []
     reference: Optional[Tuple[str, pa.Schema]] = None
-    for fragment, file_url in zip(fragments, file_urls):
+    # The plan's columns by the names the files store them under (under column mapping only
+    # those count: another stored name may be another column's table name).
+    stored = {layout.physical(c): c for c in plan.columns} if layout is not None and layout.columns else None
+    kept = set(plan.columns) - plan.kept_row_bytes()[0]
+    for index, (fragment, file_url) in enumerate(zip(fragments, file_urls)):
         try:
             metadata = fragment.metadata
         except (pa.ArrowInvalid, OSError) as exc:
             raise DataError(f"unreadable Parquet file {fragment.path!r} in dataset {url!r}: {exc}") from exc
-        schema = metadata.schema.to_arrow_schema()
+        file_schema = metadata.schema.to_arrow_schema()
+        if layout is not None:
+            layout.check_file(file_schema, checked, file_url)
+            file_schema = layout.table_schema(file_schema)
         if reference is None:
-            reference = (file_url, schema)
+            reference = (file_url, file_schema)
         else:
-            _check_same_types(checked, reference, (file_url, schema), url)
+            _check_same_types(checked, reference, (file_url, file_schema), url)
         if filters is None:
             # Nulls in a filtered-out row are harmless, so this check needs no filter.
-            _check_no_nulls(metadata, roles, file_url)
+            _check_no_nulls(metadata, roles, file_url, stored)
+            if layout is not None:
+                layout.check_partitions_not_null(index, roles, file_url)
         files.append(
             FileInfo(
                 file_url,
                 tuple(metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)),
                 # Columns the shard cache keeps converted (images as pixels) are counted from their
                 # rows instead (sparkdl.data.shard_cache.rank_bytes).
-                _row_group_bytes(metadata, set(plan.columns) - plan.kept_row_bytes()[0]),
+                _row_group_bytes(metadata, {p for p, c in (stored or {c: c for c in kept}).items() if c in kept}),
             )
         )
     num_rows = sum(sum(f.row_groups) for f in files)
     num_row_groups = sum(len(f.row_groups) for f in files)
+    if layout is not None:
+        layout.check_files([sum(f.row_groups) for f in files], file_urls, f"dataset {url!r}")
+        num_rows -= layout.deleted_count
     if num_row_groups == 0:
         raise EmptyDatasetError(f"dataset {url!r} holds no Parquet files")
     if num_rows == 0:
-        raise EmptyDatasetError(f"dataset {url!r} is empty: its Parquet files hold 0 rows")
+        deleted = " that are not deleted" if layout is not None and layout.deleted_count else ""
+        raise EmptyDatasetError(f"dataset {url!r} is empty: its Parquet files hold 0 rows{deleted}")
     return DatasetInfo(
         url,
         num_rows,
@@ -260,6 +290,7 @@ def inspect_dataset(
         files=tuple(files),
         explicit_files=explicit,
         filter_columns=tuple(filter_cols),
+        layout=layout,
     )
 
 
@@ -300,23 +331,27 @@ def _check_same_types(
             )
 
 
-def _check_no_nulls(metadata: Any, roles: Dict[str, str], file_url: str) -> None:
+def _check_no_nulls(
+    metadata: Any, roles: Dict[str, str], file_url: str, stored: Optional[Dict[str, str]] = None
+) -> None:
     """Null counts from the footer's column statistics (no rows are read). For a list column the
-    leaf's count also includes null and empty arrays, which are just as unusable."""
+    leaf's count also includes null and empty arrays, which are just as unusable. ``stored``:
+    under column mapping, the columns by the names the file stores them under."""
     for g in range(metadata.num_row_groups):
         row_group = metadata.row_group(g)
         for j in range(row_group.num_columns):
             column = row_group.column(j)
             parts = column.path_in_schema.split(".")
-            role = roles.get(parts[0])
+            name = stored.get(parts[0]) if stored is not None else parts[0]
+            role = roles.get(name) if name is not None else None
             if role is None or column.statistics is None or not column.statistics.has_null_count:
                 continue
             nulls = column.statistics.null_count
             if nulls:
                 what = "null values, null arrays or empty arrays" if len(parts) > 1 else "null values"
                 raise DataError(
-                    f"{role} column {parts[0]!r} has {nulls} {what} in file {file_url!r} (row group {g}); "
-                    f"drop or fill them before training (e.g. df.na.drop(subset=[{parts[0]!r}]), or filters=)"
+                    f"{role} column {name!r} has {nulls} {what} in file {file_url!r} (row group {g}); "
+                    f"drop or fill them before training (e.g. df.na.drop(subset=[{name!r}]), or filters=)"
                 )
 
 

@@ -57,10 +57,16 @@ def describe_non_finite(dataset: DatasetInfo, budget_s: float = SCAN_BUDGET_S) -
     deadline = time.monotonic() + budget_s
     fs, _ = filesystem_and_path(dataset.files[0].url)
     paths = file_paths(fs, [f.url for f in dataset.files])
-    for file, path in zip(dataset.files, paths):
+    layout = dataset.layout  # a table's files: renamed and partition columns, deleted rows
+    for index, (file, path) in enumerate(zip(dataset.files, paths)):
         with pq.ParquetFile(fs.open_input_file(path)) as handle:
-            for group in range(len(file.row_groups)):
-                table = handle.read_row_group(group, columns=columns)
+            first = 0  # the file's row where the row group starts
+            for group, count in enumerate(file.row_groups):
+                if layout is None:
+                    table, rows = handle.read_row_group(group, columns=columns), np.arange(count)
+                else:
+                    table, rows = _live(layout, handle, index, group, first, count, columns)
+                first += count
                 for name in columns:
                     row = _first_bad_row(table.column(name))
                     if row is None:
@@ -68,10 +74,18 @@ def describe_non_finite(dataset: DatasetInfo, budget_s: float = SCAN_BUDGET_S) -
                     value = _value_name(table.column(name), row)
                     if dataset.origin:
                         return f"column {name!r} of {dataset.origin} holds {value} values: drop or fill them (e.g. df.na.fill, or filter with isnan) before training"
-                    return f"column {name!r} holds {value} at row {row} of row group {group} of file {file.url!r}: drop or fill it before training"
+                    return f"column {name!r} holds {value} at row {rows[row]} of row group {group} of file {file.url!r}: drop or fill it before training"
                 if time.monotonic() > deadline:
                     return f"no NaN or infinity in the first {budget_s:.0f} s of reading the float columns {columns}"
     return f"the float columns {columns} hold no NaN or infinity: the model or the optimizer diverged"
+
+
+def _live(layout, handle, index: int, group: int, first: int, count: int, columns: List[str]):
+    """A table's row group in its names, without its deleted rows (never trained on, so never
+    the cause), and the rows' indexes in the row group."""
+    table, rows = layout.read(handle, index, group, columns), np.arange(count)
+    live = layout.live_rows(index, first, count)
+    return (table, rows) if live is None else (table.filter(pa.array(live)), rows[live])
 
 
 def _unpacked(array: pa.Array) -> pa.Array:

@@ -34,8 +34,9 @@ from sparkdl.data.batching import Batch, cut_stream, finish_batch, steps_per_epo
 from sparkdl.data.batching import epoch_rows as _epoch_rows
 from sparkdl.data.dataset import DatasetInfo
 from sparkdl.data.inputs import POSITION_KEY
+from sparkdl.data.open_files import OpenFiles
 from sparkdl.data.readers.base import PASS_END, Chunk
-from sparkdl.data.selection import OpenFiles, RowSelector, pass_row_groups, shard_rows
+from sparkdl.data.selection import RowSelector, pass_row_groups, shard_rows
 from sparkdl.data.spec import DataSpec
 from sparkdl.errors import ConfigError, DataError
 

@@ -15,6 +15,8 @@
   for every seed and ``num_workers``). Training skips them, the validation pass reads only them.
 * **Filters.** A pyarrow filter (DNF or expression) keeps rows; the readers evaluate it on the
   rows of each row group, after skipping row groups whose statistics rule it out.
+* **Deleted rows.** A table's deleted rows (:mod:`sparkdl.data.table_layout`) keep their
+  positions and are left out like rows a filter drops.
 * **Epochs are passes.** A shuffled training stream leaves out of a pass the rows that the
   epoch in progress already took from the pass before (:class:`EpochPasses`), so an epoch takes
   no row twice while the shard holds rows it has not taken.
@@ -27,12 +29,11 @@ from typing import Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from sparkdl.data.dataset import DatasetInfo, to_expression
 from sparkdl.data.inputs import POSITION_KEY
+from sparkdl.data.open_files import OpenFiles
 from sparkdl.errors import ConfigError, DataError
-from sparkdl.filesystem import file_paths, filesystem_and_path
 
 #: Row-aligned arrays of some rows (:data:`sparkdl.data.readers.base.Chunk`).
 Chunk = Dict[str, np.ndarray]
@@ -107,13 +108,26 @@ class RowSelector:
         #: First position of every global row group.
         self.starts = np.concatenate([[0], np.cumsum(rows)[:-1]]) if len(rows) else rows
         self.rows = rows
+        #: Positions of a table's deleted rows, sorted (None: no row is deleted).
+        self.deleted = (
+            dataset.layout.deleted_positions([sum(f.row_groups) for f in dataset.files])
+            if dataset.layout is not None
+            else None
+        )
 
     @property
     def needs_positions(self) -> bool:
-        return self.striding or self.holdout > 0
+        return self.striding or self.holdout > 0 or self.deleted is not None
 
     def positions(self, row_group: int) -> np.ndarray:
         return np.arange(self.starts[row_group], self.starts[row_group] + self.rows[row_group], dtype=np.int64)
+
+    def live(self, positions: np.ndarray) -> Optional[np.ndarray]:
+        """Which ``positions`` are not deleted rows of a table (None: all of them)."""
+        if self.deleted is None or not len(positions):
+            return None
+        low, high = np.searchsorted(self.deleted, [positions.min(), positions.max() + 1])
+        return ~np.isin(positions, self.deleted[low:high]) if high > low else None
 
     def keep(self, positions: Optional[np.ndarray], filter_table: Optional[pa.Table]) -> Optional[np.ndarray]:
         """A boolean mask of the rows to keep, or None to keep them all. ``positions`` are the
@@ -122,6 +136,9 @@ class RowSelector:
         mask: Optional[np.ndarray] = None
         if self.striding:
             mask = (positions % self.world_size) == self.rank
+        live = self.live(positions)
+        if live is not None:
+            mask = live if mask is None else mask & live
         if self.holdout > 0:
             held = holdout_mask(positions, self.holdout)
             part = held if self.part == "holdout" else ~held
@@ -333,53 +350,6 @@ def _shuffled_concatenation(chunks: List[Chunk], order: np.ndarray) -> Chunk:
     return merged
 
 
-class OpenFiles:
-    """A dataset's files, each opened once with its footer kept: a task reads many row groups
-    per file, and re-parsing a footer per row group would cost more than small row groups."""
-
-    def __init__(self, dataset: DatasetInfo) -> None:
-        self.dataset = dataset
-        self.urls = [f.url for f in dataset.files]
-        self.fs, _ = filesystem_and_path(self.urls[0])
-        self.paths = file_paths(self.fs, self.urls)
-        self._files: Dict[int, pq.ParquetFile] = {}
-        self._matching: Dict[int, Optional[set]] = {}
-
-    def parquet(self, index: int) -> pq.ParquetFile:
-        handle = self._files.get(index)
-        if handle is None:
-            try:
-                handle = pq.ParquetFile(self.fs.open_input_file(self.paths[index]), pre_buffer=True)
-            except (pa.ArrowInvalid, OSError) as exc:
-                raise DataError(f"cannot open Parquet file {self.urls[index]!r}: {exc}") from exc
-            self._files[index] = handle
-        return handle
-
-    def read(self, index: int, row_group: int, columns: Sequence[str]) -> pa.Table:
-        try:
-            return self.parquet(index).read_row_group(row_group, columns=list(columns))
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise DataError(f"cannot read row group {row_group} of Parquet file {self.urls[index]!r}: {exc}") from exc
-
-    def may_match(self, index: int, row_group: int, expression) -> bool:
-        """False when the row group's statistics prove no row passes the filter (skip it)."""
-        if index not in self._matching:
-            import pyarrow.dataset as pads
-
-            try:
-                fragment = pads.ParquetFileFormat().make_fragment(self.paths[index], filesystem=self.fs)
-                self._matching[index] = {rg.id for rg in fragment.subset(filter=expression).row_groups}
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError):
-                self._matching[index] = None  # statistics unusable: read every row group
-        matching = self._matching[index]
-        return matching is None or row_group in matching
-
-    def close(self) -> None:
-        for handle in self._files.values():
-            handle.close()
-        self._files.clear()
-
-
 def shard_rows(
     dataset: DatasetInfo, world_size: int, holdout: float = 0.0, part: str = "train", filters=None
 ) -> List[int]:
@@ -393,7 +363,8 @@ def shard_rows(
     counts = np.zeros(world_size, dtype=np.int64)
     striding = dataset.num_row_groups < world_size
     rows = dataset.row_group_rows
-    if filters is None and holdout <= 0:
+    deletes = dataset.layout is not None and dataset.layout.deleted_count > 0
+    if filters is None and holdout <= 0 and not deletes:
         if striding:
             return [max(0, (dataset.num_rows - r + world_size - 1) // world_size) for r in range(world_size)]
         for g, n in enumerate(rows):
@@ -408,6 +379,9 @@ def shard_rows(
             if holdout > 0:
                 held = holdout_mask(positions, holdout)
                 mask &= held if part == "holdout" else ~held
+            live = selector.live(positions)
+            if live is not None:
+                mask &= live
             if files is not None and mask.any():
                 if files.may_match(file_index, row_group, selector.expression):
                     table = files.read(file_index, row_group, dataset.filter_columns)

@@ -1,5 +1,6 @@
 """Connectors against real tables: Spark catalog tables (managed, external, partitioned, other
-formats, views) and a Delta table with time travel, trained on through the cluster."""
+formats, views) and Delta tables (time travel; partition columns, column mapping and deletion
+vectors read in place), trained on through the cluster."""
 
 from __future__ import annotations
 
@@ -138,3 +139,63 @@ def test_fit_on_a_delta_table_version(spark, tmp_path):
     assert model.run_info["dataset"]["rows"] == 80 and 0 < held_out < 40
     # Trained on the version's rows and validated on exactly the held-out ones, every rank's.
     assert model.history[0]["val_samples"] == held_out and np.isfinite(model.history[0]["val_loss"])
+
+
+def _id_label_pairs(ctx):
+    """(id, label) of every row any rank took in 3 epochs."""
+    pairs = [
+        (int(f[0]), int(y))
+        for _ in range(3)
+        for features, labels in ctx.epoch_batches()
+        for f, y in zip(features, labels)
+    ]
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, pairs)
+    return sorted(set(p for rank_pairs in gathered for p in rank_pairs))
+
+
+def test_training_on_a_production_delta_table_reads_what_the_table_holds(spark, tmp_path):
+    """Partitioned (the label is a partition column: its values live only in the log), column
+    mapped, with deletion vectors: the ranks train on exactly the rows delta-rs's own reader says
+    the version holds, each with its partition value, and nothing is copied."""
+    from tests.delta_tables import production_table, table_rows
+
+    table = production_table(str(tmp_path / "clicks"))
+    expected = sorted((row[0], row[1]) for row in table_rows(table.path))
+    assert [i for i, _ in expected] == sorted(table.live)
+    before = cache.cached_urls()
+    seen = sparkdl.run(
+        _id_label_pairs,
+        num_workers=2,
+        data=connectors.DeltaSource(table.path),
+        feature_cols=["features"],
+        label_col="label",
+        batch_size=8,
+        shuffle=False,
+        spark=spark,
+        progress=False,
+    )
+    assert seen == expected and cache.cached_urls() == before
+
+
+def test_a_session_without_delta_is_told_apart_and_the_table_copied_once(spark, tmp_path):
+    """This session has no Delta reader (delta-spark's jars come from Maven, which this machine
+    cannot reach): sparkdl says so, and materialize='always' copies the version under
+    spark.sparkdl.cacheDir instead, once."""
+    from deltalake import write_deltalake
+
+    from sparkdl.connectors.delta_copy import spark_read
+
+    path = str(tmp_path / "delta")
+    write_deltalake(
+        path, pa.table({"features": pa.array([[1.0, 2.0]] * 40, pa.list_(pa.float32())), "label": list(range(40))})
+    )
+    assert spark_read(spark, path, {"versionAsOf": "0"}) == (
+        None,
+        "the Spark session has no Delta reader (delta-spark is not configured)",
+    )
+    copy = connectors.DeltaSource(path, materialize="always").resolve(spark, ["features", "label"])
+    assert (
+        copy.url.startswith(f"file://{spark.conf.get('spark.sparkdl.cacheDir')}/") and copy.url in cache.cached_urls()
+    )
+    assert connectors.DeltaSource(path, materialize="always").resolve(spark, []).url == copy.url

@@ -37,12 +37,11 @@ def ids_table(start, count):
     )
 
 
-def read_ids(info, reader_name="arrow", world_size=1):
+def read_ids(info, reader_name="arrow", world_size=1, filters=None):
     ids = []
     for rank in range(world_size):
-        for features, _ in pairs(
-            reader_from_name(reader_name).read_pass(info, DataSpec(batch_size=8, shuffle=False), rank, world_size, 0)
-        ):
+        spec = DataSpec(batch_size=8, shuffle=False, filters=filters)
+        for features, _ in pairs(reader_from_name(reader_name).read_pass(info, spec, rank, world_size, 0)):
             ids += features[:, 0].astype(int).tolist()
     return sorted(ids)
 
@@ -166,13 +165,15 @@ def test_delta_errors_are_named(tmp_path, delta_table):
 
     partitioned = str(tmp_path / "partitioned")
     write_deltalake(partitioned, ids_table(0, 40), partition_by=["day"])
-    with pytest.raises(DataError, match="column\\(s\\) day of Delta table .* are partition columns"):
-        connectors.DeltaSource(partitioned).resolve(None, ["features", "day"])
-    # Without the partition column the files are fine to read in place.
+    # A partition column's values come from the log (tests/unit/test_delta_tables.py has the rest).
     info = inspect_dataset(
-        connectors.DeltaSource(partitioned).resolve(None, ["features", "label"]), ["features"], "label"
+        connectors.DeltaSource(partitioned).resolve(None, ["features", "day"]),
+        ["features"],
+        "label",
+        filters=[("day", "=", "tue")],
     )
     assert info.num_rows == 40 and len(info.files) == 2
+    assert read_ids(info, filters=[("day", "=", "tue")]) == list(range(1, 40, 2))
 
 
 @pytest.mark.petastorm

@@ -26,8 +26,9 @@ import pyarrow as pa
 
 from sparkdl.data.dataset import DatasetInfo
 from sparkdl.data.inputs import POSITION_KEY
+from sparkdl.data.open_files import OpenFiles
 from sparkdl.data.readers.base import PASS_END, Chunk, DataReader, chunk_rows
-from sparkdl.data.selection import OpenFiles, RowSelector, pass_row_groups
+from sparkdl.data.selection import RowSelector, pass_row_groups
 from sparkdl.data.shard_cache import MISSING, ShardCache
 from sparkdl.data.spec import DataSpec
 

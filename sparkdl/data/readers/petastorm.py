@@ -51,6 +51,15 @@ class PetastormReader(DataReader):
     def check(self, dataset: DatasetInfo) -> None:
         from sparkdl.data.inputs import Sequence
 
+        # Petastorm reads the files' columns as they are stored, every row of them.
+        needs = dataset.layout.changes(dataset.columns + list(dataset.filter_columns)) if dataset.layout else []
+        if needs:
+            raise ConfigError(
+                f"reader='petastorm' cannot read {dataset.name} in place: its table has {' and '.join(needs)}, which "
+                f"only its log describes; use reader='arrow' (the default), or have the table copied first "
+                f"(connectors.DeltaSource(..., materialize='always'))"
+            )
+
         specs = [(key, spec) for key, spec in dataset.plan.inputs] + (
             [("label", dataset.plan.label)] if dataset.plan.label else []
         )

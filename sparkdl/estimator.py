@@ -1,4 +1,8 @@
-"""Spark ML ``TorchEstimator``: fit a PyTorch model across the cluster (the result: :mod:`sparkdl.model`)."""
+"""Spark ML ``TorchEstimator``: fit a PyTorch model across the cluster (the result: :mod:`sparkdl.model`).
+
+Spark ML saves and loads it (``Pipeline``, ``CrossValidator``, ``est.write().save(path)``): its
+Params as Spark ML writes them, and its constructor arguments pickled (:mod:`sparkdl._persistence`).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 from pyspark.ml import Estimator
 from pyspark.ml.param import Param, Params, TypeConverters
+from pyspark.ml.util import MLReadable, MLWritable
 
 from sparkdl._driver import launch
 from sparkdl._driver.preflight import build_checked_model, check_loss, check_optimizer
@@ -19,6 +24,9 @@ from sparkdl._driver.progress import ProgressCallback, ProgressDisplay
 from sparkdl._driver.session_checks import check_session
 from sparkdl._driver.settings import DataSettings, RunSettings
 from sparkdl._driver.warmup import warm_up
+from sparkdl._persistence.arguments import read_arguments, write_arguments
+from sparkdl._persistence.input_columns import recorded
+from sparkdl._persistence.stage import StageReader, StageWriter
 from sparkdl._task.fit_loop import FitLoop, LossFn, ModelFactory, OptimizerFactory, default_optimizer, startup_phases
 from sparkdl._version import __version__
 from sparkdl.data import reshard
@@ -32,7 +40,7 @@ from sparkdl.tracking import Tracker, describe_callable
 from sparkdl.tracking import check_available as check_tracking
 
 
-class TorchEstimator(Estimator, _TorchParams):
+class TorchEstimator(Estimator, _TorchParams, MLReadable["TorchEstimator"], MLWritable):
     """Trains a PyTorch model on ``num_workers`` Spark barrier tasks.
 
     Args:
@@ -111,9 +119,17 @@ class TorchEstimator(Estimator, _TorchParams):
             gpus=1)``: only the barrier stage runs with a Spark resource profile of them, so ETL
             in the same application keeps ``spark.task.cpus`` (docs/resources.md). None: the
             application's ``spark.task.*`` settings.
-        mlflow_experiment: log params, per-epoch metrics and the model to this MLflow
-            experiment (``MLFLOW_TRACKING_URI`` picks the store); see :mod:`sparkdl.tracking`.
+        mlflow_experiment: log params, per-epoch metrics and the trained model, as an MLflow
+            model (pyfunc, with a signature), to this MLflow experiment (``MLFLOW_TRACKING_URI``
+            picks the store); see :mod:`sparkdl.tracking`.
+        mlflow_registered_model_name: also register the logged model under this name in
+            MLflow's model registry (a new version each fit); needs ``mlflow_experiment``.
         tensorboard_dir: write per-epoch scalars there for TensorBoard.
+
+    Saving: ``est.save(path)`` / ``est.write().overwrite().save(path)``, and Spark ML's
+    ``Pipeline`` and ``CrossValidator`` writers, keep the Params and every constructor argument
+    (pickled with cloudpickle: ``TorchEstimator.load`` unpickles, so load only what you trust). An
+    argument that cannot be pickled (a DataFrame as ``validation``) is named in a ``ConfigError``.
     """
 
     numWorkers = Param(Params._dummy(), "numWorkers", "number of barrier tasks (ranks)", TypeConverters.toInt)
@@ -163,7 +179,10 @@ class TorchEstimator(Estimator, _TorchParams):
         decode_threads: Optional[int] = None,
         shard_cache: str = "auto",
         resources: Optional[Resources] = None,
+        mlflow_registered_model_name: Optional[str] = None,
     ) -> None:
+        #: Every constructor argument, as given: what a saved estimator is rebuilt from.
+        self._arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
         if not callable(model) or isinstance(model, torch.nn.Module):
             raise ConfigError(
@@ -181,7 +200,17 @@ class TorchEstimator(Estimator, _TorchParams):
         self.loss_fn = loss or torch.nn.functional.cross_entropy
         self.progress = progress
         check_tracking(mlflow_experiment, tensorboard_dir)  # fails now when mlflow/tensorboard is missing
+        if mlflow_registered_model_name is not None and (
+            mlflow_experiment is None
+            or not isinstance(mlflow_registered_model_name, str)
+            or not mlflow_registered_model_name
+        ):
+            raise ConfigError(
+                f"mlflow_registered_model_name={mlflow_registered_model_name!r} needs mlflow_experiment= and must be "
+                f"a non-empty model name"
+            )
         self.mlflow_experiment = mlflow_experiment
+        self.mlflow_registered_model_name = mlflow_registered_model_name
         self.tensorboard_dir = tensorboard_dir
         plan = self.settings.data.plan
         features = list(feature_cols) if inputs is None else [c for c in plan.columns if c != plan.label_column]
@@ -220,7 +249,7 @@ class TorchEstimator(Estimator, _TorchParams):
             checkpoint_every=checkpoint.every_steps if checkpoint else None,
         )
         # MLflow / TensorBoard (sparkdl/tracking.py): a no-op unless mlflow_experiment or tensorboard_dir is set.
-        tracker = Tracker(self.mlflow_experiment, self.tensorboard_dir)
+        tracker = Tracker(self.mlflow_experiment, self.tensorboard_dir, self.mlflow_registered_model_name)
         if tracker.enabled:
             tracker.start(self._tracking_params(info, num_workers, epochs))
         display = ProgressDisplay(
@@ -293,6 +322,7 @@ class TorchEstimator(Estimator, _TorchParams):
             history=result["history"],
             feature_cols=self.getFeatureCols(),
             input_plan=info.plan,
+            input_columns=recorded(info.infos, info.plan),
             output_shape=result["output_shape"],
             prediction_col=self.getPredictionCol(),
             model_fn=self.model_fn,
@@ -339,3 +369,21 @@ class TorchEstimator(Estimator, _TorchParams):
             shuffle=self.getOrDefault(self.shuffle),
             seed=self.getOrDefault(self.seed),
         )
+
+    def write(self) -> StageWriter:
+        """Spark ML's writer of this estimator (``overwrite()``, ``save(path)``); ``save(path)``
+        is ``write().save(path)``. Writes ``estimator.pkl`` (the constructor arguments),
+        ``estimator.json`` (the same, readable) and Spark ML's ``metadata/`` line; no Spark job runs."""
+        return StageWriter(self, lambda url: write_arguments(url, self, self._arguments))
+
+    @classmethod
+    def read(cls) -> StageReader:
+        """Spark ML's reader of this class: ``read().load(path)`` is :meth:`load`."""
+        return StageReader(cls.load)
+
+    @classmethod
+    def load(cls, path: str) -> "TorchEstimator":
+        """Reads an estimator saved by ``save`` / ``write().save`` or inside a saved ``Pipeline``
+        or ``CrossValidator``: the same constructor arguments, uid and Params. Unpickles the
+        arguments: load only estimators you trust."""
+        return read_arguments(cls, path)

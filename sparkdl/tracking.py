@@ -4,16 +4,21 @@
 ``--mlflow-experiment`` / ``--tensorboard-dir``) records:
 
 * MLflow: the run's parameters (estimator settings, strategy, dataset), every epoch's numeric
-  metrics (``step`` = epoch) as they arrive from rank 0, the saved model as the ``model``
-  artifact directory (a :meth:`TorchModel.save` layout) and tags ``sparkdl.status``; a failed
-  fit ends the MLflow run as FAILED. Where the run goes is MLflow's choice:
-  ``MLFLOW_TRACKING_URI`` (a server ``http://...``, or a ``file:`` store, which MLflow 3.x only
-  accepts with ``MLFLOW_ALLOW_FILE_STORE=true``), else MLflow's default.
+  metrics (``step`` = epoch) as they arrive from rank 0, the trained model as an **MLflow model**
+  named ``model`` (:func:`log_model`: pyfunc with a signature, registered under
+  ``mlflow_registered_model_name`` when given) and tags ``sparkdl.status``; a failed fit ends the
+  MLflow run as FAILED. Where the run goes is MLflow's choice: ``MLFLOW_TRACKING_URI`` (a server
+  ``http://...``, or a ``file:`` store, which MLflow 3.x only accepts with
+  ``MLFLOW_ALLOW_FILE_STORE=true``), else MLflow's default.
 * TensorBoard: one scalar per numeric epoch metric (``epoch/loss``, ``epoch/samples_per_sec``...;
   each rank's throughput as ``rank/<r>/samples_per_sec``), written with
   ``torch.utils.tensorboard`` into ``tensorboard_dir``.
 
-Both run only on the driver: executors need neither package. Install them with
+A model trained elsewhere (``sparkdl.run``, ``sparkdl.launch``) is logged the same way:
+``log_model(TorchModel.from_state(state, model=make_model, example=df))``.
+
+Both run only on the driver: executors need neither package (``mlflow.pyfunc.spark_udf`` of a
+logged model needs mlflow on the executors, as for any MLflow model). Install them with
 ``pip install 'sparkdl-torch[tracking]'`` (mlflow-skinny and tensorboard, checked against the pinned stack).
 """
 
@@ -22,9 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-import os
 import re
-import tempfile
 import threading
 from typing import Any, Callable, Dict, List, Optional
 
@@ -74,9 +77,15 @@ class Tracker:
     finished run's stored model, still ends with every epoch logged.
     """
 
-    def __init__(self, mlflow_experiment: Optional[str] = None, tensorboard_dir: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        mlflow_experiment: Optional[str] = None,
+        tensorboard_dir: Optional[str] = None,
+        registered_model_name: Optional[str] = None,
+    ) -> None:
         self.mlflow_experiment = mlflow_experiment
         self.tensorboard_dir = tensorboard_dir
+        self.registered_model_name = registered_model_name
         self._mlflow = None
         self._mlflow_run = None
         self._writer = None
@@ -92,8 +101,15 @@ class Tracker:
             import mlflow
 
             try:
-                experiment = mlflow.set_experiment(self.mlflow_experiment)
-                self._mlflow_run = mlflow.start_run(experiment_id=experiment.experiment_id)
+                # Not mlflow.set_experiment: that would leave the experiment active for the
+                # caller's own later runs and models.
+                experiment = mlflow.get_experiment_by_name(self.mlflow_experiment)
+                experiment_id = (
+                    experiment.experiment_id
+                    if experiment is not None
+                    else mlflow.create_experiment(self.mlflow_experiment)
+                )
+                self._mlflow_run = mlflow.start_run(experiment_id=experiment_id)
             except Exception as exc:  # noqa: BLE001 - an unusable store is a setting to fix, before training
                 raise ConfigError(
                     f"MLflow tracking at {mlflow.get_tracking_uri()!r} failed: {type(exc).__name__}: {exc}. "
@@ -148,7 +164,7 @@ class Tracker:
         return on_record
 
     def finish(self, model: Any) -> Dict[str, Any]:
-        """Logs what is still missing (epochs, the model artifact), closes the run; returns ids
+        """Logs what is still missing (epochs, the MLflow model), closes the run; returns ids
         for ``run_info["tracking"]``."""
         for record in model.history:
             self.epoch(record)
@@ -161,9 +177,13 @@ class Tracker:
                 mlflow_tracking_uri=mlflow.get_tracking_uri(),
             )
             try:
-                with tempfile.TemporaryDirectory(prefix="sparkdl-mlflow-") as tmp:
-                    model.save(os.path.join(tmp, "model"))
-                    mlflow.log_artifacts(os.path.join(tmp, "model"), artifact_path="model", run_id=run_id)
+                logged = log_model(model, registered_model_name=self.registered_model_name, run_id=run_id)
+                info.update(mlflow_model_uri=logged.model_uri)
+                if self.registered_model_name is not None:
+                    info["mlflow_registered_model"] = {
+                        "name": self.registered_model_name,
+                        "version": logged.registered_model_version,
+                    }
                 mlflow.set_tag("sparkdl.status", "succeeded")
             except Exception as exc:  # noqa: BLE001 - the trained model must reach the caller all the same
                 logger.exception("sparkdl: logging the model to MLflow failed")
@@ -195,6 +215,52 @@ class Tracker:
             logger.exception("sparkdl: closing the tracking run failed")
 
 
+def log_model(
+    model: Any,
+    name: str = "model",
+    registered_model_name: Optional[str] = None,
+    run_id: Optional[str] = None,
+    example: Any = None,
+) -> Any:
+    """Logs a ``TorchModel`` as an MLflow model: ``mlflow.pyfunc.load_model(uri).predict(df)``
+    and ``mlflow.pyfunc.spark_udf(spark, uri)`` then predict as ``model.transform`` does (a
+    ``double`` per row for one output, else ``array<double>``), and ``load_model(uri)`` gives the
+    ``TorchModel`` back. The model's directory holds ``MLmodel``, the signature (the input
+    columns' types as training saw them, and the prediction column) and ``torch_model/``, a
+    :meth:`TorchModel.save` directory.
+
+    Args:
+        model: the ``TorchModel`` (fitted, loaded, or from ``TorchModel.from_state``).
+        name: the logged model's name (MLflow 3; the artifact path under MLflow 2).
+        registered_model_name: also register it in MLflow's model registry under this name
+            (a new version each call; ``models:/<name>/<version>`` loads it).
+        run_id: the run it belongs to; default: the active run, if any.
+        example: a few input rows (Spark or pandas DataFrame), for a model that does not record
+            its input columns' types (``TorchModel.from_state`` without ``example``).
+
+    Returns:
+        MLflow's ``ModelInfo``: ``model_uri``, ``registered_model_version``, ...
+
+    Raises:
+        ConfigError: the model's input columns are unknown (pass ``example``), or a column type
+            has no MLflow signature type.
+    """
+    from sparkdl._persistence import mlflow_flavor
+
+    return mlflow_flavor.log_model(
+        model, name=name, registered_model_name=registered_model_name, run_id=run_id, example=example
+    )
+
+
+def load_model(model_uri: str) -> Any:
+    """The ``TorchModel`` of a model :func:`log_model` logged (``models:/<name>/<version>``,
+    ``models:/<model id>``, ``runs:/<run id>/model`` or a local path). Unpickles the model
+    factory saved with it: load only models you trust."""
+    from sparkdl._persistence import mlflow_flavor
+
+    return mlflow_flavor.load_model(model_uri)
+
+
 def _flatten(params: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for key, value in params.items():
@@ -220,4 +286,4 @@ def describe_callable(fn: Any) -> str:
     return f"{module}:{name}" if module else str(name)
 
 
-__all__: List[str] = ["Tracker", "check_available", "numeric_metrics", "describe_callable"]
+__all__: List[str] = ["Tracker", "check_available", "numeric_metrics", "describe_callable", "log_model", "load_model"]

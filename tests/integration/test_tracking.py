@@ -1,8 +1,10 @@
 """MLflow and TensorBoard tracking of a real fit, read back from a local MLflow file store and from
-TensorBoard's event files."""
+TensorBoard's event files; the logged MLflow model loaded back as a pyfunc, from the model registry
+and as a Spark UDF, each predicting what ``transform`` does."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -35,7 +37,9 @@ def mlflow_store(tmp_path, monkeypatch):
 
 
 @pytest.mark.spark
-def test_fit_logs_params_metrics_model_to_mlflow_and_scalars_to_tensorboard(spark, digits_df, tmp_path, mlflow_store):
+def test_fit_logs_params_metrics_model_to_mlflow_and_scalars_to_tensorboard(
+    spark, digits_df, digits_test_df, tmp_path, mlflow_store
+):
     est = sparkdl.TorchEstimator(
         model=digits_mlp,
         optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
@@ -44,6 +48,7 @@ def test_fit_logs_params_metrics_model_to_mlflow_and_scalars_to_tensorboard(spar
         epochs=EPOCHS,
         progress=False,
         mlflow_experiment="digits-tracking",
+        mlflow_registered_model_name="digits-registered",
         tensorboard_dir=str(tmp_path / "tb"),
     )
     model = est.fit(digits_df)
@@ -65,17 +70,30 @@ def test_fit_logs_params_metrics_model_to_mlflow_and_scalars_to_tensorboard(spar
             2,
             3,
         ]
-    # The model artifact is a TorchModel directory that loads back to the same weights.
-    artifacts = {a.path for a in mlflow_store.list_artifacts(run.info.run_id, "model")}
-    assert {"model/metadata.json", "model/state_dict.pt", "model/model_fn.pkl"} <= artifacts
-    import mlflow
+    # The model is an MLflow model: its TorchModel directory loads back to the same weights...
+    from sparkdl.tracking import load_model
 
-    local = mlflow.artifacts.download_artifacts(
-        run_id=run.info.run_id, artifact_path="model", dst_path=str(tmp_path / "download")
-    )
-    loaded = sparkdl.TorchModel.load(local, model=digits_mlp)
+    uri = tracking["mlflow_model_uri"]
+    loaded = load_model(uri)
     for name, tensor in model.module.state_dict().items():
         assert torch.equal(tensor, loaded.module.state_dict()[name]), name
+    assert loaded.input_columns == model.input_columns
+    assert {k: model.input_columns["features"][k] for k in ("kind", "shape")} == {"kind": "float", "shape": [None]}
+    # ... a pyfunc with a signature, and a registered version, predicting what transform does.
+    import mlflow
+
+    expected = np.stack(model.transform(digits_test_df).select("prediction").toPandas()["prediction"])
+    assert tracking["mlflow_registered_model"] == {"name": "digits-registered", "version": 1}
+    rows = digits_test_df.toPandas()
+    for model_uri in (uri, "models:/digits-registered/1"):
+        pyfunc = mlflow.pyfunc.load_model(model_uri)
+        assert pyfunc.metadata.signature.inputs.input_names() == ["features"]
+        np.testing.assert_allclose(pyfunc.predict(rows), expected, rtol=1e-6, atol=1e-6)
+    # ... and a Spark UDF, called with the signature's columns.
+    udf = mlflow.pyfunc.spark_udf(spark, "models:/digits-registered/1")
+    scored = model.transform(digits_test_df).withColumn("mlflow", udf()).select("prediction", "mlflow").toPandas()
+    assert len(scored) == len(rows)
+    np.testing.assert_allclose(np.stack(scored["mlflow"]), np.stack(scored["prediction"]), rtol=1e-6, atol=1e-6)
 
     scalars = _scalars(tmp_path / "tb")
     assert [step for step, _ in scalars["epoch/loss"]] == [1, 2, 3]

@@ -10,6 +10,7 @@ URL.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import urllib.parse
@@ -36,17 +37,76 @@ def normalize_url(url_or_path: str, what: str = "dataset URL") -> str:
 
 
 def filesystem_and_path(url: str) -> Tuple[pafs.FileSystem, str]:
-    """A pyarrow filesystem and the path in it for ``url`` (pyarrow's own, else fsspec's)."""
+    """A pyarrow filesystem and the path in it for ``url`` (pyarrow's own, else fsspec's).
+
+    Raises:
+        ConfigError: nothing here implements the URL's scheme (one line naming the scheme and
+            what to install), or pyarrow's HDFS client finds no Hadoop client.
+    """
+    scheme = urllib.parse.urlparse(url).scheme
     try:
         return pafs.FileSystem.from_uri(url)
-    except pa.ArrowInvalid as exc:
-        scheme = urllib.parse.urlparse(url).scheme
-        if not scheme or "Unrecognized filesystem type" not in str(exc):
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+        # Unknown to pyarrow, or this pyarrow was built without it (S3, GCS...): fsspec's turn.
+        if not scheme or not any(text in str(exc) for text in ("Unrecognized filesystem type", "without")):
             raise
+    except OSError as exc:
+        client_missing = any(word in str(exc).lower() for word in ("libjvm", "libhdfs", "classpath", "java_home"))
+        if scheme in ("hdfs", "viewfs") and client_missing:  # not a namenode that is down: no client at all
+            # Its first line says what failed ("Unable to load libjvm"); the rest lists every path tried.
+            raise ConfigError(f"cannot open {url!r}: {_first_line(exc)}; {_HADOOP_CLIENT}") from exc
+        raise
     import fsspec
 
-    fs, path = fsspec.core.url_to_fs(url)
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as exc:  # fsspec: no implementation installed / none known
+        if "Protocol not known" not in str(exc) and not isinstance(exc, ImportError):
+            raise
+        raise ConfigError(no_filesystem_message(url, scheme)) from exc
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
+
+
+#: What to install for a scheme that neither pyarrow nor an installed fsspec package opens.
+_PACKAGES = {
+    "s3": "s3fs (pip install s3fs), or a pyarrow built with S3",
+    "s3a": "s3fs (pip install s3fs)",
+    "gs": "gcsfs (pip install gcsfs), or a pyarrow built with GCS",
+    "gcs": "gcsfs (pip install gcsfs)",
+    "abfs": "adlfs (pip install adlfs)",
+    "abfss": "adlfs (pip install adlfs)",
+    "az": "adlfs (pip install adlfs)",
+    "adl": "adlfs (pip install adlfs)",
+    "oci": "ocifs (pip install ocifs)",
+    "oss": "ossfs (pip install ossfs)",
+    "http": "aiohttp (pip install aiohttp)",
+    "https": "aiohttp (pip install aiohttp)",
+}
+
+_HADOOP_CLIENT = (
+    "hdfs:// needs a Hadoop client on this machine for pyarrow's HadoopFileSystem: "
+    "JAVA_HOME, HADOOP_HOME and CLASSPATH=$(hadoop classpath --glob)"
+)
+
+
+def no_filesystem_message(url: str, scheme: str) -> str:
+    """The one line for a URL whose scheme nothing installed here opens: the scheme and what to
+    install (fsspec's own registry names the package of schemes this table lacks)."""
+    if scheme in ("hdfs", "viewfs"):
+        return f"no filesystem for {url!r}: {_HADOOP_CLIENT}"
+    package = _PACKAGES.get(scheme)
+    if package is None:
+        from fsspec.registry import known_implementations
+
+        known = known_implementations.get(scheme)
+        package = (known or {}).get("err") or (
+            f"the fsspec implementation of {scheme}:// (neither pyarrow nor fsspec knows this scheme)"
+        )
+    return f"no filesystem for URL scheme {scheme!r} ({url!r}) on this machine: install {package}"
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def open_url(url_or_path: str, what: str) -> Tuple[str, pafs.FileSystem, str]:
@@ -54,6 +114,8 @@ def open_url(url_or_path: str, what: str) -> Tuple[str, pafs.FileSystem, str]:
     url = normalize_url(url_or_path, what)
     try:
         fs, path = filesystem_and_path(url)
+    except ConfigError as exc:  # no filesystem for the scheme: a setting to change, named
+        raise ConfigError(f"{what}: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - pyarrow and fsspec raise several types for bad URLs
         raise DataError(f"cannot open a filesystem for {what} {url!r}: {exc}") from exc
     return url, fs, path
@@ -133,6 +195,9 @@ def check_writable(url: str, what: str) -> None:
     checkpoint (on every relaunch)."""
     try:
         fs, root = filesystem_and_path(url)
+    except ConfigError as exc:
+        raise ConfigError(f"{what}: {exc}") from exc
+    try:
         probe = join(root, f".sparkdl-write-check-{uuid.uuid4().hex[:8]}")
         write_atomically(fs, probe, b"")
         fs.delete_file(probe)
@@ -140,3 +205,91 @@ def check_writable(url: str, what: str) -> None:
         raise ConfigError(
             f"{what}={url!r} cannot be written: {exc}. Pick a directory every executor and the driver can write"
         ) from exc
+
+
+# Outputs: what a command or a function writes (metrics.json, plots, compare.json, plan.json)
+# and the inputs it reads whole (a run's metrics.json), named by a local path or a URL.
+
+
+def is_url(url_or_path: str) -> bool:
+    """Whether ``url_or_path`` has a scheme (``s3://b/run``, ``file:///tmp/run``); a plain path,
+    relative or absolute, has none."""
+    if url_or_path.startswith("file:"):  # also Hadoop's file:/path
+        return True
+    return bool(urllib.parse.urlparse(url_or_path).scheme) and "://" in url_or_path
+
+
+def url_join(root: str, *names: str) -> str:
+    """``names`` inside directory ``root``, a local path or a URL: a path stays a path as the user
+    wrote it (relative stays relative: what a summary line prints), a URL keeps its scheme, host
+    and query (an ``?endpoint_override=`` stays with every file under it)."""
+    if not is_url(root):
+        return os.path.join(root, *names)
+    parsed = urllib.parse.urlparse(root)
+    return parsed._replace(path="/".join([parsed.path.rstrip("/"), *names])).geturl()
+
+
+def basename(url_or_path: str) -> str:
+    """The last name of a path or URL (``run`` of ``s3://b/runs/run?x=1``)."""
+    path = urllib.parse.urlparse(url_or_path).path if is_url(url_or_path) else url_or_path
+    return os.path.basename(path.rstrip("/"))
+
+
+def parent(url_or_path: str) -> str:
+    """The directory holding a path or URL's last name (the URL keeps its scheme, host and query)."""
+    if not is_url(url_or_path):
+        return os.path.dirname(url_or_path.rstrip("/"))
+    parsed = urllib.parse.urlparse(url_or_path)
+    return parsed._replace(path=parsed.path.rstrip("/").rsplit("/", 1)[0]).geturl()
+
+
+def is_process_local(url_or_path: str) -> bool:
+    """Whether the URL's store lives in this process's memory (fsspec's ``memory://``): the
+    driver sees it, executors (other processes) never do."""
+    return urllib.parse.urlparse(url_or_path).scheme == "memory"
+
+
+def check_output(url_or_path: str, what: str) -> str:
+    """Checks at the start of a command or function that an output directory can be written:
+    its scheme has a filesystem here (else a one-line ConfigError naming the package to install)
+    and a probe file can be written (else a ConfigError naming ``what``). Returns its URL."""
+    url = normalize_url(url_or_path, what)
+    check_writable(url, what)
+    return url
+
+
+def check_input(url_or_path: str, what: str) -> str:
+    """Checks that an input's scheme has a filesystem here (a ConfigError naming ``what``, the
+    scheme and the package to install, before anything starts); returns its URL."""
+    return open_url(url_or_path, what)[0]
+
+
+def write_file(url_or_path: str, data: bytes) -> None:
+    """Writes ``data`` at a path or URL whole (atomically, see :func:`write_atomically`),
+    making its directory."""
+    _, fs, path = open_url(url_or_path, "output")
+    write_atomically(fs, path, data)
+
+
+def write_json(url_or_path: str, document: object) -> None:
+    """``document`` as indented JSON at a path or URL (values JSON lacks as their ``str``)."""
+    write_file(url_or_path, json.dumps(document, indent=2, default=str).encode())
+
+
+def read_file(url_or_path: str, what: str) -> bytes:
+    """The bytes of the file at a path or URL."""
+    _, fs, path = open_url(url_or_path, what)
+    return read_bytes(fs, path)
+
+
+def exists(url_or_path: str) -> bool:
+    """Whether a file or directory is at a path or URL."""
+    _, fs, path = open_url(url_or_path, "path")
+    return fs.get_file_info(path).type != pafs.FileType.NotFound
+
+
+def remove_file(url_or_path: str) -> None:
+    """Deletes the file at a path or URL when there is one."""
+    _, fs, path = open_url(url_or_path, "path")
+    if fs.get_file_info(path).type == pafs.FileType.File:
+        fs.delete_file(path)

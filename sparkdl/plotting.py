@@ -1,9 +1,13 @@
 """Loss and validation metrics per epoch, one line per run: what ``sparkdl inspect --plot`` writes
 and what a notebook shows (``sparkdl.plot_history(model)``). Needs matplotlib
-(``pip install 'sparkdl-torch[plot]'``); nothing else in sparkdl imports it."""
+(``pip install 'sparkdl-torch[plot]'``); nothing else in sparkdl imports it. :func:`save_figure`
+writes any figure (compare.png and plan.png too) to a path or URL."""
 
 from __future__ import annotations
 
+import io
+import os
+import urllib.parse
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from sparkdl._driver.progress import validation_figures
@@ -20,7 +24,8 @@ def plot_history(runs: Runs, path: Optional[str] = None, title: Optional[str] = 
     Args:
         runs: a :class:`~sparkdl.TorchModel`, a history (a list of per-epoch dicts), or a mapping
             ``label -> model or history`` to compare runs (say, one per strategy).
-        path: also write the figure there (PNG, or any format matplotlib knows by the suffix).
+        path: also write the figure there, a path or URL (PNG, or any format matplotlib knows
+            by the suffix).
         title: the figure's title.
 
     Returns:
@@ -60,11 +65,25 @@ def plot_history(runs: Runs, path: Optional[str] = None, title: Optional[str] = 
         figure.suptitle(title)
     figure.tight_layout()
     if path is not None:
-        figure.savefig(path, dpi=100)
+        save_figure(figure, path, dpi=100)
     # Out of pyplot's list of open figures: a notebook shows the returned figure once (not once more
     # at the cell's end), and a long-lived process does not keep every figure it drew.
     plt.close(figure)
     return figure
+
+
+def save_figure(figure: Any, path: str, dpi: int = 100) -> str:
+    """Writes a matplotlib figure to a path or URL (anything :mod:`sparkdl.filesystem` opens),
+    in the format its suffix names (PNG without one); returns ``path``. The image is drawn in
+    memory, then written whole: an object store gets one complete object."""
+    from sparkdl import filesystem  # pyarrow: imported to write a figure, not with this module
+
+    name = urllib.parse.urlparse(path).path if filesystem.is_url(path) else path
+    image_format = os.path.splitext(name)[1][1:].lower() or "png"
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format=image_format, dpi=dpi)
+    filesystem.write_file(path, buffer.getvalue())
+    return path
 
 
 def _labelled_histories(runs: Runs) -> Dict[str, List[Mapping[str, Any]]]:

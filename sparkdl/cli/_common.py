@@ -1,14 +1,15 @@
 """What two or more ``sparkdl`` commands share: the usage error, the Spark session, ``--model``-style
-factory loading, metrics.json (configuration, versions, writing) and per-rank rates of an epoch record."""
+factory loading, metrics.json (configuration, versions, writing: to ``--output``, a path or any URL
+sparkdl.filesystem opens, also for a usage error argparse finds) and per-rank rates of an epoch record."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+import time
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +31,38 @@ def spark_session(app_name: str, master: Optional[str]) -> Any:
     if master:
         builder = builder.master(master)
     return builder.getOrCreate()
+
+
+def session_running() -> bool:
+    """Whether a Spark session runs in this process already (a notebook's, a test's): a command
+    that finds one uses it and leaves it running; one it started itself it stops at its end
+    (stopping lets executors shut down in order instead of racing the JVM's exit)."""
+    from pyspark.sql import SparkSession
+
+    return SparkSession.getActiveSession() is not None
+
+
+def check_output(output: str) -> None:
+    """``--output`` checked before anything starts: a scheme with no filesystem here, or a
+    directory that cannot be written, is a :class:`UsageError` (exit 2) in one line."""
+    from sparkdl.errors import ConfigError
+    from sparkdl.filesystem import check_output as check
+
+    try:
+        check(output, "--output")
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def check_input(path: str, option: str) -> None:
+    """An input (``--model``, ``--data``) whose scheme has no filesystem here is a :class:`UsageError`."""
+    from sparkdl.errors import ConfigError
+    from sparkdl.filesystem import check_input as check
+
+    try:
+        check(path, option)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def add_slot_wait_argument(parser: argparse.ArgumentParser) -> None:
@@ -141,9 +174,84 @@ def _config(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _write_metrics(output: str, document: Dict[str, Any]) -> None:
-    os.makedirs(output, exist_ok=True)
-    path = os.path.join(output, "metrics.json")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as handle:
-        json.dump(document, handle, indent=2, default=str)
-    os.replace(tmp, path)
+    """``output``/metrics.json (a path or URL), written whole: a reader sees the old document or the new."""
+    from sparkdl.filesystem import url_join, write_json
+
+    write_json(url_join(output, "metrics.json"), document)
+
+
+def parse_arguments(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    """``parser.parse_args(argv)``; a usage error argparse finds (exit 2, before the command could
+    write anything) still leaves ``--output``/metrics.json when ``--output`` can be read from
+    ``argv``: ``{"status": "failed", "error_kind": "usage", "exit_code": 2, "error": reason}``, so
+    a scheduler reading it fails the task without retrying and shows the reason."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    started = time.time()
+    reasons: List[str] = []
+    report = parser.error
+
+    def error(message: str) -> None:  # argparse's own: prints the usage and the message, exits 2
+        reasons.append(message)
+        report(message)
+
+    parser.error = error  # type: ignore[method-assign]
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as exc:
+        output = output_in(parser, argv)
+        if exc.code == 2 and reasons and output:
+            _record_usage_error(parser.prog, output, reasons[0], started)
+        raise
+    finally:
+        del parser.error
+
+
+def output_in(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Optional[str]:
+    """The ``--output`` value of ``argv`` as argparse would read it (``--output X``, ``--output=X``
+    or an abbreviation no other option shares), without parsing the rest; None when absent."""
+    options = [option for option in parser._option_string_actions if option.startswith("--")]
+    found = None
+    for index, token in enumerate(argv):
+        if token == "--":
+            break
+        name, equals, value = token.partition("=")
+        if (
+            len(name) < 3
+            or not "--output".startswith(name)
+            or [o for o in options if o.startswith(name)] != ["--output"]
+        ):
+            continue
+        if equals:
+            found = value
+        elif index + 1 < len(argv) and not argv[index + 1].startswith("-"):
+            found = argv[index + 1]
+    return found or None
+
+
+def _record_usage_error(program: str, output: str, reason: str, started: float) -> None:
+    document = {
+        "status": "failed",
+        "error": f"{program}: {reason}",
+        "error_kind": "usage",
+        "exit_code": 2,
+        "wall_seconds": time.time() - started,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+    }
+    try:
+        _write_metrics(output, document)
+    except Exception as exc:  # noqa: BLE001 - the usage error is the message; this is a note under it
+        print(
+            f"{program}: could not write metrics.json to --output {output!r}: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+        )
+
+
+def error_kind(exc: BaseException) -> str:
+    """What metrics.json's ``error_kind`` calls a failure: ``"usage"`` (a bad argument, exit 2),
+    ``"input"`` (settings or data sparkdl refused: a ConfigError or DataError, exit 1; a retry
+    fails the same way) or ``"runtime"`` (anything else, exit 1: a lost executor, a timeout...)."""
+    from sparkdl.errors import ConfigError, DataError
+
+    if isinstance(exc, UsageError):
+        return "usage"
+    return "input" if isinstance(exc, (ConfigError, DataError)) else "runtime"

@@ -5,13 +5,13 @@ writes DIR/compare.json and DIR/compare.png. The model, data and training option
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import List, Optional
 
-from sparkdl.cli._common import UsageError, spark_session
+from sparkdl.cli._common import UsageError, check_input, check_output, session_running, spark_session
 from sparkdl.cli._train import add_train_options, estimator_arguments
+from sparkdl.filesystem import basename, exists, remove_file, url_join
 
 #: ``sparkdl train`` options that ``compare`` takes as they are (dest names).
 SHARED_OPTIONS = (
@@ -68,7 +68,7 @@ def build_compare_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--slow-seconds", type=float, default=None, help="the slowed rank's sleep per step (default 0.05 s)"
     )
-    parser.add_argument("--output", required=True, help="directory for compare.json and compare.png")
+    parser.add_argument("--output", required=True, help="directory (path or URL) for compare.json and compare.png")
     parser.add_argument(
         "--no-plot", dest="plot", action="store_false", help="do not draw compare.png (no matplotlib needed)"
     )
@@ -101,13 +101,13 @@ def compare_main(argv: Optional[List[str]] = None) -> int:
         )
         if args.plot:
             check_plotting()
+        check_input(args.output, "--output")  # its scheme now; writing to it after --data's checks
         # --data is a path or URL: checked (exists, holds the columns, fills every shard) once,
         # before Spark starts, not by every strategy in turn.
         check_data(args.data, TorchEstimator(**estimator, progress=False))
-        os.makedirs(args.output, exist_ok=True)
+        check_output(args.output)
         for name in ("compare.json", "compare.png"):  # what the directory lists afterwards is this run's
-            if os.path.exists(os.path.join(args.output, name)):
-                os.remove(os.path.join(args.output, name))
+            remove_file(url_join(args.output, name))
     except DataError as exc:
         print(f"sparkdl compare: --data: {exc}", file=sys.stderr)
         return 2
@@ -116,7 +116,8 @@ def compare_main(argv: Optional[List[str]] = None) -> int:
         return 2
 
     started = time.time()
-    spark = spark_session(f"sparkdl-compare {os.path.basename(args.output.rstrip('/'))}", args.master)
+    borrowed = session_running()
+    spark = spark_session(f"sparkdl-compare {basename(args.output)}", args.master)
     try:
         comparison = compare(
             data=args.data,
@@ -133,13 +134,11 @@ def compare_main(argv: Optional[List[str]] = None) -> int:
         print(f"sparkdl compare: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
     finally:
-        spark.stop()
+        if not borrowed:
+            spark.stop()
     print(comparison.table())
-    written = [
-        os.path.join(args.output, name)
-        for name in ("compare.json", "compare.png")
-        if os.path.exists(os.path.join(args.output, name))
-    ]
+    written = [url_join(args.output, name) for name in ("compare.json", "compare.png")]
+    written = [path for path in written if exists(path)]
     print(
         f"\nsparkdl compare: {len(comparison.rows)} strategies in {time.time() - started:.1f}s; wrote {', '.join(written)}"
     )

@@ -1,6 +1,6 @@
 """``sparkdl inspect``: describe a Parquet dataset (schema, rows, row groups, first rows), a saved
 model's metadata, or a run's metrics.json; several runs side by side, and their loss curves as a
-PNG (``--plot``); no Spark needed."""
+PNG (``--plot``); no Spark needed. Every path is a local path or a URL (sparkdl.filesystem)."""
 
 from __future__ import annotations
 
@@ -23,13 +23,13 @@ def build_inspect_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "path",
         nargs="+",
-        help="dataset URL/path, model directory, run directory or metrics.json (several runs to compare)",
+        help="dataset, model directory, run directory or metrics.json, each a path or URL (several runs to compare)",
     )
     parser.add_argument(
         "--plot",
         default=None,
         metavar="PNG",
-        help="write loss (and validation metrics) per epoch of the run(s) here; needs matplotlib",
+        help="write loss (and validation metrics) per epoch of the run(s) here (a path or URL); needs matplotlib",
     )
     parser.add_argument("--rows", type=int, default=3, help="rows of a dataset to show (default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
@@ -40,10 +40,13 @@ def describe(path: str, rows: int = 3) -> Dict[str, Any]:
     """What ``sparkdl inspect`` prints, as a dict with ``kind`` = metrics, model or dataset."""
     import pyarrow.fs as pafs
 
-    from sparkdl.filesystem import filesystem_and_path, normalize_url
+    from sparkdl.errors import ConfigError
+    from sparkdl.filesystem import open_url, url_join
 
-    url = normalize_url(path)
-    fs, root = filesystem_and_path(url)
+    try:
+        url, fs, root = open_url(path, "path")
+    except ConfigError as exc:  # a scheme with no filesystem here: what to install
+        raise UsageError(str(exc)) from exc
     info = fs.get_file_info(root)
     if info.type == pafs.FileType.NotFound:
         raise UsageError(f"{path!r} does not exist")
@@ -60,7 +63,7 @@ def describe(path: str, rows: int = 3) -> Dict[str, Any]:
     if info.type == pafs.FileType.Directory and exists(f"{root}/metadata.json"):
         return {"kind": "model", "path": url, **read_json(f"{root}/metadata.json")}
     if info.type == pafs.FileType.Directory and exists(f"{root}/metrics.json"):
-        return {"kind": "metrics", "path": url + "/metrics.json", **read_json(f"{root}/metrics.json")}
+        return {"kind": "metrics", "path": url_join(url, "metrics.json"), **read_json(f"{root}/metrics.json")}
     return _describe_dataset(fs, root, url, info, rows)
 
 
@@ -209,8 +212,12 @@ def run_label(doc: Dict[str, Any]) -> str:
     """A run's strategy and directory, e.g. ``allreduce (runs/a)``: what tables and plots call it."""
     run = doc.get("run") or doc.get("run_info") or {}
     strategy = (run.get("strategy") or {}).get("name") or "?"
-    where = doc["path"][: -len("/metrics.json")] if doc["path"].endswith("/metrics.json") else doc["path"]
-    return f"{strategy} ({os.path.basename(where.rstrip('/')) or where})"
+    from sparkdl.filesystem import basename, parent
+
+    where = doc["path"]
+    if basename(where) == "metrics.json":  # a run is named by its directory
+        where = parent(where)
+    return f"{strategy} ({basename(where) or where})"
 
 
 def comparison_lines(docs: List[Dict[str, Any]]) -> List[str]:

@@ -6,12 +6,12 @@ train``'s own (the same argparse actions)."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import List, Optional
 
-from sparkdl.cli._common import UsageError, spark_session
+from sparkdl.cli._common import UsageError, check_output, session_running, spark_session
 from sparkdl.cli._train import add_train_options
+from sparkdl.filesystem import basename
 
 #: ``sparkdl train`` options that ``plan`` takes as they are (dest names).
 SHARED_OPTIONS = (
@@ -55,7 +55,7 @@ def build_plan_parser() -> argparse.ArgumentParser:
         "calibration's two tasks share a host)",
     )
     parser.add_argument("--latency", default=None, help="one message's cost, e.g. 50us, instead of the measured one")
-    parser.add_argument("--output", required=True, help="directory for plan.json and plan.png")
+    parser.add_argument("--output", required=True, help="directory (path or URL) for plan.json and plan.png")
     parser.add_argument("--no-plot", dest="plot", action="store_false", help="do not draw plan.png")
     parser.set_defaults(metrics=[], validation=None)  # train's options a plan has no use for
     return parser
@@ -64,6 +64,7 @@ def build_plan_parser() -> argparse.ArgumentParser:
 def plan_main(argv: Optional[List[str]] = None) -> int:
     """0 with a plan, 1 when the calibration failed, 2 on bad arguments."""
     from sparkdl.cli._train import LOSSES, _optimizer_factory, load_factory, model_inputs
+    from sparkdl.comparison.strategies import labelled_strategies
     from sparkdl.errors import ConfigError, DataError
     from sparkdl.planning import DEFAULT_WORKERS, plan
     from sparkdl.planning.units import bandwidth_bytes, latency_seconds
@@ -78,13 +79,16 @@ def plan_main(argv: Optional[List[str]] = None) -> int:
                 raise UsageError(f"--workers {args.workers!r}: comma-separated whole numbers such as 2,4,8") from None
         bandwidth_bytes(args.bandwidth, "--bandwidth")
         latency_seconds(args.latency, "--latency")
+        if args.strategies is not None:  # a misspelt name is named before a JVM starts
+            labelled_strategies(args.strategies)
         feature_cols, inputs = model_inputs(args)
         model = load_factory(args.model)
-        os.makedirs(args.output, exist_ok=True)
+        check_output(args.output)
     except (UsageError, ConfigError, OSError) as exc:
         print(f"sparkdl plan: {exc}", file=sys.stderr)
         return 2
-    spark = spark_session(f"sparkdl-plan {os.path.basename(args.output.rstrip('/'))}", args.master)
+    borrowed = session_running()
+    spark = spark_session(f"sparkdl-plan {basename(args.output)}", args.master)
     try:
         result = plan(
             model=model,
@@ -109,7 +113,8 @@ def plan_main(argv: Optional[List[str]] = None) -> int:
         print(f"sparkdl plan: calibration failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     finally:
-        spark.stop()
+        if not borrowed:
+            spark.stop()
     print(result.table())
     written = result.save(args.output, plot=args.plot)
     print(f"\nsparkdl plan: wrote {', '.join(written)}")

@@ -1,17 +1,30 @@
 """``sparkdl predict`` (= ``jobs/predict.py``): a saved model's predictions for a Parquet dataset,
-evaluated with ``--label``, and metrics.json."""
+evaluated with ``--label``, and metrics.json. ``--model``, ``--data`` and ``--output`` are paths
+or URLs (``_frames`` reads and writes the datasets where Spark's Hadoop has no filesystem for them)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any, Dict, List, Optional
 
 from sparkdl._version import versions as _versions
-from sparkdl.cli._common import UsageError, _config, _write_metrics, load_factory, spark_session
+from sparkdl.cli._common import (
+    UsageError,
+    _config,
+    _write_metrics,
+    check_input,
+    check_output,
+    error_kind,
+    load_factory,
+    parse_arguments,
+    session_running,
+    spark_session,
+)
+from sparkdl.cli._frames import read_parquet, write_parquet
+from sparkdl.filesystem import basename, is_process_local, url_join
 
 
 def build_predict_parser() -> argparse.ArgumentParser:
@@ -19,9 +32,13 @@ def build_predict_parser() -> argparse.ArgumentParser:
         prog="sparkdl predict",
         description="Load a saved model, write its predictions for a Parquet dataset (and evaluate them with --label).",
     )
-    parser.add_argument("--model", required=True, help="directory of a saved model (a training run's DIR/model)")
+    parser.add_argument(
+        "--model", required=True, help="directory (path or URL) of a saved model (a training run's DIR/model)"
+    )
     parser.add_argument("--data", required=True, help="URL or path of the Parquet dataset to predict on")
-    parser.add_argument("--output", required=True, help="directory for predictions/ (Parquet) and metrics.json")
+    parser.add_argument(
+        "--output", required=True, help="directory (path or URL) for predictions/ (Parquet) and metrics.json"
+    )
     parser.add_argument(
         "--model-factory",
         default=None,
@@ -38,43 +55,24 @@ def build_predict_parser() -> argparse.ArgumentParser:
 
 def predict(args: argparse.Namespace) -> Dict[str, Any]:
     import pyspark
-    from pyspark.sql import functions as sf
 
     import sparkdl
 
     factory = load_factory(args.model_factory) if args.model_factory else None
-    spark = spark_session(f"sparkdl-predict {os.path.basename(args.output.rstrip('/'))}", args.master)
-    target = os.path.join(args.output, "predictions")
+    target = url_join(args.output, "predictions")
+    borrowed = session_running()
+    spark = spark_session(f"sparkdl-predict {basename(args.output)}", args.master)
     try:
         model = sparkdl.TorchModel.load(args.model, model=factory)
-        frame = spark.read.parquet(args.data)
+        frame = read_parquet(spark, args.data, "--data")
         if args.label and args.label not in frame.columns:
             raise UsageError(f"--label {args.label!r} is not a column of {args.data}; its columns are: {frame.columns}")
-        model.transform(frame).write.mode("overwrite" if args.overwrite else "errorifexists").parquet(target)
-        written = spark.read.parquet(target)  # evaluate what was written rather than run the model twice
-        prediction = model.getPredictionCol()
-        evaluation: Dict[str, Any] = {}
-        if args.label and model.output_size > 1:
-            predicted_class = sf.expr(f"array_position(`{prediction}`, array_max(`{prediction}`)) - 1")
-            row = written.select(
-                sf.avg((predicted_class == sf.col(args.label)).cast("double")).alias("accuracy"),
-                sf.count(sf.lit(1)).alias("rows"),
-            ).first()
-            evaluation = {"accuracy": row["accuracy"]}
-            rows = row["rows"]
-        elif args.label:
-            error = sf.col(prediction) - sf.col(args.label).cast("double")
-            row = written.select(
-                sf.avg(error * error).alias("mse"),
-                sf.avg(sf.abs(error)).alias("mae"),
-                sf.count(sf.lit(1)).alias("rows"),
-            ).first()
-            evaluation = {"mse": row["mse"], "mae": row["mae"]}
-            rows = row["rows"]
-        else:
-            rows = written.count()
+        write_parquet(model.transform(frame), target, args.overwrite)
+        # Evaluated on what was written rather than by running the model twice.
+        rows, evaluation = _evaluate(read_parquet(spark, target, "predictions"), model, args.label)
     finally:
-        spark.stop()
+        if not borrowed:
+            spark.stop()
     return {
         "status": "succeeded",
         "model": args.model,
@@ -87,18 +85,74 @@ def predict(args: argparse.Namespace) -> Dict[str, Any]:
     }
 
 
+def _evaluate(written: Any, model: Any, label: Optional[str]) -> Any:
+    """``(rows, evaluation)`` of the written predictions: accuracy for vector outputs, mse and
+    mae for scalar ones, nothing without ``label``."""
+    from pyspark.sql import functions as sf
+
+    prediction = model.getPredictionCol()
+    if label and model.output_size > 1:
+        predicted_class = sf.expr(f"array_position(`{prediction}`, array_max(`{prediction}`)) - 1")
+        row = written.select(
+            sf.avg((predicted_class == sf.col(label)).cast("double")).alias("accuracy"),
+            sf.count(sf.lit(1)).alias("rows"),
+        ).first()
+        return row["rows"], {"accuracy": row["accuracy"]}
+    if label:
+        error = sf.col(prediction) - sf.col(label).cast("double")
+        row = written.select(
+            sf.avg(error * error).alias("mse"),
+            sf.avg(sf.abs(error)).alias("mae"),
+            sf.count(sf.lit(1)).alias("rows"),
+        ).first()
+        return row["rows"], {"mse": row["mse"], "mae": row["mae"]}
+    return written.count(), {}
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """``--model`` and ``--data`` checked before Spark starts (UsageError): the model's scheme has
+    a filesystem here, and the executors can reach the dataset (``memory://`` is this process's
+    memory, not theirs). The dataset's scheme is Spark's to open first, so it is not checked here."""
+    if is_process_local(args.data):
+        raise UsageError(
+            f"--data {args.data!r}: memory:// lives in this process only, and the executors read the data: "
+            f"give a path or URL every executor can reach"
+        )
+    check_input(args.model, "--model")
+
+
+def _check_output(output: str) -> None:
+    if is_process_local(output):
+        raise UsageError(
+            f"--output {output!r}: memory:// lives in this process only, and the executors write the predictions: "
+            f"give a path or URL every executor can reach"
+        )
+    check_output(output)
+
+
 def predict_main(argv: Optional[List[str]] = None) -> int:
-    args = build_predict_parser().parse_args(argv)
+    """Entry point: 0 with predictions, 1 when predicting failed, 2 on bad usage. ``--output`` is
+    checked first (a scheme with no filesystem here, a directory that cannot be written, or
+    memory://, which executors cannot write, ends it at once with 2); every other outcome leaves
+    metrics.json (``status``, ``exit_code``, ``error``, ``error_kind``)."""
+    args = parse_arguments(build_predict_parser(), argv)
     started = time.time()
-    os.makedirs(args.output, exist_ok=True)
     try:
-        document, code = predict(args), 0
-    except UsageError as exc:
+        _check_output(args.output)
+    except UsageError as exc:  # nowhere to write metrics.json: the message is all there is
         print(f"sparkdl predict: {exc}", file=sys.stderr)
-        document, code = {"status": "failed", "error": str(exc), "config": _config(args)}, 2
-    except Exception as exc:  # noqa: BLE001
-        print(f"sparkdl predict: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        document, code = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "config": _config(args)}, 1
+        return 2
+    try:
+        check_inputs(args)
+        document, code = predict(args), 0
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a message and an exit code
+        kind = error_kind(exc)
+        reason = str(exc) if kind == "usage" else f"{type(exc).__name__}: {exc}"
+        print(
+            f"sparkdl predict: {reason}" if kind == "usage" else f"sparkdl predict: failed: {reason}", file=sys.stderr
+        )
+        document = {"status": "failed", "error": reason, "error_kind": kind, "config": _config(args)}
+        code = 2 if kind == "usage" else 1
     document["wall_seconds"] = time.time() - started
     document["exit_code"] = code
     _write_metrics(args.output, document)

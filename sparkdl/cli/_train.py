@@ -23,12 +23,17 @@ from sparkdl.cli._common import (
     _config,
     _write_metrics,
     add_slot_wait_argument,
+    check_output,
+    error_kind,
     load_factory,
+    parse_arguments,
     rank_rates,
+    session_running,
     spark_session,
 )
 from sparkdl.cli._inputs import parse_inputs
 from sparkdl.data.readers import registered_readers
+from sparkdl.filesystem import url_join
 
 # Where the package re-exports this module's names: what pickles and MLflow's "optimizer"/"loss"
 # params name, as they did when the CLI was one module.
@@ -91,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--label", required=True, help="label column")
     parser.add_argument(
-        "--strategy", default="allreduce", help="allreduce, model_averaging, elastic_averaging, ... (default allreduce)"
+        "--strategy",
+        default="allreduce",
+        help="allreduce, sharded, model_averaging, diloco, elastic_averaging, parameter_server (default allreduce); settings with --strategy-arg",
     )
     parser.add_argument(
         "--strategy-arg",
@@ -109,7 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--momentum", type=float, default=0.9, help="for --optimizer sgd")
     parser.add_argument("--loss", choices=sorted(LOSSES), default="cross_entropy")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", required=True, help="directory for the saved model and metrics.json")
+    parser.add_argument(
+        "--output",
+        required=True,
+        help="directory for the saved model and metrics.json: a path or a URL (s3://, gs://, abfs://, hdfs://, "
+        "any fsspec URL)",
+    )
     parser.add_argument("--master", default=None, help="Spark master when not started by spark-submit")
     parser.add_argument("--quiet", action="store_true", help="no per-epoch progress lines")
     parser.add_argument("--reader", choices=registered_readers(), default="arrow", help="data reader (default arrow)")
@@ -195,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="log params, per-epoch metrics and the model to this MLflow experiment",
     )
     tracking.add_argument("--mlflow-tracking-uri", default=None, help="MLflow store (default: $MLFLOW_TRACKING_URI)")
+    tracking.add_argument(
+        "--mlflow-register",
+        default=None,
+        metavar="NAME",
+        dest="mlflow_registered_model_name",
+        help="also register the logged MLflow model under this name in the model registry (needs --mlflow-experiment)",
+    )
     tracking.add_argument("--tensorboard-dir", default=None, help="write per-epoch scalars for TensorBoard here")
     return parser
 
@@ -284,13 +303,13 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
     import pyspark
 
     import sparkdl
+    from sparkdl.filesystem import basename
     from sparkdl.strategies import strategy_from_name
 
     estimator_options = estimator_arguments(args)
     strategy = strategy_from_name(args.strategy, **_strategy_kwargs(args.strategy_arg))
     if args.mlflow_tracking_uri:
         os.environ["MLFLOW_TRACKING_URI"] = args.mlflow_tracking_uri
-    spark = spark_session(f"sparkdl-train {os.path.basename(args.output.rstrip('/'))}", args.master)
     estimator = sparkdl.TorchEstimator(
         **estimator_options,
         strategy=strategy,
@@ -303,15 +322,18 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
         on_resize=args.on_resize,
         resume=args.resume,
         mlflow_experiment=args.mlflow_experiment,
+        mlflow_registered_model_name=args.mlflow_registered_model_name,
         tensorboard_dir=args.tensorboard_dir,
     )
+    borrowed = session_running()
+    spark = spark_session(f"sparkdl-train {basename(args.output)}", args.master)
     try:
         model = estimator.fit(args.data)
-        model.save(os.path.join(args.output, "model"))
+        model.save(url_join(args.output, "model"))
         spark_info = {"master": spark.sparkContext.master, "app_id": spark.sparkContext.applicationId}
     finally:
-        # Stopping explicitly lets executors shut down in order instead of racing the JVM's exit.
-        spark.stop()
+        if not borrowed:
+            spark.stop()
     return {
         "status": "succeeded",
         "history": model.history,
@@ -366,23 +388,37 @@ def _safe_versions() -> Dict[str, str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point; returns the process exit code (0 ok, 1 training failed, 2 bad usage)."""
-    args = build_parser().parse_args(argv)
+    """Entry point; returns the process exit code (0 ok, 1 training failed, 2 bad usage).
+
+    ``--output`` (a path or URL) is checked first: a scheme with no filesystem here or a directory
+    that cannot be written ends the command at once (2). Every other outcome, a usage error
+    argparse finds included, leaves ``--output``/metrics.json with ``status``, ``exit_code`` and,
+    on failure, ``error`` and ``error_kind`` (:func:`~sparkdl.cli._common.error_kind`)."""
+    args = parse_arguments(build_parser(), argv)
     started = time.time()
-    os.makedirs(args.output, exist_ok=True)  # fail on an unwritable --output now, not after training
+    try:
+        check_output(args.output)
+    except UsageError as exc:  # nowhere to write metrics.json: the message is all there is
+        print(f"sparkdl-train: {exc}", file=sys.stderr)
+        return 2
     try:
         document = train(args)
         code = 0
     except UsageError as exc:
         print(f"sparkdl-train: {exc}", file=sys.stderr)
-        document, code = {"status": "failed", "error": str(exc), "config": _config(args)}, 2
+        document, code = {"status": "failed", "error": str(exc), "error_kind": "usage", "config": _config(args)}, 2
     except Exception as exc:  # noqa: BLE001 - every failure becomes a message and an exit code
         from sparkdl.errors import SparkdlError
 
         kind = "" if isinstance(exc, SparkdlError) else f"{type(exc).__name__}: "
         hint = _missing_module_hint(str(exc), args.model)
         print(f"sparkdl-train: training failed: {kind}{exc}{hint}", file=sys.stderr)
-        document = {"status": "failed", "error": f"{type(exc).__name__}: {exc}{hint}", "config": _config(args)}
+        document = {
+            "status": "failed",
+            "error": f"{type(exc).__name__}: {exc}{hint}",
+            "error_kind": error_kind(exc),
+            "config": _config(args),
+        }
         code = 1
     document["wall_seconds"] = time.time() - started
     document["exit_code"] = code
@@ -402,5 +438,5 @@ def summary_line(document: Dict[str, Any], output: str) -> str:
     figures += [f"{key} {last[key]:.4f}" for key in validation_figures([last]) if isinstance(last[key], (int, float))]
     return (
         f"sparkdl-train: done in {document['wall_seconds']:.1f}s, {len(document.get('history') or [])} epoch(s): {', '.join(figures)}; "
-        f"model in {os.path.join(output, 'model')}, metrics in {os.path.join(output, 'metrics.json')}"
+        f"model in {url_join(output, 'model')}, metrics in {url_join(output, 'metrics.json')}"
     )

@@ -25,6 +25,7 @@ from sparkdl.comparison.result import Comparison, ComparisonRow, check_plotting
 from sparkdl.comparison.strategies import Labelled, SlowedModel, labelled_strategies
 from sparkdl.errors import ConfigError
 from sparkdl.estimator import TorchEstimator
+from sparkdl.filesystem import check_output
 from sparkdl.tracking import describe_callable
 
 #: The straggler's default sleep per training step.
@@ -127,7 +128,8 @@ def compare(
         slow_rank: slow this rank down by ``slow_s`` seconds per training step (simulated
             straggler; the table and JSON say it was on).
         slow_s: the slowed rank's sleep per step.
-        output_dir: write ``compare.json`` and (with ``plot``) ``compare.png`` there.
+        output_dir: write ``compare.json`` and (with ``plot``) ``compare.png`` there: a path or
+            a URL (``s3://``, ``gs://``, any fsspec URL), checked writable before anything trains.
         plot: draw ``compare.png`` into ``output_dir`` (needs matplotlib: ``sparkdl-torch[plot]``).
         progress: True prints a line per strategy and the fits' epoch lines; a callable receives
             every epoch record (as TorchEstimator's ``progress``).
@@ -140,7 +142,8 @@ def compare(
         The :class:`Comparison`: ``.rows``, ``.table()``, ``.to_json()``, ``.plot(path)``.
 
     Raises:
-        ConfigError: a bad setting (named), found before anything trains.
+        ConfigError: a bad setting (named), found before anything trains; also an
+            ``output_dir`` whose scheme has no filesystem here or that cannot be written.
         DataError: data every strategy would fail on (a path that does not exist, a missing
             column, an empty shard), found once before anything trains.
     """
@@ -158,8 +161,10 @@ def compare(
             f"compare does not take {', '.join(f'{n}=' for n in refused)}: it sets each fit's strategy itself (strategies=) "
             f"and trains every strategy from scratch"
         )
-    if output_dir is not None and plot:
-        check_plotting()  # now, not after every strategy has trained
+    if output_dir is not None:  # now, not after every strategy has trained
+        check_output(output_dir, "output_dir")
+        if plot:
+            check_plotting()
     factory = model if settings.slow_rank is None else SlowedModel(model, settings.slow_rank, float(settings.slow_s))
     shared = dict(
         optimizer=optimizer,

@@ -7,12 +7,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
+from sparkdl import filesystem
 from sparkdl._driver.progress import validation_figures
 from sparkdl.errors import ConfigError
+from sparkdl.plotting import save_figure
 
 History = Sequence[Mapping[str, Any]]
 
@@ -315,7 +316,8 @@ class Comparison:
 
     def plot(self, path: Optional[str] = None) -> Any:
         """Loss against training seconds, one line per strategy (validation loss dashed, the
-        target loss as a horizontal line); written to ``path`` (PNG by its suffix) when given.
+        target loss as a horizontal line); written to ``path`` (a path or URL; PNG by its
+        suffix) when given.
 
         Returns:
             The matplotlib ``Figure``.
@@ -352,21 +354,17 @@ class Comparison:
         axis.legend(fontsize="small")
         figure.tight_layout()
         if path is not None:
-            figure.savefig(path, dpi=100)
+            save_figure(figure, path, dpi=100)
         return figure
 
     def save(self, output_dir: str, plot: bool = True) -> Dict[str, Optional[str]]:
         """Writes ``compare.json`` (and ``compare.png`` when ``plot`` and some strategy finished)
-        into ``output_dir``; returns their paths (``png`` None when none was drawn)."""
-        os.makedirs(output_dir, exist_ok=True)
-        json_path = os.path.join(output_dir, JSON_NAME)
-        tmp = json_path + ".tmp"
-        with open(tmp, "w") as handle:
-            json.dump(self.to_json(), handle, indent=2, default=_jsonable)
-        os.replace(tmp, json_path)
+        into ``output_dir``, a path or URL; returns their paths (``png`` None when none was drawn)."""
+        json_path = filesystem.url_join(output_dir, JSON_NAME)
+        filesystem.write_file(json_path, json.dumps(self.to_json(), indent=2, default=_jsonable).encode())
         png_path = None
         if plot and any(row.ok and row.curve for row in self.rows):
-            png_path = os.path.join(output_dir, PNG_NAME)
+            png_path = filesystem.url_join(output_dir, PNG_NAME)
             self.plot(png_path)
         return {"json": json_path, "png": png_path}
 

@@ -64,9 +64,16 @@ def test_cli_package_keeps_the_one_module_names():
         "build_parser",
     ):
         assert callable(getattr(cli, name)), name
-    assert set(cli.COMMANDS) == {"train", "predict", "inspect", "package", "launch", "compare", "plan"} and issubclass(
-        cli.UsageError, Exception
-    )
+    assert set(cli.COMMANDS) == {
+        "train",
+        "predict",
+        "inspect",
+        "package",
+        "launch",
+        "compare",
+        "plan",
+        "submit",
+    } and issubclass(cli.UsageError, Exception)
     factory = _train._optimizer_factory("sgd", 0.1, 0.9)  # executors import it by reference
     assert type(pickle.loads(pickle.dumps(factory))) is _train._OptimizerFactory
     result = subprocess.run(
@@ -128,7 +135,9 @@ def _fake_spark(monkeypatch, captured):
 
     # The estimator first: reading the real one (to restore it) imports pyspark.ml, which needs the real SparkSession.
     monkeypatch.setattr(sparkdl, "TorchEstimator", FakeEstimator)
-    monkeypatch.setattr(pyspark.sql, "SparkSession", types.SimpleNamespace(builder=Builder()))
+    monkeypatch.setattr(
+        pyspark.sql, "SparkSession", types.SimpleNamespace(builder=Builder(), getActiveSession=lambda: None)
+    )
 
 
 def test_train_passes_recovery_and_tracking_options_and_writes_metrics(tmp_path, monkeypatch):
@@ -160,6 +169,8 @@ def test_train_passes_recovery_and_tracking_options_and_writes_metrics(tmp_path,
             "exp",
             "--mlflow-tracking-uri",
             "file:/tmp/mlruns",
+            "--mlflow-register",
+            "digits",
             "--tensorboard-dir",
             "/tb",
             "--master",
@@ -186,6 +197,7 @@ def test_train_passes_recovery_and_tracking_options_and_writes_metrics(tmp_path,
     )
     assert kwargs["checkpoint_async"] is False
     assert (kwargs["mlflow_experiment"], kwargs["tensorboard_dir"]) == ("exp", "/tb")
+    assert kwargs["mlflow_registered_model_name"] == "digits"
     assert os.environ["MLFLOW_TRACKING_URI"] == "file:/tmp/mlruns"
     assert captured["stopped"] and captured["master"] == "local[2]"
     assert captured["conf"] == {"spark.ui.showConsoleProgress": "false"}  # sparkdl prints its own progress

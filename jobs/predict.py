@@ -3,7 +3,8 @@
     spark-submit --py-files models.py jobs/predict.py --model RUN/model --data URL \
         --output DIR [--label label]
 
-Writes DIR/predictions (Parquet) and DIR/metrics.json. Same code as ``sparkdl predict``.
+Writes DIR/predictions (Parquet) and DIR/metrics.json. Same code as ``sparkdl predict`` and as
+``sparkdl submit predict [spark-submit options] -- ARGS`` (the application in the package).
 """
 
 import sys

@@ -7,7 +7,9 @@
 Named model inputs instead of ``--features`` (images as bytes, token ids, ids, dense columns):
 ``--input image=image:jpeg_bytes:224x224x3 --input tokens=sequence:token_ids:128 --input dense=dense:age,income``.
 
-Run ``jobs/train.py --help`` for every option. Same code as the ``sparkdl-train`` command.
+Run ``jobs/train.py --help`` for every option. Same code as the ``sparkdl-train`` command and as
+the application that ships in the package (``sparkdl/cli/jobs/train.py``), which a pip install
+submits with ``sparkdl submit train [spark-submit options] -- ARGS`` (docs/deploy.md).
 """
 
 import sys

@@ -33,6 +33,7 @@ from sparkdl.cli._launch import build_launch_parser, launch_main
 from sparkdl.cli._package import build_package_parser, package, package_main
 from sparkdl.cli._plan import build_plan_parser, plan_main
 from sparkdl.cli._predict import build_predict_parser, predict, predict_main
+from sparkdl.cli._submit import submit_main
 from sparkdl.cli._train import LOSSES, OPTIMIZERS, build_parser, main, throughput, train
 
 COMMANDS: Dict[str, Callable[[Optional[List[str]]], int]] = {
@@ -43,9 +44,10 @@ COMMANDS: Dict[str, Callable[[Optional[List[str]]], int]] = {
     "launch": launch_main,
     "compare": compare_main,
     "plan": plan_main,
+    "submit": submit_main,
 }
 
-USAGE = """usage: sparkdl {train,predict,inspect,package,compare,plan,launch} [options]
+USAGE = """usage: sparkdl {train,predict,inspect,package,compare,plan,launch,submit} [options]
 
   train     train a model on a Spark cluster (= sparkdl-train and jobs/train.py); writes DIR/model, DIR/metrics.json
   predict   load a saved model and write predictions for a Parquet dataset; --label also evaluates
@@ -54,6 +56,7 @@ USAGE = """usage: sparkdl {train,predict,inspect,package,compare,plan,launch} [o
   launch    run an existing training script unchanged on barrier tasks, torchrun style: sparkdl launch train.py -- ARGS
   compare   train the model with each strategy for the same epochs; one table, DIR/compare.json, DIR/compare.png
   plan      calibrate for a minute, predict each strategy on 2..1024 workers; one table, DIR/plan.json, DIR/plan.png
+  submit    spark-submit the packaged train or predict job, shipping sparkdl and the model's module: sparkdl submit train [spark-submit options] -- ARGS
 
 'sparkdl COMMAND --help' describes a command's options."""
 

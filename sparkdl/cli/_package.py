@@ -69,7 +69,7 @@ def package_main(argv: Optional[List[str]] = None) -> int:
     print(result["output"])
     print(
         f"sparkdl package: {result['files']} files of {', '.join(result['packages'])}, {result['bytes']} bytes; "
-        f"ship with spark-submit --py-files {args.output},models.py",
+        f"ship with spark-submit --py-files {args.output},models.py (sparkdl submit ships it for you)",
         file=sys.stderr,
     )
     return 0

@@ -15,8 +15,8 @@ this file, alone, into the DAGs folder. The rest comes from environment variable
                            sparkdl checkout
     SPARKDL_SPARK_CONN     the Spark connection (default spark_default)
 
-Training failures fail the ``train`` task with the job's one-paragraph message; Airflow's retry
-then resumes from the run's checkpoints (``checkpoint_dir`` is per DAG run), so only the steps
+Training failures fail the ``train`` task with the job's own message (bad arguments fail it
+without retries: a retry would fail the same way); Airflow's retry then resumes from the run's checkpoints (``checkpoint_dir`` is per DAG run), so only the steps
 after the last checkpoint are redone. Runs are keyed on the run id, which every run has
 (``airflow dags trigger`` runs have no logical date in Airflow 3).
 """

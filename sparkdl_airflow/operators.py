@@ -11,9 +11,12 @@ kill. What these operators add:
 * the job's ``metrics.json`` (status, per-epoch history, per-rank throughput, run info) as the
   task's XCom, summarized; a metrics.json left in ``output_dir`` by an earlier try is deleted
   before each try, so a try cannot report another's figures;
-* a failed job fails the task with the job's own one-paragraph error, not spark-submit's command
-  line; a usage error (exit 2) or an evaluation under ``fail_below`` fails it without retries,
-  since a retry would fail the same way;
+* a failed job fails the task with the job's own reason from its metrics.json (its first
+  lines), not spark-submit's command line; a usage error (the job's exit 2, ``error_kind``
+  "usage"), an ``output_dir`` the worker cannot read, or an evaluation under ``fail_below`` fails
+  it without retries (``AirflowFailException``), since a retry would fail the same way; a
+  spark-submit that failed before the job wrote its metrics.json fails it with the last lines
+  of spark-submit's output;
 * killing the task (a timeout, "mark failed": Airflow calls ``on_kill``) stops spark-submit, its
   driver and their children: spark-submit runs in a session of its own whose process group gets
   SIGTERM, then SIGKILL after ``kill_grace_seconds`` (from a reaper process, as Airflow 3 SIGKILLs
@@ -23,25 +26,28 @@ kill. What these operators add:
   its handler interrupts the logging of a line, and when the kill comes before spark-submit has
   started, which then never starts (session_hook.py says how).
 
-``output_dir`` must be readable by the Airflow worker (local in client mode, or shared storage
-mounted on the worker) for the XCom; with ``checkpoint_dir`` templated per DAG run
-(``.../ckpt/{{ run_id }}``), an Airflow retry resumes from the last checkpoint.
+``output_dir`` must be readable by the Airflow worker for the XCom: a local path (client mode),
+shared storage mounted on the worker, or a URL read through fsspec (metrics_file.py); with
+``checkpoint_dir`` templated per DAG run (``.../ckpt/{{ run_id }}``, its ':' and '+' replaced), an
+Airflow retry resumes from the last checkpoint.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any, Dict, List, Optional, Sequence
 
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
+from sparkdl_airflow import metrics_file
 from sparkdl_airflow.entry import PREDICT, TRAIN
 from sparkdl_airflow.session_hook import NotSubmitted, SessionSparkSubmitHook
 
 USAGE_ERROR = 2  # sparkdl train/predict: bad options; retrying cannot help
+#: How much of a failure the task's error shows: the job's reason, or spark-submit's output.
+ERROR_LINES = 20
+OUTPUT_TAIL_LINES = 25
 
 
 class _SparkdlJobOperator(SparkSubmitOperator):
@@ -107,33 +113,52 @@ class _SparkdlJobOperator(SparkSubmitOperator):
 
     @property
     def metrics_path(self) -> str:
-        return os.path.join(self.output_dir, "metrics.json")
+        return metrics_file.join(self.output_dir, "metrics.json")
 
     def execute(self, context: Any) -> Dict[str, Any]:
-        if os.path.exists(self.metrics_path):  # never report a previous try's metrics as this one's
-            os.remove(self.metrics_path)
+        try:
+            metrics_file.check_readable(self.output_dir)
+        except ValueError as exc:  # bad configuration: a retry would fail the same way
+            raise AirflowFailException(str(exc)) from None
+        metrics_file.remove(self.metrics_path)  # never report a previous try's metrics as this one's
         self.application_args = self.job_arguments()
         self._hook = None  # built afresh per try, from the rendered fields
         try:
             super().execute(context)
         except NotSubmitted:
             raise  # no job ran: neither metrics nor an exit status to report
-        except AirflowException as exc:
-            metrics = _read_json(self.metrics_path) or {}
-            code = getattr(getattr(self._hook, "_submit_sp", None), "returncode", None)
-            error = metrics.get("error")
-            if error is None:  # the job died before it could say why: spark-submit's last lines do
-                raise AirflowException(
-                    f"sparkdl job failed (spark-submit exit {code}) and wrote no {self.metrics_path}: {exc}"
-                ) from exc
-            failure = AirflowFailException if USAGE_ERROR in (code, metrics.get("exit_code")) else AirflowException
-            raise failure(f"sparkdl job failed (spark-submit exit {code}): {error}") from exc
-        metrics = _read_json(self.metrics_path)
+        except AirflowException:
+            # from None: the provider's exception says only spark-submit's command line (logged
+            # when it started) and exit code; the job's own reason is what the task shows.
+            raise self._failure(metrics_file.read(self.metrics_path)) from None
+        metrics = metrics_file.read(self.metrics_path)
         if metrics is None:
             raise AirflowException(
                 f"spark-submit exited 0 but wrote no {self.metrics_path} (is output_dir readable by the Airflow worker?)"
             )
+        if metrics.get("status") == "failed":  # cluster deploy mode: spark-submit may exit 0 for a failed driver
+            raise self._failure(metrics)
         return self.summary(metrics)
+
+    def _failure(self, metrics: Optional[Dict[str, Any]]) -> AirflowException:
+        """The exception that fails this try: the job's reason from its metrics.json, or, when
+        the job wrote none (spark-submit failed before it ran, or the driver was killed), the tail
+        of spark-submit's output. A usage error (bad arguments) is not retried."""
+        code = getattr(getattr(self._hook, "_submit_sp", None), "returncode", None)
+        if metrics is None or not metrics.get("error"):
+            tail = "\n".join(list(getattr(self._hook, "_last_submit_log_lines", None) or [])[-OUTPUT_TAIL_LINES:])
+            usage = code == USAGE_ERROR  # client mode: spark-submit exits with the driver's code
+            failure = AirflowFailException if usage else AirflowException
+            what = ", a usage error: not retried" if usage else ""
+            return failure(
+                f"sparkdl job failed (spark-submit exit {code}{what}) before writing {self.metrics_path}; "
+                f"spark-submit's last lines:\n{tail or '(none)'}"
+            )
+        exit_code = metrics.get("exit_code", code)
+        reason = _first_lines(str(metrics["error"]), self.metrics_path)
+        if metrics.get("error_kind") == "usage" or exit_code == USAGE_ERROR:
+            return AirflowFailException(f"sparkdl job failed (exit {exit_code}, a usage error: not retried): {reason}")
+        return AirflowException(f"sparkdl job failed (exit {exit_code}): {reason}")
 
     def summary(self, metrics: Dict[str, Any]) -> Dict[str, Any]:
         return {**metrics, "metrics_path": self.metrics_path}
@@ -156,7 +181,7 @@ class SparkdlTrainOperator(_SparkdlJobOperator):
         last = history[-1] if history else {}
         return {
             "status": metrics.get("status"),
-            "model": os.path.join(self.output_dir, "model"),
+            "model": metrics_file.join(self.output_dir, "model"),
             "metrics_path": self.metrics_path,
             "epochs": [r.get("epoch") for r in history],
             "final_loss": last.get("loss"),
@@ -197,9 +222,9 @@ class SparkdlPredictOperator(_SparkdlJobOperator):
         return {k: metrics.get(k) for k in ("status", "rows", "evaluation", "predictions", "model", "wall_seconds")}
 
 
-def _read_json(path: str) -> Optional[Dict[str, Any]]:
-    try:
-        with open(path) as handle:
-            return json.load(handle)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
+def _first_lines(error: str, metrics_path: str) -> str:
+    """The first ERROR_LINES lines of the job's error; where the rest is, when it is longer."""
+    lines = error.strip().splitlines()
+    if len(lines) <= ERROR_LINES:
+        return "\n".join(lines)
+    return "\n".join(lines[:ERROR_LINES] + [f"... ({len(lines) - ERROR_LINES} more lines: 'error' in {metrics_path})"])

@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from typing import Optional
@@ -293,9 +294,9 @@ def test_airflow_dags_test_trains_on_spark_retries_from_the_checkpoint_and_evalu
     assert outcome["tasks"]["prepare_data"]["state"] == "success"
     # The injected failure failed the first try of `train` with the job's message...
     assert outcome["tasks"]["train"]["try_number"] == 2, outcome["tasks"]
-    assert "sparkdl job failed (spark-submit exit 1)" in output and "injected failure in epoch 2" in output, output[
-        -6000:
-    ]
+    failure = re.search(r"AirflowException: sparkdl job failed \(exit 1\): ([^\n]*)", output)
+    assert failure and "injected failure in epoch 2" in failure.group(1), output[-6000:]
+    assert "Cannot execute" not in output  # the job's reason, not spark-submit's command line
     # ...and the retry resumed from the checkpoint written at the end of epoch 1.
     train = outcome["train"]
     assert train["status"] == "succeeded"
@@ -321,6 +322,184 @@ def test_airflow_dags_test_trains_on_spark_retries_from_the_checkpoint_and_evalu
     assert evaluate["rows"] == HELD_OUT_ROWS
     assert evaluate["evaluation"]["accuracy"] > 0.8, evaluate
     assert os.path.isdir(evaluate["predictions"])
+
+
+# -- the examples as printed: README's "From Airflow", docs/deploy.md's "4. Airflow" -----------
+
+#: The deployment's own places that the printed examples name, and where the test puts them:
+#: these literal strings, and nothing else, are replaced; the operator calls run as printed.
+#: The HDFS URLs become file:// URLs (a URL still), the local paths folders of the test's own.
+PRINTED_PLACES = {
+    "/opt/models/models.py": "{root}/models.py",  # a copy of examples/digits.py: make_model
+    "hdfs:///data/digits": "file://{root}/hdfs/data/digits",  # all 1,797 digits
+    "hdfs:///ckpt/digits/": "file://{root}/hdfs/ckpt/digits/",
+    "hdfs:///tmp/sparkdl": "file://{root}/hdfs/tmp/sparkdl",
+    "/shared/runs/digits/": "{root}/shared/runs/digits/",
+}
+
+# The printed examples, each in a task group of its own in one DAG (Airflow and its DB start once
+# for all), beside the README's example as it was before it named features and label (the job's
+# usage error) and an output_dir whose scheme the worker cannot read. Run by dag.test() with no logical date, as `airflow dags trigger` runs are.
+PRINTED_DAG = """
+import json
+import pendulum
+from airflow.models.xcom import XComModel
+from airflow.sdk import DAG, TaskGroup
+from airflow.utils.session import create_session
+
+with DAG("sparkdl_printed", schedule=None, start_date=pendulum.datetime(2024, 1, 1, tz="UTC"), catchup=False) as dag:
+    with TaskGroup("readme"):
+{readme}
+    with TaskGroup("deploy"):
+{deploy}
+    with TaskGroup("usage"):
+        from sparkdl_airflow import SparkdlTrainOperator
+
+        train = SparkdlTrainOperator(
+            task_id="train", py_files={models!r}, output_dir={usage_output!r},
+            arguments={{"data": {data!r}, "model": "models:make_model", "epochs": 10}},
+            retries=2,
+        )
+    with TaskGroup("unreadable"):
+        train = SparkdlTrainOperator(
+            task_id="train", output_dir="nosuchfs://bucket/run",
+            arguments={{"data": {data!r}, "model": "models:make_model", "features": "features", "label": "label"}},
+            retries=2,
+        )
+
+if __name__ == "__main__":
+    run = dag.test(logical_date=None)
+    with create_session() as session:
+        tasks = {{}}
+        for ti in run.get_task_instances(session=session):
+            row = session.scalars(XComModel.get_many(run_id=run.run_id, dag_ids=dag.dag_id, task_ids=ti.task_id, key="return_value")).first()
+            xcom = XComModel.deserialize_value(row) if row is not None else None
+            tasks[ti.task_id] = {{"state": str(ti.state), "try_number": ti.try_number, "xcom": xcom}}
+    print("RESULT " + json.dumps({{"run_id": run.run_id, "tasks": tasks}}, default=str), flush=True)
+"""
+
+
+def _printed_example(relpath: str, heading: str) -> str:
+    """The first ```python block of the section ``heading`` (a whole heading line) of ``relpath``."""
+    with open(os.path.join(REPO_ROOT, relpath)) as handle:
+        lines = handle.read().splitlines()
+    assert heading in lines, f"{relpath} has no heading {heading!r}"
+    level, block, in_fence = heading.split(" ")[0], None, False
+    for line in lines[lines.index(heading) + 1 :]:
+        if line.startswith("```"):
+            if block is not None and in_fence:
+                return "\n".join(block) + "\n"
+            in_fence = not in_fence
+            if line == "```python" and block is None:
+                block = []
+            continue
+        marks = line.split(" ")[0]
+        if not in_fence and marks and set(marks) == {"#"} and len(marks) <= len(level):
+            break  # the section ended
+        if block is not None and in_fence:
+            block.append(line)
+    raise AssertionError(f"{relpath}'s section {heading!r} has no ```python block")
+
+
+def _placed(code: str, root) -> str:
+    """``code`` with each of PRINTED_PLACES' literal strings replaced, in one pass."""
+    places = {literal: target.format(root=root) for literal, target in PRINTED_PLACES.items()}
+    return re.sub("|".join(map(re.escape, places)), lambda found: places[found.group(0)], code)
+
+
+@pytest.fixture(scope="module")
+def printed_run(tmp_path_factory, airflow_python, airflow_env):
+    """README's and docs/deploy.md's examples and the usage error, run by one ``dag.test()``
+    against the real job on spark-submit ``local[2]``; returns (its RESULT, its output, root)."""
+    from examples.digits import write_dataset
+
+    root = tmp_path_factory.mktemp("printed")
+    printed = {
+        "readme": _printed_example("README.md", "### From Airflow"),
+        "deploy": _printed_example(os.path.join("docs", "deploy.md"), "## 4. Airflow"),
+    }
+    for literal in PRINTED_PLACES:  # every substitution is used: none outlives a change of the docs
+        assert any(literal in code for code in printed.values()), f"no printed example names {literal!r}"
+    # Each example in places of its own: they name the same ones, and the second would find the
+    # first's finished checkpoint and return its model without training.
+    placed = {group: _placed(code, root / group) for group, code in printed.items()}
+    assert not re.search(r"[\"'](hdfs://|/opt/|/shared/)", "".join(placed.values())), placed  # no place left out
+    for group in printed:
+        (root / group).mkdir()
+        shutil.copy(os.path.join(REPO_ROOT, "examples", "digits.py"), root / group / "models.py")
+        write_dataset(str(root / group / "hdfs" / "data" / "digits"))
+    path = os.path.join(airflow_env["AIRFLOW__CORE__DAGS_FOLDER"], "sparkdl_printed.py")
+    with open(path, "w") as handle:
+        handle.write(
+            PRINTED_DAG.format(
+                readme=textwrap.indent(placed["readme"], " " * 8),
+                deploy=textwrap.indent(placed["deploy"], " " * 8),
+                models=str(root / "readme" / "models.py"),
+                data=str(root / "readme" / "hdfs" / "data" / "digits"),
+                usage_output=f"file://{root}/usage",
+            )
+        )
+    # The worker's environment: the interpreter with sparkdl for the driver and executors (the
+    # examples set no env_vars), and retries at once (the examples keep Airflow's default delay).
+    env = {
+        **airflow_env,
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+        "AIRFLOW__CORE__DEFAULT_TASK_RETRY_DELAY": "0",
+    }
+    outcome, output = _run(airflow_python, env, path, root, timeout=900)
+    (root / "dag-test.log").write_text(output)  # the whole log, for a failure's reader
+    assert outcome is not None, output[-6000:]
+    return outcome, output, root
+
+
+def _run_key(run_id: str) -> str:
+    return run_id.replace(":", "-").replace("+", "-")
+
+
+@pytest.mark.parametrize("group", ["readme", "deploy"])
+def test_the_printed_airflow_examples_train_as_printed(printed_run, group):
+    outcome, output, root = printed_run
+    task = outcome["tasks"][f"{group}.train"]
+    assert task["state"] == "success" and task["try_number"] == 1, (task, output[-6000:])
+    train = task["xcom"]
+    assert train["status"] == "succeeded" and train["epochs"] == list(range(1, 11)), train
+    # Keyed on the run id without its ':' and '+' (HDFS refuses ':' in a name), which every try shares.
+    key = _run_key(outcome["run_id"])
+    assert key != outcome["run_id"]  # the run id had them: the example's replace() is needed
+    assert train["model"] == f"{root}/{group}/shared/runs/digits/{key}/model", train["model"]
+    assert os.path.isfile(os.path.join(train["model"], "state_dict.pt"))
+    assert os.listdir(root / group / "hdfs" / "ckpt" / "digits" / key)  # the checkpoints, where the example put them
+    assert train["from_finished_checkpoint"] is False and train["resumed_at_step"] == 0, train
+    if group == "deploy":  # it asks for validation accuracy on 10% of the rows
+        assert train["final_validation"]["val_accuracy"] > 0.8, train["final_validation"]
+
+
+def test_a_usage_error_fails_the_task_without_retry_with_the_jobs_reason(printed_run):
+    """The README's example as it was (no features, no label): the job's argparse refuses it,
+    writes metrics.json (to a file:// URL, read back through fsspec) with the reason, and the task
+    fails once, not retried, saying that reason, not spark-submit's command line."""
+    outcome, output, root = printed_run
+    assert outcome["tasks"]["usage.train"] == {"state": "failed", "try_number": 1, "xcom": None}, outcome["tasks"]
+    metrics = json.load(open(root / "usage" / "metrics.json"))
+    assert metrics["status"] == "failed" and metrics["exit_code"] == 2 and metrics["error_kind"] == "usage", metrics
+    assert "--label" in metrics["error"], metrics
+    expected = f"AirflowFailException: sparkdl job failed (exit 2, a usage error: not retried): {metrics['error'].splitlines()[0]}"
+    assert expected in output, output[-6000:]
+    failure = output[output.index(expected) :].split("\n", 1)[0]
+    assert "spark-submit" not in failure and "Cannot execute" not in output, output[-6000:]
+
+
+def test_an_output_dir_the_worker_cannot_read_fails_the_task_before_spark_submit(printed_run):
+    """The operator reads the job's metrics.json from output_dir: a scheme with no fsspec
+    implementation on the worker fails the task at once, not retried, naming the scheme."""
+    outcome, output, _ = printed_run
+    assert outcome["tasks"]["unreadable.train"] == {"state": "failed", "try_number": 1, "xcom": None}
+    assert (
+        "AirflowFailException: output_dir 'nosuchfs://bucket/run': the Airflow worker reads the job's metrics.json "
+        "from there, but fsspec cannot open nosuchfs:// URLs on this worker"
+    ) in output, output[-6000:]
+    assert "--output nosuchfs://" not in output  # nothing was submitted
 
 
 # -- the operators alone: killing a task, a stale metrics.json, fail_below ------------------------
@@ -697,14 +876,17 @@ def test_a_retry_that_dies_before_writing_metrics_does_not_report_the_previous_t
     # Try 1 fails with the error its metrics.json holds; try 2 fails with its own spark-submit
     # output and never with try 1's error.
     _, first, second = text.split("[DAG TEST] running task <TaskInstance: sparkdl_stale.job")
-    assert "sparkdl job failed (spark-submit exit 1): the error of try 1" in first, first[-4000:]
+    assert "AirflowException: sparkdl job failed (exit 1): the error of try 1\n" in first, first[-4000:]
     assert "the error of try 1" not in second, second[-4000:]
+    # The message's lines: up to the next log record (which starts with its timestamp).
     found = re.search(
-        r"sparkdl job failed \(spark-submit exit 1\) and wrote no (\S+)metrics.json: Cannot execute: .*try 2 died before writing metrics.json",
+        r"AirflowException: sparkdl job failed \(spark-submit exit 1\) before writing (\S+)metrics.json; "
+        r"spark-submit's last lines:\n((?:(?!\d{4}-\d\d-\d\dT).*\n)*)",
         second,
-        re.S,
     )
     assert found and found.group(1) == f"{output}/", second[-4000:]
+    assert "try 2 died before writing metrics.json" in found.group(2), found.group(2)
+    assert "Cannot execute" not in text  # spark-submit's output, not its command line
     assert not (output / "metrics.json").exists()  # removed before try 2, which wrote none
 
 

@@ -1,6 +1,7 @@
 """Which strategies ``sparkdl.compare`` trains, what the table calls them, and the simulated
 straggler: the default list, ``strategies=`` as objects, a mapping or a command-line text
-(``"allreduce,model_averaging:sync_every=4"``), labels such as ``ModelAveraging(sync_every=4)``,
+(``"allreduce,model_averaging:sync_every=4,diloco:sync_every=64"``), labels such as
+``ModelAveraging(sync_every=4)`` and ``DiLoCo(sync_every=64)``,
 and the model-factory wrapper that slows one rank down."""
 
 from __future__ import annotations
@@ -13,8 +14,16 @@ from typing import Any, Callable, List, Mapping, Optional, Tuple
 import torch
 
 from sparkdl.errors import ConfigError
-from sparkdl.strategies import AllReduce, ElasticAveraging, ModelAveraging, ParameterServer
-from sparkdl.strategies.base import Strategy, registered_strategies
+from sparkdl.strategies import (
+    AllReduce,
+    ElasticAveraging,
+    ModelAveraging,
+    OuterSGD,
+    ParameterServer,
+    strategy_class,
+    strategy_from_name,
+)
+from sparkdl.strategies.base import Strategy
 
 #: (label, strategy) pairs in table order.
 Labelled = Tuple[Tuple[str, Strategy], ...]
@@ -37,18 +46,29 @@ def default_strategies() -> List[Strategy]:
 
 
 def strategy_label(strategy: Strategy) -> str:
-    """``ClassName(field=value, ...)`` with only the fields that differ from their defaults."""
+    """``ClassName(field=value, ...)`` with only the fields that differ from their defaults; model
+    averaging with an :class:`OuterSGD` outer optimizer is ``DiLoCo(sync_every=τ, ...)`` (its outer
+    optimizer shown only when it is not DiLoCo's default), as ``sparkdl plan`` names it."""
     settings = []
+    name = type(strategy).__name__
+    diloco = isinstance(strategy, ModelAveraging) and isinstance(strategy.outer_optimizer, OuterSGD)
+    if diloco:
+        name = "DiLoCo"
     if dataclasses.is_dataclass(strategy):
         for field in dataclasses.fields(strategy):
             value = getattr(strategy, field.name)
+            if diloco and field.name == "outer_optimizer" and value == OuterSGD():
+                continue
+            if diloco and field.name == "sync_every":  # DiLoCo is named by its period, default or not
+                settings.append(f"sync_every={value!r}")
+                continue
             if field.default is not dataclasses.MISSING and value == field.default:
                 continue
             if field.default_factory is not dataclasses.MISSING and value == field.default_factory():  # type: ignore[misc]
                 continue
             shown = getattr(value, "__qualname__", None) if callable(value) else None
             settings.append(f"{field.name}={shown or repr(value)}")
-    return f"{type(strategy).__name__}({', '.join(settings)})"
+    return f"{name}({', '.join(settings)})"
 
 
 def labelled_strategies(strategies: Any) -> Labelled:
@@ -94,18 +114,19 @@ def labelled_strategies(strategies: Any) -> Labelled:
 
 def parse_strategies(text: str) -> Labelled:
     """``"allreduce,model_averaging:sync_every=4,parameter_server:max_staleness=2"``: strategies
-    by registered name, separated by commas, each with ``:KEY=VALUE`` settings (values parsed as
-    JSON when they can be: ``4``, ``null``, ``0.1``; otherwise kept as text)."""
-    names = registered_strategies()
+    by name, separated by commas, each with ``:KEY=VALUE`` settings (values parsed as JSON when
+    they can be: ``4``, ``null``, ``0.1``; otherwise kept as text). The names are those of
+    ``--strategy``: the registered ones and ``diloco`` (``model_averaging`` with DiLoCo's outer
+    optimizer, :func:`sparkdl.strategies.strategy_names`)."""
     pairs = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
             raise ConfigError(f"strategies={text!r} has an empty entry; separate strategies by single commas")
         name, *settings = [piece.strip() for piece in item.split(":")]
-        if name not in names:
-            raise ConfigError(
-                f"strategies: unknown strategy {name!r} in {text!r}; valid names: {', '.join(sorted(names))}"
-            )
+        try:
+            cls, _ = strategy_class(name)
+        except ConfigError as exc:
+            raise ConfigError(f"strategies: unknown strategy {name!r} in {text!r}; {_valid_names(exc)}") from None
         kwargs = {}
         for setting in settings:
             key, sep, value = setting.partition("=")
@@ -115,12 +136,18 @@ def parse_strategies(text: str) -> Labelled:
                 )
             kwargs[key.strip()] = _value(value.strip())
         try:
-            strategy = names[name](**kwargs)
+            strategy = strategy_from_name(name, **kwargs)
         except TypeError as exc:  # an unknown setting name
-            valid = [f.name for f in dataclasses.fields(names[name])] if dataclasses.is_dataclass(names[name]) else []
+            valid = [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
             raise ConfigError(f"strategies: {item!r}: {exc}; {name}'s settings: {', '.join(valid) or 'none'}") from None
         pairs.append((strategy_label(strategy), strategy))
     return _unique(pairs)
+
+
+def _valid_names(error: ConfigError) -> str:
+    """``valid names: ...`` from :func:`strategy_class`'s message (which lists them, aliases too)."""
+    message = str(error)
+    return "valid names: " + message.split("; valid: ", 1)[1] if "; valid: " in message else message
 
 
 def _value(text: str) -> Any:

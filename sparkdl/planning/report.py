@@ -4,10 +4,10 @@ worker count, where each strategy stops scaling — as one table, ``plan.json`` 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Any, Dict, List, Optional, Sequence
 
+from sparkdl import filesystem
+from sparkdl.errors import ConfigError
 from sparkdl.planning.models import Measured, Prediction, stops_scaling
 
 #: Scaling efficiency below which a strategy "stops scaling" in the summary.
@@ -44,11 +44,44 @@ class Plan:
                 seen.append(prediction.strategy)
         return seen
 
+    def label(self, strategy: str) -> str:
+        """The plan's label that ``strategy`` names: the label itself (``"ModelAveraging(sync_every=8)"``),
+        or a family or registered name that names exactly one of the plan's strategies
+        (``"ModelAveraging"``, ``"model_averaging"``, ``"DiLoCo"``, ``"sharded"``), case, ``_``
+        and spaces aside.
+
+        Raises:
+            ConfigError: no label, or several, match; the message lists the plan's labels.
+        """
+        labels = self.strategies
+        if strategy in labels:
+            return strategy
+        wanted = _loose(strategy)
+        matches = [label for label in labels if _loose(label.split("(", 1)[0]).startswith(wanted)] if wanted else []
+        if len(matches) == 1:
+            return matches[0]
+        known = ", ".join(repr(label) for label in labels)
+        if matches:
+            raise ConfigError(
+                f"strategy {strategy!r} names several of this plan's strategies ({', '.join(map(repr, matches))}): "
+                f"give one of them whole; the plan's strategies: {known}"
+            )
+        raise ConfigError(f"strategy {strategy!r} is not in this plan; its strategies: {known}")
+
     def of(self, strategy: str) -> List[Prediction]:
-        return sorted((p for p in self.predictions if p.strategy == strategy), key=lambda p: p.workers)
+        """``strategy``'s predictions by worker count (``strategy`` as :meth:`label` takes it)."""
+        label = self.label(strategy)
+        return sorted((p for p in self.predictions if p.strategy == label), key=lambda p: p.workers)
 
     def stops_scaling(self, strategy: str) -> Optional[Prediction]:
-        """The first worker count where ``strategy``'s efficiency falls under 80% (None: never, in the sweep)."""
+        """The first worker count where ``strategy``'s efficiency falls under 80% (None: it keeps
+        scaling to the largest count of the sweep). ``strategy``: a label of the plan, or a family
+        or registered name that names exactly one (``"AllReduce"``, ``"ModelAveraging"``,
+        ``"diloco"``).
+
+        Raises:
+            ConfigError: ``strategy`` is not one of the plan's strategies (the message lists them).
+        """
         return stops_scaling(self.of(strategy), EFFICIENCY_FLOOR)
 
     def summary(self) -> List[str]:
@@ -108,22 +141,21 @@ class Plan:
 
     def save(self, directory: str, plot: bool = True) -> List[str]:
         """Writes ``plan.json`` (and ``plan.png``, samples/s against workers per strategy, when
-        ``plot`` and matplotlib is there) into ``directory``; returns the paths written."""
-        os.makedirs(directory, exist_ok=True)
-        written = [os.path.join(directory, "plan.json")]
-        with open(written[0], "w") as handle:
-            json.dump(self.to_json(), handle, indent=2)
+        ``plot`` and matplotlib is there) into ``directory``, a path or URL; returns the paths written."""
+        written = [filesystem.url_join(directory, "plan.json")]
+        filesystem.write_json(written[0], self.to_json())
         if plot:
-            written.append(self.plot(os.path.join(directory, "plan.png")))
+            written.append(self.plot(filesystem.url_join(directory, "plan.png")))
         return written
 
     def plot(self, path: str) -> str:
-        import matplotlib
+        """Draws samples/s against workers per strategy and writes it to ``path`` (a path or URL); returns ``path``."""
+        from matplotlib.figure import Figure  # no pyplot: no global figure list, no GUI backend
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from sparkdl.plotting import save_figure
 
-        figure, axis = plt.subplots(figsize=(8, 5))
+        figure = Figure(figsize=(8, 5))
+        axis = figure.subplots()
         for strategy in self.strategies:
             points = self.of(strategy)
             axis.plot([p.workers for p in points], [p.samples_per_s for p in points], marker="o", label=strategy)
@@ -138,6 +170,9 @@ class Plan:
         axis.legend(fontsize="small")
         axis.grid(True, which="both", alpha=0.3)
         figure.tight_layout()
-        figure.savefig(path, dpi=110)
-        plt.close(figure)
-        return path
+        return save_figure(figure, path, dpi=110)
+
+
+def _loose(name: str) -> str:
+    """A name compared loosely: lower case, without ``_``, ``-`` and spaces."""
+    return "".join(ch for ch in name.lower() if ch not in "_- ")

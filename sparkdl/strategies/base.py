@@ -44,6 +44,8 @@ class DistEnv:
 
 
 _REGISTRY: Dict[str, Type["Strategy"]] = {}
+#: Names of a registered strategy with some settings preset: alias -> (registered name, settings).
+_ALIASES: Dict[str, Tuple[str, Dict[str, Any]]] = {}
 
 
 def allreduce_bytes_sent(nbytes: int, world_size: int) -> int:
@@ -189,12 +191,55 @@ def registered_strategies() -> Dict[str, Type[Strategy]]:
     return dict(_REGISTRY)
 
 
-def strategy_from_name(name: str, **kwargs: Any) -> Strategy:
-    """Builds a registered strategy by name (used by ``jobs/train.py`` and the CLI)."""
-    try:
-        cls = _REGISTRY[name]
-    except KeyError:
+def register_alias(alias: str, name: str, **settings: Any) -> None:
+    """Makes ``alias`` name the registered strategy ``name`` with ``settings`` preset: ``"diloco"``
+    is ``"model_averaging"`` with DiLoCo's outer optimizer. Settings given with the alias
+    (``--strategy-arg``, ``diloco:sync_every=64``) override the preset ones."""
+    _ALIASES[alias] = (name, dict(settings))
+
+
+def strategy_names() -> Dict[str, str]:
+    """Every name :func:`strategy_from_name` takes → what it builds: a registered name → its class
+    name, an alias → its registered name and preset settings."""
+    names = {name: cls.__name__ for name, cls in _REGISTRY.items()}
+    for alias, (name, settings) in _ALIASES.items():
+        preset = ", ".join(f"{key}={value!r}" for key, value in settings.items())
+        names[alias] = f"{name} with {preset}" if preset else name
+    return names
+
+
+def strategy_class(name: str) -> Tuple[Type[Strategy], Dict[str, Any]]:
+    """The class a strategy name builds and the settings its alias presets (``{}`` for a
+    registered name). Names are matched ignoring case, ``-`` for ``_``.
+
+    Raises:
+        ConfigError: an unknown name; the message lists every valid one.
+    """
+    key = name.strip().lower().replace("-", "_")
+    target, settings = _ALIASES.get(key, (key, {}))
+    cls = _REGISTRY.get(target)
+    if cls is None:
         from sparkdl.errors import ConfigError
 
-        raise ConfigError(f"strategy={name!r} is unknown; valid: {', '.join(sorted(_REGISTRY))}") from None
-    return cls(**kwargs)
+        valid = ", ".join(sorted(_REGISTRY))
+        aliases = "; ".join(f"{alias} = {described}" for alias, described in sorted(_alias_descriptions().items()))
+        raise ConfigError(f"strategy={name!r} is unknown; valid: {valid}" + (f" (and {aliases})" if aliases else ""))
+    return cls, dict(settings)
+
+
+def strategy_from_name(name: str, **kwargs: Any) -> Strategy:
+    """Builds a strategy by registered name or alias (used by ``jobs/train.py``, the CLI and
+    ``sparkdl compare``/``plan``'s ``--strategies``); ``kwargs`` override an alias's preset
+    settings.
+
+    Raises:
+        ConfigError: an unknown name (the message lists the valid ones).
+        TypeError: a setting the strategy does not have.
+    """
+    cls, settings = strategy_class(name)
+    return cls(**{**settings, **kwargs})
+
+
+def _alias_descriptions() -> Dict[str, str]:
+    names = strategy_names()
+    return {alias: names[alias] for alias in _ALIASES}

@@ -112,6 +112,7 @@ def test_the_client_has_no_spark_context(connect):
         connect.sparkContext  # noqa: B018 - what makes Connect different
 
 
+@pytest.mark.smoke  # scripts/test runs it on every stack
 def test_fit_and_transform_from_a_connect_client_with_live_progress(connect_digits):
     train, test, test_x, test_y = connect_digits
     records = []
@@ -246,3 +247,29 @@ def test_the_watchdog_cancels_a_hung_rank_from_a_connect_client(connect):
     assert (
         sparkdl.run(lambda ctx: ctx.rank, num_workers=2, spark=connect, progress=False) == 0
     )  # the cluster is free again
+
+
+def test_a_pipeline_model_saves_and_loads_from_a_connect_client(connect_digits, tmp_path):
+    """Spark ML's Pipeline writer over Connect: the server writes the Pipeline's metadata, the
+    client (no SparkContext) the TorchModel's files, so the path must be one both reach (here
+    both run on this machine; on a cluster, a URL such as s3://...)."""
+    from pyspark.ml import Pipeline, PipelineModel
+
+    train, test, _, test_y = connect_digits
+    estimator = sparkdl.TorchEstimator(
+        model=digits_mlp,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+        num_workers=2,
+        batch_size=64,
+        epochs=2,
+        progress=False,
+    )
+    fitted = Pipeline(stages=[estimator]).fit(train)
+    path = str(tmp_path / "pipeline_model")
+    fitted.save(path)
+    back = PipelineModel.load(path)
+    assert isinstance(back.stages[0], sparkdl.TorchModel) and back.stages[0].uid == fitted.stages[0].uid
+    before = np.stack(fitted.transform(test).select("prediction").toPandas()["prediction"])
+    after = np.stack(back.transform(test).select("prediction").toPandas()["prediction"])
+    np.testing.assert_allclose(after, before, rtol=1e-6, atol=1e-6)
+    assert (after.argmax(1) == test_y).mean() > 0.5  # trained: chance is 0.1

@@ -42,6 +42,7 @@ def fitted(spark, digits_df):
     return estimator, model, seen
 
 
+@pytest.mark.smoke  # scripts/test runs it on every stack
 def test_fit_reaches_good_accuracy(fitted, digits_split):
     _, model, _ = fitted
     _, (test_x, test_y) = digits_split
@@ -82,6 +83,7 @@ def test_progress_arrives_live_while_the_job_runs(fitted):
     assert [r["loss"] for r, _ in seen] == pytest.approx([r["loss"] for r in model.history])
 
 
+@pytest.mark.smoke  # scripts/test runs it on every stack
 def test_transform_adds_predictions_computed_on_executors(fitted, digits_test_df, digits_split):
     _, model, _ = fitted
     _, (test_x, test_y) = digits_split

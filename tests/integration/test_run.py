@@ -56,6 +56,7 @@ def test_each_rank_sees_its_rank_device_and_task_cores(spark):
     assert facts == [(0, 2, "cpu", 1, "1", (3, "3"), "task-threads"), (1, 2, "cpu", 1, "1", (3, "3"), "task-threads")]
 
 
+@pytest.mark.smoke  # scripts/test runs it on every stack
 def test_run_returns_rank_zeros_value_and_streams_reports(spark):
     received = []
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 import sparkdl
@@ -82,6 +84,12 @@ def test_what_spark_cannot_schedule_is_refused_with_the_setting_to_change():
         check_supported(Resources(cpus=2), "local[2]", "false")
     with pytest.raises(ConfigError, match=r"needs spark.dynamicAllocation.enabled=false"):
         check_supported(Resources(cpus=2), "spark://h:7077", "true")
+    from pyspark.sql import DataFrame
+
+    if "profile" not in inspect.signature(DataFrame.mapInArrow).parameters:  # PySpark 3.5 (the petastorm stack)
+        with pytest.raises(ConfigError, match=r"resources= needs PySpark 4.0 or later .*set spark.task.cpus"):
+            check_supported(Resources(cpus=2), "local-cluster[2,1,1024]", None)
+        return
     check_supported(Resources(cpus=2), "local-cluster[2,1,1024]", None)  # standalone: supported
     if hasattr(TaskContext, "cpuAmount"):  # PySpark 4.3 (the latest stack)
         check_supported(Resources(cpus=0.5), "spark://h:7077", "false")

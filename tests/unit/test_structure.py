@@ -55,6 +55,8 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
         (
             "sparkdl.estimator",
             "sparkdl.model",
+            # Saving the estimator and model for Spark ML and MLflow: beside them, not below.
+            "sparkdl._persistence",
             "sparkdl.custom_loop",
             "sparkdl.launching",
             "sparkdl.comparison",

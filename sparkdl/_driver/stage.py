@@ -32,7 +32,13 @@ from sparkdl._net.policy import security_policy
 from sparkdl._net.rendezvous_store import StoreServer
 from sparkdl._runtime.device import check_gpu_request
 from sparkdl._spark import Session
-from sparkdl._task.config import HOST_TIMEOUT_CONF, LaunchConfig, host_timeout_s
+from sparkdl._task.config import (
+    FLUSH_DENORMALS_CONF,
+    HOST_TIMEOUT_CONF,
+    LaunchConfig,
+    flush_denormals,
+    host_timeout_s,
+)
 from sparkdl._task.entry import _task_main, _TaskPayload
 from sparkdl.checkpoint import CheckpointConfig, FileCheckpointStore, open_store
 from sparkdl.data.batching import DataSpec
@@ -94,6 +100,7 @@ def launch(
     )  # not after executors start
     security = security_policy(session.conf)  # refuses unencrypted collectives under Spark encryption
     lost_host_after_s = host_timeout_s(session.conf(HOST_TIMEOUT_CONF), config.heartbeat_interval_s)
+    flush = flush_denormals(session.conf(FLUSH_DENORMALS_CONF))
     display = display or ProgressDisplay(enabled=config.progress)
     checkpoints = open_store(checkpoint) if checkpoint else None
     if isinstance(checkpoints, FileCheckpointStore):  # a registered checkpoints of its own scheme checks itself
@@ -167,6 +174,7 @@ def launch(
                 checkpoint_store=checkpoints,
                 attempt=attempt,
                 encrypt=security.encrypt,
+                flush_denormals=flush,
                 lost_host_after_s=lost_host_after_s,
             )
         except _AttemptFailed as failed:

@@ -55,6 +55,8 @@ class _TaskPayload:
     rendezvous_address: Optional[tuple] = None
     #: The executor's console is the driver's (local mode), which shows the rank's output itself.
     quiet_console: bool = False
+    #: Subnormal floats flushed to zero on this task's CPU (spark.sparkdl.flushDenormals).
+    flush_denormals: bool = True
 
 
 def _task_main(payload: _TaskPayload) -> List[tuple]:
@@ -91,7 +93,7 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
     with (
         rank_prefixed_output(rank, payload.quiet_console),
         forward_logs(client, rank),
-        _task_threads(task_threads(barrier)),
+        _task_cpu(task_threads(barrier), payload.flush_denormals),
         contextlib.ExitStack() as scopes,
     ):
         context = None
@@ -374,8 +376,12 @@ class _Heartbeat:
 
 
 @contextlib.contextmanager
-def _task_threads(cores: int):
-    """Torch and OpenMP threads = the task's cores: two ranks on a 2-core box each get one."""
+def _task_cpu(cores: int, flush_denormals: bool):
+    """The task's CPU settings, undone when it ends (Spark reuses the Python worker): torch and
+    OpenMP threads = the task's cores (two ranks on a 2-core box each get one), and subnormal
+    floats flushed to zero (:func:`sparkdl._task.config.flush_denormals`). The flush is a
+    per-thread CPU flag that threads inherit when they are created: this thread's, and the
+    threads the task creates (its OpenMP pool in a new worker, its decode threads)."""
     import torch
 
     cores = max(1, int(cores or 1))
@@ -383,9 +389,12 @@ def _task_threads(cores: int):
     saved_threads = torch.get_num_threads()
     os.environ["OMP_NUM_THREADS"] = str(cores)
     torch.set_num_threads(cores)
+    flushing = flush_denormals and torch.set_flush_denormal(True)  # False where the CPU cannot
     try:
         yield
     finally:
+        if flushing:
+            torch.set_flush_denormal(False)  # Python workers start without it
         torch.set_num_threads(saved_threads)
         if saved_env is None:
             os.environ.pop("OMP_NUM_THREADS", None)

@@ -79,7 +79,11 @@ def test_an_estimator_saves_and_loads_with_every_argument_and_param(tmp_path):
     loaded = sparkdl.TorchEstimator.load(path)
     assert loaded.uid == estimator.uid and loaded.getOrDefault(loaded.batchSize) == 8
     assert loaded.getOrDefault(loaded.epochs) == 3
-    assert loaded.model_fn is digits_mlp and loaded.optimizer_fn is _sgd
+    # The same functions: by reference, or by value once their module is registered for pickling by
+    # value (the CLI registers a --model module found in the working directory: tests.models, in a suite).
+    assert (loaded.model_fn.__qualname__, loaded.optimizer_fn.__qualname__) == ("digits_mlp", "_sgd")
+    assert [p.shape for p in loaded.model_fn().parameters()] == [p.shape for p in digits_mlp().parameters()]
+    assert loaded.optimizer_fn(torch.nn.Linear(1, 1).parameters()).defaults["lr"] == 0.05
     assert loaded.settings == estimator.settings  # strategy, checkpoints, validation, metrics...
     out, label = torch.randn(4, 10), torch.tensor([0, 1, 2, 3])
     assert torch.equal(loaded.loss_fn(out, label), estimator.loss_fn(out, label))  # the lambda, by value

@@ -358,7 +358,7 @@ def test_spark_submit_runs_the_training_job_on_the_cluster_from_the_drivers_host
 
 
 #: How far a plan's samples/s may be from the measured ones: the issue's bar.
-PLAN_TOLERANCE = 0.25  # the app measures a strategy twice when its first fit is further off
+PLAN_TOLERANCE = 0.25  # a pair further off is measured again (calibration and fit) by the app, and judged
 
 
 def test_the_plan_predicts_each_strategy_within_a_quarter_of_what_two_hosts_measure(netcluster, tmp_path):
@@ -378,9 +378,16 @@ def test_the_plan_predicts_each_strategy_within_a_quarter_of_what_two_hosts_meas
         for strategy, measured in line["measured"].items():
             predicted = line["predicted"][strategy]
             fits = ", ".join(f"{value:.0f}" for value in line["fits"][strategy])
+            first = line["first_pairs"].get(strategy)
+            again = (
+                f"; first pair {first['predicted']:.0f}/{first['measured']:.0f} = "
+                f"{first['predicted'] / first['measured']:.2f}, measured again"
+                if first
+                else ""
+            )
             report.append(
                 f"{line['rate']:>8} {strategy:<32} predicted {predicted:8.0f} measured {measured:8.0f} "
-                f"({predicted / measured:.2f}; fits {fits}; {line['bound'][strategy]}-bound)"
+                f"({predicted / measured:.2f}; fits {fits}; {line['bound'][strategy]}-bound{again})"
             )
             if abs(predicted / measured - 1) > PLAN_TOLERANCE:
                 misses.append(report[-1])

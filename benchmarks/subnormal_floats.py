@@ -23,18 +23,9 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-
-def plan_mlp():
-    import torch
-
-    return torch.nn.Sequential(
-        torch.nn.Linear(256, 1024),
-        torch.nn.ReLU(),
-        torch.nn.Linear(1024, 1024),
-        torch.nn.ReLU(),
-        torch.nn.Linear(1024, 10),
-    )
+# The plan test's model and data, as that test builds them (tests/integration/multihost_app.py).
+PLAN_APP_DIR = os.path.join(ROOT, "tests", "integration")
+sys.path.insert(0, PLAN_APP_DIR)
 
 
 def adam(params):
@@ -43,27 +34,12 @@ def adam(params):
     return torch.optim.Adam(params, lr=1e-3)
 
 
-def write_data(path: str, rows: int = 1024) -> str:
-    """The plan test's data: ten Gaussian clusters in 256 dimensions, 32 rows per row group."""
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rng = np.random.default_rng(7)
-    centers = rng.standard_normal((10, 256)).astype(np.float32)
-    labels = rng.integers(0, 10, rows)
-    features = centers[labels] + rng.standard_normal((rows, 256)).astype(np.float32)
-    table = pa.table({"features": pa.array(list(features), type=pa.list_(pa.float32())), "label": labels})
-    os.makedirs(path, exist_ok=True)
-    pq.write_table(table, os.path.join(path, "part-0.parquet"), row_group_size=32)
-    return path
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=8)
     args = parser.parse_args()
     from _spark import local_cluster
+    from multihost_app import PLAN_EPOCH_ROWS, plan_data, plan_mlp
 
     import sparkdl
 
@@ -71,10 +47,10 @@ def main() -> None:
         "ModelAveraging(τ=16)": sparkdl.ModelAveraging(sync_every=16),
         "DiLoCo(τ=16)": sparkdl.ModelAveraging(sync_every=16, outer_optimizer=sparkdl.OuterSGD()),
     }
-    spark = local_cluster("sparkdl-subnormal-floats", pythonpath=(ROOT, os.path.join(ROOT, "benchmarks")))
+    spark = local_cluster("sparkdl-subnormal-floats", pythonpath=(ROOT, os.path.join(ROOT, "benchmarks"), PLAN_APP_DIR))
     try:
         with tempfile.TemporaryDirectory() as scratch:
-            data = write_data(os.path.join(scratch, "data"))
+            data = plan_data(scratch, rows=PLAN_EPOCH_ROWS)
             print(f"{'strategy':<22} {'flushDenormals':>14} {'samples/s':>10} {'final loss':>11} {'vs flushed':>10}")
             for label, strategy in strategies.items():
                 flushed = None

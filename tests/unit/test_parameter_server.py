@@ -190,14 +190,30 @@ BOUND = 2
 
 def _let_rank0_run_ahead(runtime: ParameterServerRuntime, own_clock: int) -> None:
     """Rank 1, before each step: waits until rank 0 has pushed as far ahead of it as the bound
-    lets it (``own_clock + BOUND + 1`` pushes to this rank's shard of table 0, or all of them).
-    An event (the shard's condition variable), not a sleep: rank 0 is always ahead by the most
-    the bound allows, and without the bound its reads would be more than ``BOUND`` clocks stale."""
+    lets it (``own_clock + BOUND + 1`` pushes to this rank's shard of table 0). An event (the
+    shard's condition variable), not a sleep: rank 0 is always ahead by the most the bound allows,
+    and without the bound its reads would be more than ``BOUND`` clocks stale.
+
+    Table 0 reaching ``c`` means rank 0 finished step ``c - 1`` on every table, so the other
+    tables are at ``c - 1`` or more: enough for rank 1's read at ``own_clock + 1`` to be fresh
+    everywhere until the cap at ``STEPS``. Before rank 1's last step that is not enough (rank 0's
+    last push to table 1 may still be on its way: a read of staleness 1), and waiting on table
+    1's clock instead can deadlock (rank 0 may be held in table 0's read), so the last step waits
+    for rank 0 to have finished all of its steps (``_rank0_finished``)."""
+    if own_clock == STEPS - 1:
+        dist.barrier()  # matched by rank 0's _rank0_finished
+        return
     shard = runtime.state.shard(0)
     target = min(own_clock + BOUND + 1, STEPS)
     with shard.cond:
         reached = shard.cond.wait_for(lambda: shard.clock.clocks[0] >= target, timeout=60)
     assert reached, f"rank 0 stopped at clock {shard.clock.clocks[0]} on rank 1's shard, expected {target}"
+
+
+def _rank0_finished() -> None:
+    """Rank 0, after its last step: tells rank 1 (waiting before its last step) that every push
+    of rank 0's is in. Rank 0 is never held back then: rank 1 is only one clock behind."""
+    dist.barrier()
 
 
 def _sgd_scenario(rank: int, port: int, layout: str, slow_rank1: bool = False) -> Dict[str, Any]:
@@ -228,6 +244,8 @@ def _sgd_scenario(rank: int, port: int, layout: str, slow_rank1: bool = False) -
             )
             optimizer.step()
             scheduler.step()
+        if slow_rank1 and rank == 0:
+            _rank0_finished()
         metrics = optimizer.epoch_metrics()
         buffers_before = {k: v.detach().clone() for k, v in net.named_buffers()}
         final = runtime.final_module(net)

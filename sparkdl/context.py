@@ -17,8 +17,9 @@ from sparkdl._runtime.checkpoint_writer import CheckpointWriteError, CheckpointW
 from sparkdl._runtime.device import DeviceAssignment
 from sparkdl._runtime.device_feed import DeviceFeed, move_batch
 from sparkdl._runtime.host_batches import host_batches
+from sparkdl._runtime.liveness import COMPUTE, LOAD, Liveness
 from sparkdl._runtime.precision import Precision, PrecisionRuntime
-from sparkdl._runtime.rank import Liveness, Rank
+from sparkdl._runtime.rank import Rank
 from sparkdl._runtime.resize import ResizePlan
 from sparkdl.checkpoint import CheckpointStore
 from sparkdl.data.batching import DataSpec, batches
@@ -187,6 +188,7 @@ class TrainContext(ResizeMethods):
             return
         if position.remainder is not None:
             yield from resume.remainder_epoch(rank)  # an elastic resume's epoch: ignores skip
+            rank.liveness.advance("ending the epoch (after its last batch)")
             return
         position.begin_epoch(skip)
         if rank.feed is None:
@@ -207,12 +209,15 @@ class TrainContext(ResizeMethods):
             rank.feed = DeviceFeed(host_batches(source, self.device), self.device)
         non_blocking = self.device.type == "cuda"
         for step in range(skip, self.steps_per_epoch):
-            rank.liveness.advance(f"loading data (step {step + 1})")
+            rank.liveness.advance(f"loading data (step {step + 1})", LOAD)
             features, labels = rank.feed.next()
             position.take()
-            rank.liveness.advance(f"training step {step + 1} (forward, backward, sync, optimizer)")
+            rank.liveness.advance(f"training step {step + 1} (forward, backward, sync, optimizer)", COMPUTE)
             rank.handing_out_batch()
             yield move_batch((features, labels), self.device, non_blocking)
+        # What the loop does between epochs (metrics, validation, a checkpoint) is no part of a
+        # step: the watchdog's "auto" bound for steps does not apply to it.
+        rank.liveness.advance("ending the epoch (after its last batch)")
 
     # ---- validation (sparkdl._runtime.validation) -------------------------------------------
 

@@ -55,7 +55,7 @@ def run(
     keep_checkpoints: int = 3,
     checkpoint_async: bool = True,
     max_failures: int = 0,
-    watchdog_timeout_s: Optional[float] = 600.0,
+    watchdog_timeout_s: Union[float, str, None] = 600.0,
     min_workers: Optional[int] = None,
     on_resize: Optional[str] = None,
     slot_wait_s: float = 30.0,
@@ -121,7 +121,8 @@ def run(
         checkpoint_async: ``ctx.save_checkpoint`` writes in the background after a copy to host
             memory (the default); False writes before it returns.
         max_failures: relaunch the stage up to this many times after a failure.
-        watchdog_timeout_s: fail when a rank makes no progress for this long (None: never).
+        watchdog_timeout_s: fail when a rank makes no progress for this long (None: never);
+            ``"auto"``: a bound that follows the run's step times (docs/recovery.md, Hang watchdog).
         min_workers: a launch (the first one too) that finds fewer free slots than
             ``num_workers`` within ``slot_wait_s`` continues on as many as are free, down to this
             many; a relaunch resumes ``checkpoint_dir`` on the new number of workers

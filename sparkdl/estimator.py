@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import io
 import time
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 from pyspark.ml import Estimator
@@ -80,7 +80,8 @@ class TorchEstimator(Estimator, _TorchParams, MLReadable["TorchEstimator"], MLWr
         resume: False ignores (and replaces) what ``checkpoint_dir`` holds.
         max_failures: relaunch the stage up to this many times after a failure (a lost
             executor, a killed process, a hang...).
-        watchdog_timeout_s: fail when a rank makes no progress for this long (None: never).
+        watchdog_timeout_s: fail when a rank makes no progress for this long (None: never);
+            ``"auto"``: a bound that follows the run's step times (docs/recovery.md, Hang watchdog).
         min_workers: a launch (the first one too) that finds fewer free slots than
             ``num_workers`` within ``slot_wait_s`` trains on as many as are free, down to this
             many; a relaunch resumes the checkpoint on that many workers (``batch_size`` stays
@@ -161,7 +162,7 @@ class TorchEstimator(Estimator, _TorchParams, MLReadable["TorchEstimator"], MLWr
         checkpoint_async: bool = True,
         resume: bool = True,
         max_failures: int = 0,
-        watchdog_timeout_s: Optional[float] = 600.0,
+        watchdog_timeout_s: Union[float, str, None] = 600.0,
         min_workers: Optional[int] = None,
         on_resize: Optional[str] = None,
         slot_wait_s: float = 30.0,

@@ -10,9 +10,11 @@ import logging
 import re
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from sparkdl._driver.progress import ProgressDisplay
+from sparkdl._driver.watchdog import Allowance, FixedWatchdog, RankProgress, Watchdog
+from sparkdl._runtime.liveness import COMPUTE, LOAD
 from sparkdl.errors import InsufficientSlotsError, RankFailure, is_peer_loss
 
 logger = logging.getLogger("sparkdl")
@@ -44,6 +46,8 @@ class JobMonitor:
         self._heard: Dict[int, float] = {}
         self.hosts: Dict[int, str] = {}
         self.addresses: Dict[int, str] = {}  # the executor's address as Spark knows it
+        #: rank -> its step timings from its latest heartbeat (RankProgress's fields but idle_s).
+        self._pace: Dict[int, Dict[str, Any]] = {}
 
     def on_message(self, rank: int, message: Dict[str, Any]) -> None:
         kind = message.get("kind")
@@ -69,6 +73,7 @@ class JobMonitor:
             progress = int(message.get("progress", 0))
             with self._cond:
                 self.phases[rank] = str(message.get("phase", ""))
+                self._pace[rank] = _pace(message)
                 if self._progress.get(rank, (None, 0.0))[0] != progress:
                     self._progress[rank] = (progress, time.monotonic())
         elif kind == "log":
@@ -130,40 +135,54 @@ class JobMonitor:
                 self._progress = {r: (progress, now) for r, (progress, _) in self._progress.items()}
             self._cond.notify_all()
 
-    def watch(self, timeout_s: float, stop: threading.Event) -> None:
-        """Fails the run when a rank's progress stands still for ``timeout_s`` (a hang), counted
-        from when every rank has started (a task that never starts is the slot watch's, or the
-        rendezvous timeout's: ``LaunchConfig.timeout_s``)."""
-        while not stop.wait(min(1.0, timeout_s / 10)):
-            now = time.monotonic()
+    def watch(self, watchdog: Union[float, Watchdog], stop: threading.Event) -> None:
+        """Fails the run when a rank's progress stands still for longer than the watchdog's
+        policy allows it (``seconds``: a fixed bound; see :mod:`sparkdl._driver.watchdog`),
+        counted from when every rank has started (a task that never starts is the slot watch's,
+        or the rendezvous timeout's: ``LaunchConfig.timeout_s``)."""
+        policy = FixedWatchdog(float(watchdog)) if isinstance(watchdog, (int, float)) else watchdog
+        while not stop.wait(policy.check_every_s):
             with self._cond:
-                everyone_started = len(self._progress) >= self.num_workers
-                stalled = [
-                    (since, rank)
-                    for rank, (_, since) in self._progress.items()
-                    if everyone_started
-                    and now - since > timeout_s
-                    and rank not in self.finished
-                    and rank in self.connected
-                ]
-                if not stalled or self._cancelled:
+                if self._cancelled or len(self._progress) < self.num_workers:
                     continue
-                since, rank = min(stalled)
-                phase = self.phases.get(rank, "")
+                stalled = self._stalled(policy, time.monotonic())
+                if stalled is None:
+                    continue
+                rank, idle_s, allowance = stalled
+                phase, host = self.phases.get(rank, ""), self.hosts.get(rank, "")
+            on_host = f" on {host}" if host else ""
             self._fail(
                 RankFailure(
                     rank=rank,
                     exc_type="WatchdogTimeout",
                     message=(
-                        f"rank {rank} made no progress for {now - since:.0f}s (watchdog_timeout_s={timeout_s:g}); "
+                        f"rank {rank}{on_host} made no progress for {idle_s:.0f}s ({allowance.why}); "
                         f"it is stuck or much slower than expected. If this phase legitimately takes longer, "
                         f"raise watchdog_timeout_s"
                     ),
                     traceback="",
                     phase=phase,
+                    host=host,
                 )
             )
             return
+
+    def _stalled(self, policy: Watchdog, now: float) -> Optional[Tuple[int, float, Allowance]]:
+        """The rank that has stood still longest past its allowance, if any (under ``_cond``)."""
+        watched = {
+            rank: RankProgress(idle_s=now - since, phase=self.phases.get(rank, ""), **self._pace.get(rank, {}))
+            for rank, (_, since) in self._progress.items()
+            if rank not in self.finished and rank in self.connected
+        }
+        stalled = []
+        for rank, progress in watched.items():
+            allowance = policy.allowance(rank, watched)
+            if progress.idle_s > allowance.seconds:
+                stalled.append((-progress.idle_s, rank, allowance))
+        if not stalled:
+            return None
+        idle, rank, allowance = min(stalled)
+        return rank, -idle, allowance
 
     def watch_hosts(self, timeout_s: float, stop: threading.Event, on_lost: Callable[[str], None]) -> None:
         """Fails the run when a connected rank has not been heard from for ``timeout_s``: its
@@ -296,3 +315,17 @@ def _root_cause_first(failure: RankFailure) -> Tuple[bool, bool, Tuple[int, int]
     match = _NONFINITE_AT.search(failure.message) if failure.exc_type == "NonFiniteLossError" else None
     position = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
     return (failure.exc_type not in ("WorkerLost", "HostLost"), _is_peer_loss(failure), position)
+
+
+def _pace(message: Dict[str, Any]) -> Dict[str, Any]:
+    """A heartbeat's step timings, as RankProgress's fields (anything malformed: none)."""
+    try:
+        part = message.get("step_part")
+        return {
+            "step_part": part if part in (LOAD, COMPUTE) else None,
+            "steps": int(message.get("steps", 0)),
+            "slowest_load_s": float(message.get("slowest_load_s", 0.0)),
+            "slowest_compute_s": float(message.get("slowest_compute_s", 0.0)),
+        }
+    except (TypeError, ValueError):
+        return {}

@@ -27,6 +27,7 @@ from sparkdl._driver.policy import Decision, FailurePolicy, ScalingPolicy, same_
 from sparkdl._driver.progress import ProgressDisplay
 from sparkdl._driver.resource_profile import StageProfile, stage_profile, stage_profile_ids
 from sparkdl._driver.session_checks import check_dynamic_allocation
+from sparkdl._driver.watchdog import watchdog_policy
 from sparkdl._net.channel import ChannelServer, new_secret
 from sparkdl._net.policy import security_policy
 from sparkdl._net.rendezvous_store import StoreServer
@@ -285,9 +286,10 @@ def _launch_once(
         return [(rank, cloudpickle.dumps(value)) for rank, value in _task_main(payload)]
 
     stop_watchdog = threading.Event()
-    if config.watchdog_timeout_s:
+    watchdog = watchdog_policy(config.watchdog_timeout_s, strategy.steps_per_sync_cycle())
+    if watchdog is not None:
         threading.Thread(
-            target=monitor.watch, args=(config.watchdog_timeout_s, stop_watchdog), name="sparkdl-watchdog", daemon=True
+            target=monitor.watch, args=(watchdog, stop_watchdog), name="sparkdl-watchdog", daemon=True
         ).start()
     if not session.connect:
         # Spark's decommissioning is seen by the driver only: it passes the notice on (sparkdl._runtime.drain).

@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from sparkdl._runtime.device_feed import DeviceFeed
-from sparkdl._runtime.drain import DrainAgreement, DrainNotice
+from sparkdl._runtime.drain import DrainAgreement
+from sparkdl._runtime.liveness import Liveness
 from sparkdl._runtime.precision import PrecisionRuntime
 from sparkdl._runtime.resize import ResizePlan
 from sparkdl._runtime.stream import StreamPosition
@@ -23,22 +24,6 @@ from sparkdl.data.batching import DataSpec
 from sparkdl.data.dataset import DatasetInfo
 from sparkdl.data.readers.base import DataReader
 from sparkdl.strategies.base import DistEnv, StrategyRuntime
-
-
-class Liveness:
-    """What a rank is doing and how far it got; a heartbeat thread reports both to the driver's
-    watchdog, which only counts ``progress`` that moves (a blocked rank's heartbeats go on)."""
-
-    def __init__(self) -> None:
-        self.progress = 0
-        self.phase = "starting"
-        #: Set when the driver asks the run to drain (sparkdl._runtime.drain).
-        self.drain = DrainNotice()
-
-    def advance(self, phase: Optional[str] = None) -> None:
-        self.progress += 1
-        if phase is not None:
-            self.phase = phase
 
 
 @dataclasses.dataclass(eq=False)

@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 import torch
 
 from sparkdl._runtime.device_feed import move_batch
+from sparkdl._runtime.liveness import LOAD
 from sparkdl._runtime.rank import Rank
 from sparkdl._runtime.stream import stream_state
 from sparkdl.checkpoint import Checkpoint, RankState
@@ -135,7 +136,8 @@ def remainder_epoch(rank: Rank) -> Iterator[Tuple[Any, Any]]:
     try:
         for batch in source:
             step = remainder.taken + 1
-            rank.liveness.advance(f"training step {step} of {remainder.steps} of the resumed epoch")
+            # LOAD: the step's part that follows includes reading the next remainder batch.
+            rank.liveness.advance(f"training step {step} of {remainder.steps} of the resumed epoch", LOAD)
             remainder.taken += 1
             rank.handing_out_batch()
             yield move_batch(to_tensors(batch), rank.device, False)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Optional
+from typing import Optional, Union
 
 from sparkdl._runtime.precision import Precision
 from sparkdl._runtime.resize import NO_CHANGE, ResizePlan, check_on_resize
@@ -33,7 +33,8 @@ class LaunchConfig:
         max_failures: relaunch the stage up to this many times after a failure, resuming from
             the newest checkpoint when there is a checkpoint directory.
         watchdog_timeout_s: fail the run when a rank makes no progress (no batch, no phase
-            change) for this long; None disables the watchdog.
+            change) for this long; ``"auto"``: a bound that follows the run's step times
+            (:mod:`sparkdl._driver.watchdog`); None disables the watchdog.
         min_workers: a launch (the first one too) that finds fewer free task slots than
             ``num_workers`` within ``slot_wait_s`` runs on as many as are free, down to this many
             (a relaunch resumes the checkpoint on the new number of workers); None means
@@ -54,7 +55,7 @@ class LaunchConfig:
     progress: bool = True
     precision: str = "32"
     max_failures: int = 0
-    watchdog_timeout_s: Optional[float] = 600.0
+    watchdog_timeout_s: Union[float, str, None] = 600.0
     min_workers: Optional[int] = None
     on_resize: Optional[str] = None
     planned_workers: Optional[int] = None
@@ -75,10 +76,7 @@ class LaunchConfig:
             raise ConfigError(f"slot_wait_s={self.slot_wait_s!r} must be >= 0 seconds")
         if not isinstance(self.max_failures, int) or isinstance(self.max_failures, bool) or self.max_failures < 0:
             raise ConfigError(f"max_failures={self.max_failures!r} must be an integer >= 0")
-        if self.watchdog_timeout_s is not None and not self.watchdog_timeout_s > 0:
-            raise ConfigError(
-                f"watchdog_timeout_s={self.watchdog_timeout_s!r} must be > 0 seconds, or None to disable it"
-            )
+        check_watchdog_timeout(self.watchdog_timeout_s)
         if self.min_workers is not None and (
             not isinstance(self.min_workers, int)
             or isinstance(self.min_workers, bool)
@@ -105,7 +103,10 @@ class LaunchConfig:
 
     @property
     def heartbeat_interval_s(self) -> float:
-        """Often enough that the watchdog sees a stall within a fifth of its timeout."""
+        """Often enough that the watchdog sees a stall within a fifth of its timeout; every
+        second under "auto", whose bound for a fast run's steps is a few seconds."""
+        if self.watchdog_timeout_s == AUTO_WATCHDOG:
+            return 1.0
         return min(2.0, self.watchdog_timeout_s / 5) if self.watchdog_timeout_s else 2.0
 
 
@@ -126,6 +127,22 @@ def flush_denormals(value: Optional[str]) -> bool:
     if text not in ("true", "false"):
         raise ConfigError(f"{FLUSH_DENORMALS_CONF}={value!r} must be true (the default) or false")
     return text == "true"
+
+
+#: The ``watchdog_timeout_s`` value whose bound follows the run's step times
+#: (``sparkdl._driver.watchdog.AutoWatchdog``).
+AUTO_WATCHDOG = "auto"
+
+
+def check_watchdog_timeout(value: object) -> None:
+    """Raises ConfigError unless ``value`` is seconds > 0, ``"auto"`` or None."""
+    if value is None or value == AUTO_WATCHDOG:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(
+            f"watchdog_timeout_s={value!r} must be > 0 seconds, 'auto' (a bound that follows the run's step "
+            f"times) or None to disable it"
+        )
 
 
 #: How long a rank may go unheard (no heartbeat, no message) before its host counts as lost.

@@ -80,7 +80,7 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
             f"Spark Connect client, the client's address on the route to the Connect server). Set spark.sparkdl.clientHost "
             f"to an address of the driver's or client's host that the executors can reach"
         ) from exc
-    from sparkdl._runtime.rank import Liveness
+    from sparkdl._runtime.liveness import Liveness
     from sparkdl._task.allocator import keep_step_memory
 
     # Before anything is allocated for training: a fresh worker would give every step's memory
@@ -340,9 +340,7 @@ class _Heartbeat:
     def _run(self) -> None:
         while True:
             try:
-                self._client.send(
-                    {"kind": "heartbeat", "progress": self._liveness.progress, "phase": self._liveness.phase}
-                )
+                self._client.send({"kind": "heartbeat", **self._liveness.beat()})
             except ChannelError:
                 if self._stop.is_set():
                     return

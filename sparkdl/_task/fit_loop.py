@@ -200,6 +200,9 @@ class FitLoop:
         loop = dataclasses.replace(
             state, comm_bytes=state.comm_bytes + comm_in_epoch, seconds=state.seconds + seconds_in_epoch
         )
+        # Gathering the weights is the checkpoint's, not the last step's (the watchdog's "auto"
+        # bound for steps must not judge it: a sharded model's gather can take a while).
+        ctx.set_phase(f"checkpointing step {state.global_step}")
         weights = ctx.model_state(model, optimizer)
         ctx.save_checkpoint(
             {"loop": dataclasses.asdict(loop), **({} if ctx.replicas_identical else weights)},

@@ -18,7 +18,7 @@ import torch
 
 from sparkdl.errors import ConfigError
 from sparkdl.planning.calibration import NetworkCalibration, measure_task, slowest
-from sparkdl.planning.models import Measured, StrategyShape, sweep
+from sparkdl.planning.models import KINDS, Measured, StrategyShape, sweep
 from sparkdl.planning.report import Plan
 from sparkdl.planning.units import bandwidth_bytes, latency_seconds
 from sparkdl.strategies import (
@@ -53,18 +53,17 @@ def default_strategies() -> Dict[str, Strategy]:
 
 
 def shape_of(label: str, strategy: Strategy) -> StrategyShape:
-    """The cost model of a strategy object."""
-    if isinstance(strategy, AllReduce):
-        return StrategyShape("allreduce", label)
-    if isinstance(strategy, ModelAveraging):
-        return StrategyShape("averaging", label, sync_every=int(strategy.sync_every))
-    if isinstance(strategy, ElasticAveraging):
-        return StrategyShape("elastic", label, sync_every=int(strategy.sync_every))
-    if isinstance(strategy, ParameterServer):
-        return StrategyShape("parameter_server", label)
-    if isinstance(strategy, ShardedDataParallel):
-        return StrategyShape("sharded", label)
-    raise ConfigError(f"strategy {label} ({type(strategy).__name__}) has no cost model in sparkdl plan")
+    """The cost model of a strategy object: the one its class names (``Strategy.cost_model``),
+    with its ``sync_every`` for the periodic ones."""
+    kind = type(strategy).cost_model
+    if kind not in KINDS:
+        raise ConfigError(
+            f"strategy {label} ({type(strategy).__name__}) has no cost model in sparkdl plan: set the class attribute "
+            f"cost_model to the built-in strategy's whose communication it follows, one of {', '.join(KINDS)} "
+            f"(it is {kind!r})"
+        )
+    periodic = kind in ("averaging", "elastic")
+    return StrategyShape(kind, label, sync_every=int(getattr(strategy, "sync_every", 1)) if periodic else 1)
 
 
 def plan(

@@ -27,6 +27,7 @@ class AllReduce(Strategy):
     """
 
     name = "allreduce"
+    cost_model = "allreduce"
     #: On fewer workers, accumulate to the planned global batch (docs/recovery.md).
     on_resize_choices = ("keep_global_batch", "scale_lr", "none")
 

@@ -108,6 +108,7 @@ class ModelAveraging(Strategy):
     """
 
     name = "model_averaging"
+    cost_model = "averaging"
     on_resize_choices = ("none",)
     on_resize_reason = _AVERAGING_RESIZE
     identical_final_weights = True
@@ -164,6 +165,7 @@ class ElasticAveraging(Strategy):
     """
 
     name = "elastic_averaging"
+    cost_model = "elastic"
     on_resize_choices = ("none",)
     on_resize_reason = _AVERAGING_RESIZE
     identical_final_weights = True

@@ -66,6 +66,11 @@ class Strategy(abc.ABC):
 
     #: Name used on command lines (``--strategy allreduce``) and in run metadata.
     name: ClassVar[str] = ""
+    #: The cost model ``sparkdl.plan`` predicts the strategy with (``sparkdl.planning.models.KINDS``):
+    #: "allreduce" (gradients every step), "averaging" / "elastic" (parameters every
+    #: ``sync_every`` steps), "parameter_server", "sharded"; "" for none (plan refuses it). A
+    #: user's strategy that communicates like a built-in one names that one's model.
+    cost_model: ClassVar[str] = ""
     #: Whether every rank ends training holding bit-identical parameters.
     identical_final_weights: ClassVar[bool] = True
     #: Whether a run is bit-reproducible for a fixed seed (and so a resumed run bit-identical to
@@ -91,6 +96,15 @@ class Strategy(abc.ABC):
         """Settings for run metadata and logs."""
         fields = dataclasses.asdict(self) if dataclasses.is_dataclass(self) else {}
         return {"name": self.name, **fields}
+
+    def steps_per_sync_cycle(self) -> int:
+        """Optimizer steps over which this strategy's step times repeat: 1 when every step
+        synchronizes alike (allreduce, sharded, parameter server); for a strategy with a
+        ``sync_every`` setting (the averaging ones, a user's that follows them), the steps up to
+        its first average after ``warmup_steps``. The watchdog's ``"auto"`` bound learns a run's
+        pace over such cycles, so that the slow step that synchronizes is seen before any step
+        is judged (sparkdl._driver.watchdog). Override it when neither describes the strategy."""
+        return int(getattr(self, "warmup_steps", 0) or 0) + int(getattr(self, "sync_every", 1) or 1)
 
 
 class StrategyRuntime(abc.ABC):

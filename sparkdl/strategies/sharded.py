@@ -51,6 +51,7 @@ class ShardedDataParallel(Strategy):
     """
 
     name = "sharded"
+    cost_model = "sharded"
     #: On fewer workers, accumulate to the planned global batch (docs/recovery.md).
     on_resize_choices = ("keep_global_batch", "scale_lr", "none")
 

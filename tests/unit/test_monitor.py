@@ -16,6 +16,7 @@ import pytest
 from sparkdl._driver import JobMonitor
 from sparkdl._driver.monitor import _is_peer_loss
 from sparkdl._driver.progress import ProgressDisplay
+from sparkdl._driver.watchdog import AutoWatchdog
 from sparkdl.errors import InsufficientSlotsError, PeerLostError, RankFailure, SparkdlError, TrainingError
 from sparkdl.strategies.parameter_server import ParameterServerError
 
@@ -243,6 +244,52 @@ def test_the_watchdog_clock_starts_when_the_last_rank_starts():
         stop.set()
     (failure,) = monitor.failures
     assert (failure.rank, failure.exc_type, failure.phase) == (1, "WatchdogTimeout", "rendezvous")
+
+
+def test_under_auto_a_rank_that_stops_inside_a_fast_step_is_named_after_the_step_bound_with_its_host():
+    """Two ranks at a fast pace; rank 1 stops inside a step. The auto policy (its floor scaled
+    down to 0.4 s for the test) names it after the step bound, not the phase bound, and says
+    which figure it used. Before the warm-up's steps the phase bound holds."""
+    monitor, cancel = _monitor(2, settle_s=0.05)
+    for rank in (0, 1):
+        monitor.on_message(rank, {"kind": "started", "attempt": 1, "host": f"host-{rank}"})
+    policy = AutoWatchdog(warmup_steps=3, compute_floor_s=0.4, phase_s=WAIT_S * 10, check_every_s=0.05)
+
+    def beat(rank: int, step: int) -> None:
+        monitor.on_message(
+            rank,
+            {
+                "kind": "heartbeat",
+                "progress": step,
+                "phase": f"training step {step}",
+                "step_part": "compute",
+                "steps": step,
+                "slowest_load_s": 0.001,
+                "slowest_compute_s": 0.01,
+            },
+        )
+
+    beat(1, 5)  # rank 1's last step: it stands still from now on
+    stop = threading.Event()
+    watchdog = threading.Thread(target=monitor.watch, args=(policy, stop))
+    watchdog.start()
+    started = time.monotonic()
+    try:
+        step = 0
+        while not cancel.called.wait(0.02):  # rank 0 moves on
+            step += 1
+            beat(0, step)
+            assert step < WAIT_S / 0.02, "the watchdog never fired"
+        watchdog.join(WAIT_S)
+    finally:
+        stop.set()
+    (failure,) = monitor.failures
+    assert (failure.rank, failure.exc_type, failure.host) == (1, "WatchdogTimeout", "host-1")
+    assert failure.phase == "training step 5"
+    assert failure.message.startswith("rank 1 on host-1 made no progress for ")
+    assert "watchdog_timeout_s='auto': 10 x the slowest step's compute" in failure.message
+    # Not before the warm-up: rank 0 reached 3 steps only after 3 of its heartbeats.
+    assert 0.4 <= time.monotonic() - started < WAIT_S
 
 
 def test_the_watchdog_stops_quietly_when_told_to():

@@ -78,3 +78,35 @@ def test_a_name_that_fits_several_strategies_asks_for_the_whole_label():
     ):
         two.stops_scaling("ModelAveraging")
     assert two.of("ModelAveraging(sync_every=16)")[0].workers == 2
+
+
+def test_a_users_strategy_is_planned_with_the_cost_model_its_class_names_and_refused_without_one():
+    """``shape_of`` asks the strategy (``Strategy.cost_model``), so a strategy sparkdl does not
+    know is planned like the built-in one it says it communicates like."""
+    import dataclasses
+
+    from sparkdl.strategies.base import Strategy
+
+    @dataclasses.dataclass(frozen=True)
+    class CompressedAveraging(Strategy):
+        name = "test_compressed_averaging"
+        cost_model = "averaging"
+        sync_every: int = 32
+
+        def create_runtime(self, env):  # never launched here
+            raise NotImplementedError
+
+    @dataclasses.dataclass(frozen=True)
+    class Unplannable(Strategy):
+        name = "test_unplannable"
+
+        def create_runtime(self, env):
+            raise NotImplementedError
+
+    shape = shape_of("mine", CompressedAveraging())
+    assert (shape.kind, shape.sync_every) == ("averaging", 32)
+    assert [p.workers for p in sweep(MEASURED, [shape], (2, 4))] == [2, 4]
+    with pytest.raises(
+        ConfigError, match=r"Unplannable\) has no cost model in sparkdl plan: set the class attribute cost_model"
+    ):
+        shape_of("theirs", Unplannable())

@@ -47,6 +47,7 @@ class ParameterServer(Strategy):
     """
 
     name = "parameter_server"
+    cost_model = "parameter_server"
     on_resize_choices = ("none",)
     on_resize_reason = (
         "the servers apply every worker's gradient of batch_size rows as it arrives, so there is no global batch "

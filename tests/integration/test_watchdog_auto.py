@@ -1,0 +1,119 @@
+"""``watchdog_timeout_s="auto"`` on a real cluster: a hang in a run of fast steps is reported in
+seconds, and a run of slow steps with a long checkpoint is left alone.
+
+The hang is a rank blocked on an Event that is never set (no progress, heartbeats go on); the
+slow parts are timed waits standing for a 2 s step and a 20 s checkpoint write. The driver's
+error is awaited by ``sparkdl.run`` itself, never by sleeping."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import sparkdl
+from tests.models import digits_mlp
+
+pytestmark = pytest.mark.spark
+
+HANG_AT_STEP = 150  # well past the warm-up (10 steps): the pace is known
+
+
+def _fast_steps_then_rank_1_hangs(marker: str):
+    def loop(ctx):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 10)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        steps = 0
+        while True:  # epochs until the hang; the run is cancelled then
+            for features, labels in ctx.epoch_batches():
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(features.float()), labels.long()).backward()
+                for p in model.parameters():  # the step's gradient sync, as DDP's
+                    torch.distributed.all_reduce(p.grad)
+                optimizer.step()
+                steps += 1
+                if ctx.rank == 1 and steps == HANG_AT_STEP:
+                    with open(marker, "w") as f:
+                        f.write(repr(time.time()))
+                    threading.Event().wait()  # hung inside a step: no progress, heartbeats go on
+
+    return loop
+
+
+def test_a_hang_in_a_run_of_fast_steps_is_reported_within_ten_seconds(spark, digits_df, tmp_path):
+    marker = str(tmp_path / "hung-at")
+    with pytest.raises(sparkdl.TrainingError) as info:
+        sparkdl.run(
+            _fast_steps_then_rank_1_hangs(marker),
+            num_workers=2,
+            data=digits_df,
+            feature_cols=["features"],
+            label_col="label",
+            batch_size=8,
+            spark=spark,
+            progress=False,
+            watchdog_timeout_s="auto",
+        )
+    reported = time.time()
+    with open(marker) as f:
+        hung = float(f.read())
+    error = info.value
+    # Rank 1 hung; rank 0 waits for it in the next step's sync. Which stood still first, as the
+    # driver's heartbeats (one a second) saw it, is a race: either may be named.
+    assert error.exc_type == "WatchdogTimeout" and error.rank in (0, 1), str(error)
+    assert error.failures[0].phase.startswith("training step "), str(error)
+    message = str(error)
+    assert "watchdog_timeout_s='auto': 10 x the slowest step's compute" in message, message
+    assert reported - hung < 10.0, f"reported {reported - hung:.1f}s after the hang: {message}"
+
+
+class _SlowToSave(torch.nn.Module):
+    """The digits MLP whose first checkpoint on rank 0 takes 20 s more (a slow store)."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__()
+        self.net = digits_mlp()
+        self.marker = marker
+
+    def forward(self, x):
+        return self.net(x)
+
+    def state_dict(self, *args, **kwargs):
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0 and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            threading.Event().wait(20.0)  # stands for a 20 s write
+        return super().state_dict(*args, **kwargs)
+
+
+def _two_second_step_loss(output, label):
+    if torch.distributed.is_initialized():  # not the driver's preflight check of the loss
+        threading.Event().wait(2.0)  # stands for a 2 s forward and backward
+    return torch.nn.functional.cross_entropy(output, label)
+
+
+def test_a_run_of_two_second_steps_and_a_twenty_second_checkpoint_completes_untouched(
+    spark, digits_df, digits_split, tmp_path
+):
+    marker = str(tmp_path / "slow-save-done")
+    estimator = sparkdl.TorchEstimator(
+        model=lambda: _SlowToSave(marker),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
+        loss=_two_second_step_loss,
+        num_workers=2,
+        batch_size=48,  # 15 steps of 2 s per rank
+        epochs=1,
+        seed=0,
+        progress=False,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every=12,  # after the warm-up's steps: judged by the steps' pace
+        watchdog_timeout_s="auto",
+    )
+    model = estimator.fit(digits_df)
+    assert os.path.exists(marker)  # the 20 s checkpoint happened
+    (attempt,) = model.run_info["attempts"]
+    assert attempt["error"] is None and attempt["seconds"] > 2 * 15 + 20
+    assert model.history[0]["samples"] == digits_df.count()

@@ -6,6 +6,7 @@ import functools
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from sparkdl._driver import launch
+from sparkdl._driver.dataframe_copy import remove_after_run
 from sparkdl._driver.prepare_data import DataSource, prepare_data
 from sparkdl._driver.progress import ProgressCallback, ProgressDisplay
 from sparkdl._driver.session_checks import check_session
@@ -97,7 +98,8 @@ def run(
             ``ctx.validation_batches()`` / ``ctx.validate(model, loss)``.
         metrics: ``name -> fn(output, label)`` batch means that ``ctx.validate`` reports as
             ``val_<name>``; needs ``validation``.
-        cache_dir: where DataFrames are materialized (default: ``spark.sparkdl.cacheDir`` conf).
+        cache_dir: where DataFrames are materialized (default: ``spark.sparkdl.cacheDir`` conf);
+            with ``checkpoint_dir``, the training DataFrame's copy is also kept beside the checkpoints.
         shard_cache: ``"auto"`` (default) keeps each rank's decoded shard in memory after the
             first pass when it fits half the memory a task has (``spark.executor.pyspark.memory``,
             else ``spark.executor.memory``), so later epochs (``ctx.epoch_batches``, ``ctx.shard_dataset()``) read no Parquet; ``"memory"`` keeps it
@@ -115,7 +117,8 @@ def run(
         progress: show per-epoch progress on the driver; a callable also receives each record.
         checkpoint_dir: where ``ctx.save_checkpoint`` writes (a path or URL every executor can
             write); with it, a relaunched or re-run job resumes, and a finished one returns its
-            stored result without running again.
+            stored result without running again. A DataFrame ``data``'s copy is kept there until
+            the run completes, so a new driver resumes on the same rows (docs/recovery.md).
         resume: False ignores (and replaces) what ``checkpoint_dir`` holds.
         keep_checkpoints: how many checkpoints to keep.
         checkpoint_async: ``ctx.save_checkpoint`` writes in the background after a copy to host
@@ -149,7 +152,7 @@ def run(
     dataset = spec = data_reader = steps = None
     if settings.data is not None:
         dataset, spec, data_reader, steps = prepare_data(
-            data, settings.data, num_workers, spark, task_cpus=settings.launch.task_cpus
+            data, settings.data, num_workers, spark, task_cpus=settings.launch.task_cpus, checkpoint=settings.checkpoint
         )
     display = ProgressDisplay(enabled=bool(progress), callback=progress if callable(progress) else None)
     outcome = launch(
@@ -165,4 +168,6 @@ def run(
         checkpoint=settings.checkpoint,
         steps_for=functools.partial(reshard.steps_for, dataset, spec) if dataset is not None else None,
     )
+    # The result is stored with the checkpoints: a resume no longer needs the DataFrame's copy.
+    remove_after_run(settings.checkpoint)
     return outcome.value

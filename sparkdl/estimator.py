@@ -18,6 +18,7 @@ from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.util import MLReadable, MLWritable
 
 from sparkdl._driver import launch
+from sparkdl._driver.dataframe_copy import remove_after_run
 from sparkdl._driver.preflight import build_checked_model, check_loss, check_optimizer
 from sparkdl._driver.prepare_data import DataSource, prepare_data
 from sparkdl._driver.progress import ProgressCallback, ProgressDisplay
@@ -72,7 +73,9 @@ class TorchEstimator(Estimator, _TorchParams, MLReadable["TorchEstimator"], MLWr
         checkpoint_dir: where checkpoints go (a path or URL every executor can write: HDFS, an
             object store or a shared mount on a real cluster). With it, a failed attempt resumes
             from the newest checkpoint, re-running the same job resumes, and a finished run
-            returns its stored model instead of training again (unless ``resume=False``).
+            returns its stored model instead of training again (unless ``resume=False``). A
+            DataFrame's copy is kept there until the run completes, so a new driver resumes on
+            the same rows (docs/recovery.md, "A DataFrame's copy beside the checkpoints").
         checkpoint_every: also checkpoint every this many steps (default: at each epoch's end).
         keep_checkpoints: how many checkpoints to keep.
         checkpoint_async: write checkpoints in the background after a copy to host memory (the
@@ -97,7 +100,8 @@ class TorchEstimator(Estimator, _TorchParams, MLReadable["TorchEstimator"], MLWr
             or, over Spark Connect, the barrier stage's tasks to start) before failing with
             ``InsufficientSlotsError``; raise it on clusters whose executors start slowly.
         progress: per-epoch progress on the driver; a callable also receives every record.
-        cache_dir: where DataFrames are materialized (default: ``spark.sparkdl.cacheDir``).
+        cache_dir: where DataFrames are materialized (default: ``spark.sparkdl.cacheDir``); with
+            ``checkpoint_dir``, the training DataFrame's copy is also kept beside the checkpoints.
         reader: the data reader: ``"arrow"`` (native pyarrow) or ``"petastorm"``.
         filters: keep only matching rows: pyarrow's DNF ``[("col", ">", 3), ...]`` or a
             ``pyarrow.compute`` expression (pushed down to the Parquet row groups).
@@ -231,7 +235,7 @@ class TorchEstimator(Estimator, _TorchParams, MLReadable["TorchEstimator"], MLWr
         # anything launches; it also receives the trained weights at the end.
         module = build_checked_model(self.model_fn, data_settings.plan)
         info, spec, data_reader, steps = prepare_data(
-            dataset, data_settings, num_workers, spark, task_cpus=config.task_cpus
+            dataset, data_settings, num_workers, spark, task_cpus=config.task_cpus, checkpoint=self.settings.checkpoint
         )
         # What would fail every rank (and every relaunch) the same way fails here, named.
         check_optimizer(self.optimizer_fn, module)
@@ -276,6 +280,8 @@ class TorchEstimator(Estimator, _TorchParams, MLReadable["TorchEstimator"], MLWr
         except BaseException as exc:
             tracker.fail(exc)
             raise
+        # The result is stored with the checkpoints: a resume no longer needs the DataFrame's copy.
+        remove_after_run(checkpoint)
         result = outcome.value
         module.load_state_dict(torch.load(io.BytesIO(result["state_dict"]), weights_only=True))
         timing = result["timing"]

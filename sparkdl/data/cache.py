@@ -37,7 +37,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from sparkdl.errors import ConfigError
-from sparkdl.filesystem import delete_tree, normalize_url
+from sparkdl.filesystem import delete_tree, exists, normalize_url
 
 if TYPE_CHECKING:  # pragma: no cover
     from pyspark.sql import DataFrame
@@ -78,6 +78,25 @@ def materialize(
     repartition) and row groups of near-equal rows (:func:`_even_row_groups`), so the
     row-group shards of the tasks are balanced.
     """
+    prepared = stored_columns(df, columns)
+    layout = tuple(sorted(packed))
+    with _lock:
+        entries = list(_entries)
+    for cached, cached_layout, url in entries:
+        if cached_layout == layout and _same_result(cached, prepared):
+            logger.info("reusing materialized DataFrame at %s", url)
+            return url
+
+    root = _private_root(normalize_url(cache_dir or _session_cache_dir(df.sparkSession), "cache_dir"))
+    url = _write_copy(prepared, f"{root.rstrip('/')}/df-{uuid.uuid4().hex[:12]}", num_workers, layout)
+    with _lock:
+        _entries.append((prepared, layout, url))
+    _clean_up_on_sigterm()
+    return url
+
+
+def stored_columns(df: "DataFrame", columns: Sequence[str]) -> "DataFrame":
+    """``df[columns]`` as a copy stores them: doubles (and arrays of doubles) as float32."""
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
@@ -90,36 +109,41 @@ def materialize(
             casts.append(F.col(field.name).cast("array<float>").alias(field.name))
         else:
             casts.append(F.col(field.name))
-    prepared = selected.select(*casts)
+    return selected.select(*casts)
 
-    layout = tuple(sorted(packed))
-    with _lock:
-        entries = list(_entries)
-    for cached, cached_layout, url in entries:
-        if cached_layout == layout and _same_result(cached, prepared):
-            logger.info("reusing materialized DataFrame at %s", url)
-            return url
 
-    root = _private_root(normalize_url(cache_dir or _session_cache_dir(df.sparkSession), "cache_dir"))
-    url = f"{root.rstrip('/')}/df-{uuid.uuid4().hex[:12]}"
+def stored_rows(prepared: "DataFrame", layout: Sequence[str]) -> "DataFrame":
+    """The rows of :func:`stored_columns`' DataFrame as the copy's files hold them: the array
+    columns of ``layout`` packed as float32 bytes (:mod:`sparkdl.data.tensor_bytes`)."""
+    if not layout:
+        return prepared
+    from sparkdl.data.tensor_bytes import pack_dataframe
+
+    return pack_dataframe(prepared, layout)
+
+
+def _write_copy(prepared: "DataFrame", url: str, num_workers: int, layout: Sequence[str]) -> str:
+    """Writes :func:`stored_columns`' DataFrame to a new directory ``url`` as :func:`materialize`
+    lays a copy out (its files, row groups and ``layout``), made private on a local disk, and
+    returns the copy's URL (``url``, or ``url-even`` when its row groups were rewritten). A
+    failed write leaves nothing behind."""
     from sparkdl._spark import is_connect
 
     # A Connect client cannot see the partitioning (no RDD): one file per rank, sharded by row group.
-    partitions = num_workers if is_connect(df.sparkSession) else max(1, df.rdd.getNumPartitions())
+    spark = prepared.sparkSession
+    partitions = num_workers if is_connect(spark) else max(1, prepared.rdd.getNumPartitions())
     num_files = num_workers * max(1, math.ceil(min(partitions, 256) / num_workers))
-    written = prepared.repartition(num_files)
-    if layout:
-        from sparkdl.data.tensor_bytes import pack_dataframe
-
-        written = pack_dataframe(written, layout)
-    _write(written, url, layout, ROW_GROUP_BYTES)
-    url = _even_row_groups(df.sparkSession, url, num_workers, layout)
-    _make_private(url)
-    with _lock:
-        _entries.append((prepared, layout, url))
-    _clean_up_on_sigterm()
-    logger.info("materialized DataFrame to %s (%d files)", url, num_files)
-    return url
+    try:
+        _write(stored_rows(prepared.repartition(num_files), layout), url, layout, ROW_GROUP_BYTES)
+        final = _even_row_groups(spark, url, num_workers, layout)
+    except BaseException:
+        for written in (url, f"{url}-even"):
+            if exists(written):
+                _delete(written)
+        raise
+    make_private(final)
+    logger.info("materialized DataFrame to %s (%d files)", final, num_files)
+    return final
 
 
 def keyed_copy(key: str, write: Callable[[str], None], cache_dir: Optional[str] = None, spark: Any = None) -> str:
@@ -140,7 +164,7 @@ def keyed_copy(key: str, write: Callable[[str], None], cache_dir: Optional[str] 
     except BaseException:
         _delete(url)
         raise
-    _make_private(url)
+    make_private(url)
     with _lock:
         _keyed[key] = url
     _clean_up_on_sigterm()
@@ -232,7 +256,7 @@ def clear_cache() -> None:
     remove_stale_caches()
 
 
-def _make_private(url: str) -> None:
+def make_private(url: str) -> None:
     """Local copies become readable by their owner only (Spark writes with the umask's modes)."""
     if not url.startswith("file://"):
         return
@@ -357,9 +381,10 @@ def private_directory(parent: str) -> str:
     return path
 
 
-def check_private(path: str) -> None:
+def check_private(path: str, fix: str = f"set {CACHE_DIR_CONF} to a directory only this user can write") -> None:
     """Refuses a directory for the training data's copy that another local user could read or
-    replace: a link, not a directory, owned by another user, or with group/other permissions."""
+    replace: a link, not a directory, owned by another user, or with group/other permissions.
+    ``fix`` says which setting to change instead."""
     info = os.lstat(path)
     problem = None
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
@@ -371,7 +396,7 @@ def check_private(path: str) -> None:
     if problem:
         raise ConfigError(
             f"the directory for the DataFrame's copy {path!r} {problem}; sparkdl does not write training data "
-            f"there. Remove it, or set {CACHE_DIR_CONF} to a directory only this user can write"
+            f"there. Remove it, or {fix}"
         )
 
 

@@ -1,8 +1,10 @@
-"""A resume on a DataFrame by a new driver: the DataFrame is materialized again, and Spark does
-not promise the same rows in the same order twice, so the checkpoint's stream positions would
-index other rows. The checkpoint records which data its positions index (the copy's files and
-row groups); on other data the interrupted epoch ends and training resumes at the next epoch,
-saying so, instead of training some rows twice and others never. Counted on row ids."""
+"""A resume on a DataFrame that is not the one the checkpoints were trained on: its rows differ
+from those of the copy kept beside the checkpoints, so it is materialized again, and the
+checkpoint's stream positions would index other rows. The checkpoint records which data its
+positions index (the copy's files and row groups); on other data the interrupted epoch ends and
+training resumes at the next epoch, saying so, instead of training some rows twice and others
+never. Counted on row ids. (The same rows resumed by a new driver process, exactly:
+test_resume_new_driver.py.)"""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def _run(spark, df, loop, num_workers, checkpoint_dir):
 
 
 @pytest.mark.parametrize("old_world, new_world", [(2, 2), (2, 1)])
-def test_a_new_driver_resuming_on_a_dataframe_materialized_again_trains_no_row_twice(
+def test_a_resume_on_a_dataframe_of_other_rows_materialized_again_trains_no_row_twice(
     spark, ids_data, tmp_path, caplog, old_world, new_world
 ):
     from pyspark.sql import functions as F
@@ -52,10 +54,11 @@ def test_a_new_driver_resuming_on_a_dataframe_materialized_again_trains_no_row_t
     rows = spark.read.parquet(ids_data)
     with pytest.raises(sparkdl.TrainingError, match="WorkerLost"):
         _run(spark, rows.orderBy(F.rand(1)), loop, old_world, checkpoint_dir)
-    # A new driver: none of this process's copies, and the same rows come in another order.
+    # The same ids in another order, one feature changed: not the rows of the copy kept beside the checkpoints.
     sparkdl.clear_cache()
+    changed = rows.orderBy(F.rand(2)).withColumn("x0", F.col("x0") * 2)
     with caplog.at_level(logging.WARNING, logger="sparkdl"):
-        result = _run(spark, rows.orderBy(F.rand(2)), loop, new_world, checkpoint_dir)
+        result = _run(spark, changed, loop, new_world, checkpoint_dir)
     assert result["world_size"] == new_world
     before, after = _epoch_ids(str(log_dir), 1, 2, until_step=at), _epoch_ids(str(log_dir), 2, 2)
     assert sum(before.values()) == (at - steps) * BATCH * old_world and max(before.values()) == 1
@@ -66,7 +69,12 @@ def test_a_new_driver_resuming_on_a_dataframe_materialized_again_trains_no_row_t
         f"epoch 2 ends here ({left} of its steps per rank skipped) and training resumes at the start of epoch 3"
         in caplog.text
     )
-    assert "the DataFrame" in caplog.text and "train on a Parquet URL" in caplog.text
+    assert (
+        "the DataFrame is not the one whose copy is kept beside the checkpoints in "
+        f"file://{checkpoint_dir}/dataframe-copy: it has {ROWS} rows like the copy, but not the same values"
+        in caplog.text
+    )
+    assert "the DataFrame" in caplog.text and "a DataFrame of the same rows" in caplog.text
     # The next epoch, on the new copy: a whole one, every row at most once.
     third = _epoch_ids(str(log_dir), 2, 3)
     assert sum(third.values()) == (ROWS // (BATCH * new_world)) * BATCH * new_world and set(third) <= set(ALL_ROWS)

@@ -64,7 +64,7 @@ def test_materialized_copies_become_owner_only(tmp_path):
     (tmp_path / "df-1" / "part-0.parquet").write_bytes(b"x")
     (tmp_path / "df-1" / "sub" / "part-1.parquet").write_bytes(b"y")
     os.chmod(tmp_path / "df-1" / "part-0.parquet", 0o644)
-    cache._make_private(f"file://{tmp_path / 'df-1'}")
+    cache.make_private(f"file://{tmp_path / 'df-1'}")
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "df-1").rglob("*")}
     assert modes == {"part-0.parquet": 0o600, "sub": 0o700, "part-1.parquet": 0o600}
     assert stat.S_IMODE((tmp_path / "df-1").stat().st_mode) == 0o700

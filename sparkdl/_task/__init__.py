@@ -3,6 +3,8 @@
 * :mod:`.entry` — ``_task_main``, what each barrier task runs: the progress channel, rank-prefixed
   output, threads, device, rendezvous, the user's function, the report. The stage's pickled
   closure refers to it, so the executors import it; it imports nothing of the driver side.
+* :mod:`.heartbeat` — the rank's progress to the driver's watchdog at a fixed rate, and the
+  driver's drain notice read on each beat;
 * :mod:`.allocator` — glibc's mmap and trim thresholds raised before training, so a fresh worker
   does not fault every step's memory in again;
 * :mod:`.config` — :class:`~sparkdl._task.config.LaunchConfig`, how the stage runs (it travels in

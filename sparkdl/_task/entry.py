@@ -2,8 +2,8 @@
 
 Connect to the driver's channel, prefix the task's output with its rank, set threads to the
 task's cores, select the device Spark assigned (:mod:`sparkdl._runtime.device`), rendezvous, run the
-function, report, clean up. Imported on the executors (the stage's closure refers to
-:func:`_task_main`), so it needs nothing of the driver's.
+function, report, clean up: the phases of :class:`_TaskRun`. Imported on the executors (the
+stage's closure refers to :func:`_task_main`), so it needs nothing of the driver's.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import os
 import sys
-import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
@@ -21,6 +20,7 @@ from sparkdl._net.channel import ChannelClient, ChannelError
 from sparkdl._runtime.device import task_device
 from sparkdl._spark import task_threads
 from sparkdl._task.environment import environment, torchrun_environment
+from sparkdl._task.heartbeat import Heartbeat
 from sparkdl._task.output import forward_logs, output_to_driver, rank_prefixed_output
 from sparkdl._task.script import ChildFailure, LaunchTarget, resolve_script, run_child
 from sparkdl.checkpoint import CheckpointStore
@@ -60,6 +60,8 @@ class _TaskPayload:
 
 
 def _task_main(payload: _TaskPayload) -> List[tuple]:
+    """What each barrier task runs: the channel to the driver, the task's output and CPU
+    settings around the phases of :class:`_TaskRun`, its error reported, its teardown."""
     # Where a launch's start-up went, for run_info["startup"]: unpickling this task (before this
     # line) is what imports torch and sparkdl in a new Python worker.
     marks = {"worker_started": _process_started(), "task_entered": time.time()}
@@ -67,8 +69,34 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
 
     barrier = BarrierTaskContext.get()
     rank = barrier.partitionId()
+    client = _connect_to_driver(payload, barrier, rank)
+    from sparkdl._task.allocator import keep_step_memory
+
+    # Before anything is allocated for training: a fresh worker would give every step's memory
+    # back to the kernel and fault it in again (sparkdl._task.allocator).
+    keep_step_memory()
+    task = _TaskRun(payload, barrier, rank, client, marks)
+    # ``scopes`` closes after tear_down: the device stays selected until the process group is
+    # torn down, and is restored before the worker runs its next task.
+    with (
+        rank_prefixed_output(rank, payload.quiet_console),
+        forward_logs(client, rank),
+        _task_cpu(task_threads(barrier), payload.flush_denormals),
+        contextlib.ExitStack() as scopes,
+    ):
+        try:
+            return task.run(scopes)
+        except BaseException as exc:
+            task.report_error(exc)
+            raise
+        finally:
+            task.tear_down()
+
+
+def _connect_to_driver(payload: _TaskPayload, barrier: Any, rank: int) -> ChannelClient:
+    """The driver's progress channel, or an error naming the address every executor must reach."""
     try:
-        client = ChannelClient(
+        return ChannelClient(
             tuple(payload.channel_address), payload.secret, rank, timeout=30.0, encrypt=payload.encrypt
         )
     except ChannelError as exc:
@@ -80,140 +108,171 @@ def _task_main(payload: _TaskPayload) -> List[tuple]:
             f"Spark Connect client, the client's address on the route to the Connect server). Set spark.sparkdl.clientHost "
             f"to an address of the driver's or client's host that the executors can reach"
         ) from exc
-    from sparkdl._runtime.liveness import Liveness
-    from sparkdl._task.allocator import keep_step_memory
 
-    # Before anything is allocated for training: a fresh worker would give every step's memory
-    # back to the kernel and fault it in again (sparkdl._task.allocator).
-    keep_step_memory()
-    liveness = Liveness()
-    heartbeat = _Heartbeat(client, liveness, payload.config.heartbeat_interval_s)
-    # ``scopes`` closes after the finally block below: the device stays selected until the
-    # process group is torn down, and is restored before the worker runs its next task.
-    with (
-        rank_prefixed_output(rank, payload.quiet_console),
-        forward_logs(client, rank),
-        _task_cpu(task_threads(barrier), payload.flush_denormals),
-        contextlib.ExitStack() as scopes,
-    ):
-        context = None
-        runtime = None
+
+class _TaskRun:
+    """One barrier task, phase by phase: report started, join the store, select the device, run
+    the user's function (rendezvous, context, call) or the launched child, report the result or
+    the error, tear down. Holds what the phases share and what the teardown must close."""
+
+    def __init__(self, payload: _TaskPayload, barrier: Any, rank: int, client: ChannelClient, marks: dict) -> None:
+        from sparkdl._runtime.liveness import Liveness
+
+        self.payload, self.config, self.barrier, self.rank, self.client = payload, payload.config, barrier, rank, client
+        self.marks = marks
+        self.liveness = Liveness()
+        self.heartbeat = Heartbeat(client, self.liveness, payload.config.heartbeat_interval_s)
+        self.context: Any = None  # closed by tear_down once built
+        self.runtime: Any = None
+
+    def run(self, scopes: contextlib.ExitStack) -> List[tuple]:
+        """The phases; ``[(rank, value)]`` with rank 0's value (the launch's result)."""
+        host = self._report_started()
+        payload = self.payload
+        launched = payload.train_fn if isinstance(payload.train_fn, LaunchTarget) else None
+        # A script this executor cannot see fails before anyone waits for this rank.
+        script_path = (
+            resolve_script(launched, self.rank, host) if launched is not None and launched.kind == "script" else None
+        )
+        gather = self._join_store()
+        assignment = self._select_device(scopes, gather, host)
+        if launched is not None:
+            # The child creates the process group itself (env://); this task makes none.
+            value = _run_launched(
+                launched, payload, self.rank, host, script_path, assignment, self.client, self.liveness
+            )
+        else:
+            value = self._run_function(self._build_context(gather, assignment))
+        self.client.send({"kind": "done"})
+        return [(self.rank, value if self.rank == 0 else None)]
+
+    def _report_started(self) -> str:
+        """Tells the driver this rank runs, and starts the heartbeat; the executor's address."""
+        host = self.barrier.getTaskInfos()[self.rank].address.rsplit(":", 1)[0]
+        self.client.send(
+            {
+                "kind": "started",
+                "attempt": self.payload.attempt,
+                "host": _task_host(self.barrier, self.rank),
+                "address": host,
+            }
+        )
+        self.heartbeat.start()
+        return host
+
+    def _join_store(self) -> Callable[[str], List[str]]:
+        """Connects to the driver's rendezvous store; an all-gather of strings over it."""
+        from sparkdl._runtime.rendezvous import join_store, store_all_gather
+
+        payload, config = self.payload, self.config
+        self.liveness.advance("connecting to the rendezvous store")
+        # Through the driver's store, not Spark's barrier: every allGather of Spark's costs a
+        # second (it polls once a second), every store round trip a millisecond.
+        rendezvous_client = join_store(
+            payload.rendezvous_address, payload.secret, self.rank, config.timeout_s, payload.encrypt
+        )
+        self.heartbeat.watch_drain(rendezvous_client)
+        return store_all_gather(rendezvous_client, self.rank, config.num_workers, config.timeout_s)
+
+    def _select_device(self, scopes: contextlib.ExitStack, gather: Callable, host: str) -> Any:
+        """The device Spark assigned this task, and the network interface for its collectives."""
+        self.liveness.advance("selecting the device")
+        assignment = scopes.enter_context(task_device(self.barrier, self.config.use_gpu, gather))
+        self.liveness.advance("choosing the network interface")
+        # gloo/NCCL otherwise bind what the host name resolves to (127.0.1.1 on Debian, or
+        # another network): the collectives go where Spark reaches this executor.
+        gpu = assignment.device.type == "cuda"
+        scopes.enter_context(
+            environment(_collective_interface(host, self.payload.rendezvous_address[0], self.rank, gpu))
+        )
+        return assignment
+
+    def _build_context(self, gather: Callable, assignment: Any) -> Any:
+        """The process group (rendezvous), the strategy's runtime and the TrainContext over them."""
+        from sparkdl._runtime.rendezvous import rendezvous
+        from sparkdl.context import TrainContext
+
+        payload, config = self.payload, self.config
+        self.liveness.advance("rendezvous")
+        addresses = [info.address for info in self.barrier.getTaskInfos()]
+        env = rendezvous(
+            self.rank,
+            config.num_workers,
+            addresses,
+            gather,
+            assignment.device,
+            config.timeout_s,
+            secret=payload.secret,
+            encrypt=payload.encrypt,
+            store_address=payload.rendezvous_address,
+        )
+        self.runtime = payload.strategy.create_runtime(env)
+        self.marks["ready"] = time.time()
+        self.context = TrainContext(
+            env,
+            self.runtime,
+            self.client.send,
+            dataset=payload.dataset,
+            data_spec=payload.data_spec,
+            reader=payload.reader,
+            steps_per_epoch=payload.steps_per_epoch,
+            store=payload.checkpoint_store,
+            liveness=self.liveness,
+            assignment=assignment,
+            precision=config.precision,
+            resize=config.resize_plan(payload.data_spec.batch_size if payload.data_spec else None),
+            startup_marks=self.marks,
+        )
+        return self.context
+
+    def _run_function(self, context: Any) -> Any:
+        """The user's function (a fit's loop, or ``sparkdl.run``'s) on the context; its value."""
+        from sparkdl._task.frameworks import framework_env, one_process_per_task
+        from sparkdl.reporting import CurrentTask, current_task
+
+        context.set_phase("training")
+        # framework_env: a bare lightning.Trainer() then spans every task instead of training alone.
+        task_env = {**_torchrun_env(self.payload, self.rank, None), **framework_env(self.config.num_workers)}
+        with (
+            environment(task_env),
+            current_task(CurrentTask(self.rank, self.client.send, self.liveness.advance, context)),
+            one_process_per_task(self.rank),
+            output_to_driver(self.client),
+        ):
+            value = self.payload.train_fn(context)
+        # A checkpoint still being written fails the rank here, reported like any error.
+        context.wait_for_checkpoint()
+        return value
+
+    def report_error(self, exc: BaseException) -> None:
+        """Sends the driver this rank's failure: its rank, host, phase and traceback."""
+        from sparkdl._task.frameworks import explain
+
+        # explain: a framework's own "devices x num_nodes" error, told in sparkdl's terms.
+        failure = RankFailure.from_exception(
+            self.rank, explain(exc, self.rank), phase=self.liveness.phase, host=_task_host(self.barrier, self.rank)
+        )
+        if isinstance(exc, ChildFailure):  # the child's error and traceback, not this task's
+            failure = dataclasses.replace(failure, exc_type=exc.exc_type, traceback=exc.child_traceback)
+        with contextlib.suppress(Exception):
+            self.client.send({"kind": "error", "failure": failure.to_json()})
+
+    def tear_down(self) -> None:
+        """Stops the heartbeat, closes the context and runtime, the process group and the channel."""
+        from sparkdl._runtime.rendezvous import teardown
+
         try:
-            from sparkdl._runtime.rendezvous import join_store, rendezvous, store_all_gather
-            from sparkdl.context import TrainContext
-
-            client.send(
-                {
-                    "kind": "started",
-                    "attempt": payload.attempt,
-                    "host": _task_host(barrier, rank),
-                    "address": barrier.getTaskInfos()[rank].address.rsplit(":", 1)[0],
-                }
-            )
-            heartbeat.start()
-            config = payload.config
-            launched = payload.train_fn if isinstance(payload.train_fn, LaunchTarget) else None
-            host = barrier.getTaskInfos()[rank].address.rsplit(":", 1)[0]
-            # A script this executor cannot see fails before anyone waits for this rank.
-            script_path = (
-                resolve_script(launched, rank, host) if launched is not None and launched.kind == "script" else None
-            )
-            liveness.advance("connecting to the rendezvous store")
-            # Through the driver's store, not Spark's barrier: every allGather of Spark's costs a
-            # second (it polls once a second), every store round trip a millisecond.
-            rendezvous_client = join_store(
-                payload.rendezvous_address, payload.secret, rank, config.timeout_s, payload.encrypt
-            )
-            heartbeat.watch_drain(rendezvous_client)
-            gather = store_all_gather(rendezvous_client, rank, config.num_workers, config.timeout_s)
-            liveness.advance("selecting the device")
-            assignment = scopes.enter_context(task_device(barrier, config.use_gpu, gather))
-            device = assignment.device
-            liveness.advance("choosing the network interface")
-            # gloo/NCCL otherwise bind what the host name resolves to (127.0.1.1 on Debian, or
-            # another network): the collectives go where Spark reaches this executor.
-            scopes.enter_context(
-                environment(_collective_interface(host, payload.rendezvous_address[0], rank, device.type == "cuda"))
-            )
-            if launched is not None:
-                # The child creates the process group itself (env://); this task makes none.
-                value = _run_launched(launched, payload, rank, host, script_path, assignment, client, liveness)
-                client.send({"kind": "done"})
-                return [(rank, value if rank == 0 else None)]
-            liveness.advance("rendezvous")
-            addresses = [info.address for info in barrier.getTaskInfos()]
-            env = rendezvous(
-                rank,
-                config.num_workers,
-                addresses,
-                gather,
-                device,
-                config.timeout_s,
-                secret=payload.secret,
-                encrypt=payload.encrypt,
-                store_address=payload.rendezvous_address,
-            )
-            runtime = payload.strategy.create_runtime(env)
-            marks["ready"] = time.time()
-            context = TrainContext(
-                env,
-                runtime,
-                client.send,
-                dataset=payload.dataset,
-                data_spec=payload.data_spec,
-                reader=payload.reader,
-                steps_per_epoch=payload.steps_per_epoch,
-                store=payload.checkpoint_store,
-                liveness=liveness,
-                assignment=assignment,
-                precision=payload.config.precision,
-                resize=config.resize_plan(payload.data_spec.batch_size if payload.data_spec else None),
-                startup_marks=marks,
-            )
-            context.set_phase("training")
-            from sparkdl._task.frameworks import framework_env, one_process_per_task
-            from sparkdl.reporting import CurrentTask, current_task
-
-            # framework_env: a bare lightning.Trainer() then spans every task instead of training alone.
-            task_env = {**_torchrun_env(payload, rank, None), **framework_env(config.num_workers)}
-            with (
-                environment(task_env),
-                current_task(CurrentTask(rank, client.send, liveness.advance, context)),
-                one_process_per_task(rank),
-                output_to_driver(client),
-            ):
-                value = payload.train_fn(context)
-            # A checkpoint still being written fails the rank here, reported like any error.
-            context.wait_for_checkpoint()
-            client.send({"kind": "done"})
-            return [(rank, value if rank == 0 else None)]
-        except BaseException as exc:
-            from sparkdl._task.frameworks import explain
-
-            # explain: a framework's own "devices x num_nodes" error, told in sparkdl's terms.
-            failure = RankFailure.from_exception(
-                rank, explain(exc, rank), phase=liveness.phase, host=_task_host(barrier, rank)
-            )
-            if isinstance(exc, ChildFailure):  # the child's error and traceback, not this task's
-                failure = dataclasses.replace(failure, exc_type=exc.exc_type, traceback=exc.child_traceback)
-            with contextlib.suppress(Exception):
-                client.send({"kind": "error", "failure": failure.to_json()})
-            raise
+            self.heartbeat.stop()
+            if self.context is not None:
+                self.context.close()
+            if self.runtime is not None:
+                with contextlib.suppress(Exception):
+                    self.runtime.close()
         finally:
-            from sparkdl._runtime.rendezvous import teardown
-
-            try:
-                heartbeat.stop()
-                if context is not None:
-                    context.close()
-                if runtime is not None:
-                    with contextlib.suppress(Exception):
-                        runtime.close()
-            finally:
-                # Even when closing the context failed: the process group and the rendezvous
-                # store's connection (or, without a driver's store, rank 0's store) must not outlive the task.
-                teardown()
-                client.close()
+            # Even when closing the context failed: the process group and the rendezvous
+            # store's connection (or, without a driver's store, rank 0's store) must not outlive the task.
+            teardown()
+            self.client.close()
 
 
 def _collective_interface(host: str, driver_host: str, rank: int, gpu: bool) -> dict:
@@ -317,60 +376,6 @@ def _process_started() -> Optional[float]:
         return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError, AttributeError):
         return None
-
-
-class _Heartbeat:
-    """Sends the rank's progress counter and phase to the driver's watchdog at a fixed rate."""
-
-    def __init__(self, client: ChannelClient, liveness: Any, interval_s: float) -> None:
-        self._client = client
-        self._liveness = liveness
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="sparkdl-heartbeat", daemon=True)
-        self._rendezvous: Any = None
-
-    def watch_drain(self, rendezvous_client: Any) -> None:
-        """From now on each beat also reads the driver's drain notice from the rendezvous store."""
-        self._rendezvous = rendezvous_client
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                self._client.send({"kind": "heartbeat", **self._liveness.beat()})
-            except ChannelError:
-                if self._stop.is_set():
-                    return
-                # The run's channel is gone: the driver (or Connect client) cancelled the run or
-                # died. A rank blocked in user code would never notice, and a cancel does not
-                # always kill a task stuck in Python (Spark Connect's interrupt does not), so the
-                # rank ends its process rather than hold its task slot for good.
-                sys.stderr.write("[sparkdl] the driver's channel closed while this rank was running: exiting\n")
-                sys.stderr.flush()
-                os._exit(70)
-            self._read_drain_notice()
-            if self._stop.wait(self._interval_s):
-                return
-
-    def _read_drain_notice(self) -> None:
-        from sparkdl._runtime.drain import DRAIN_KEY
-
-        client, notice = self._rendezvous, self._liveness.drain
-        if client is None or notice.requested():
-            return
-        try:
-            if client.check([DRAIN_KEY]):
-                notice.request(client.get(DRAIN_KEY).decode("utf-8", "replace"))
-        except Exception:  # noqa: BLE001 - a store gone with the driver is the channel's to report
-            pass
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
 
 
 @contextlib.contextmanager

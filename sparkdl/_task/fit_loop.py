@@ -58,6 +58,26 @@ class FitLoop:
     checkpoint_every: Optional[int] = None
 
     def __call__(self, ctx: TrainContext) -> Optional[Dict[str, Any]]:
+        """The fit on this rank: build, resume, the epochs, finish; rank 0 returns the result."""
+        model, optimizer = self._build(ctx)
+        state = self._restore(ctx, model, optimizer)
+        # on_resize="scale_lr" on another number of workers than the lr was for; else nothing.
+        ctx.apply_resize_lr(optimizer)
+        resize = ctx.report_resize()
+        resumed_at = state.global_step
+        watch = LossWatch(ctx, NONFINITE_CHECK_EVERY)
+        start = time.time()
+        while state.epoch <= self.epochs:
+            state = self._epoch(ctx, model, optimizer, state, watch)
+        ctx.set_phase("finishing")
+        ctx.wait_for_checkpoint()  # the last checkpoint is stored, and counted in the stats below
+        final = ctx.final_module(model)
+        if ctx.rank != 0:
+            return None
+        return self._result(ctx, final, state, start, resumed_at, resize)
+
+    def _build(self, ctx: TrainContext) -> tuple:
+        """The model and optimizer, prepared for the run's strategy (wrapped, sharded...)."""
         # Same seed everywhere: every rank builds the same initial weights (DDP and the averaging
         # strategies also broadcast rank 0's).
         torch.manual_seed(self.seed)
@@ -66,6 +86,11 @@ class FitLoop:
             raise TypeError(f"model() must return a torch.nn.Module, got {type(module).__name__}")
         model = ctx.prepare_model(module)
         optimizer = ctx.prepare_optimizer(self.optimizer(model.parameters()))
+        return model, optimizer
+
+    @staticmethod
+    def _restore(ctx: TrainContext, model, optimizer) -> _LoopState:
+        """Where the loop starts: the newest checkpoint's weights and position, else the beginning."""
         state = _LoopState()
         restored = ctx.load_checkpoint()
         if restored is not None:
@@ -73,108 +98,133 @@ class FitLoop:
             state = _LoopState(**restored["loop"])
             if ctx.resumed_from is not None:
                 state = _resharded_counters(ctx, state)
-        # on_resize="scale_lr" on another number of workers than the lr was for; else nothing.
-        ctx.apply_resize_lr(optimizer)
-        resize = ctx.report_resize()
-        resumed_at = state.global_step
-        watch = LossWatch(ctx, NONFINITE_CHECK_EVERY)
-        start = time.time()
-        while state.epoch <= self.epochs:
-            epoch = state.epoch
-            ctx.set_phase(f"training epoch {epoch}")
-            model.train()
-            epoch_start = time.time()
-            comm_start = ctx.comm_bytes
-            loss_sum = torch.full((), state.loss_sum, dtype=torch.float64, device=ctx.device)
-            starts_step = True
-            # One micro-batch per step, or accumulation_steps of them on fewer workers with
-            # on_resize="keep_global_batch": the step's losses scaled so its gradient is their mean,
-            # synchronized only at its last backward. state.step counts batches (the data position).
-            for features, labels, scale, last in ctx.micro_batches(skip=state.step):
-                if starts_step:
-                    optimizer.zero_grad(set_to_none=True)
-                starts_step = last
-                with ctx.gradient_sync(model, last):
-                    with ctx.autocast():  # the run's precision: a no-op for "32"
-                        output = call_model(model, features)  # model(**inputs) with inputs=
-                        loss = self.loss(output, labels)
-                    watch.add(epoch, state.step + 1, loss)
-                    scaled = loss if scale == 1.0 else loss * scale
-                    if last:
-                        ctx.backward_and_step(scaled, optimizer)  # through the grad scaler for "16-mixed"
-                    else:
-                        ctx.backward(scaled)
-                rows = batch_rows(features)
-                loss_sum.add_(loss.detach(), alpha=rows)  # one op: the float64 sum takes the loss as it is
-                state.samples += rows
-                state.step += 1
-                if state.output_shape is None:
-                    state.output_shape = list(output.shape[1:])
-                if not last:  # checkpoints and drains only between optimizer steps
-                    continue
-                state.global_step += 1
-                saved = (
-                    bool(self.checkpoint_every)
-                    and state.global_step % self.checkpoint_every == 0
-                    and state.step < ctx.steps_per_epoch
+        return state
+
+    def _epoch(self, ctx: TrainContext, model, optimizer, state: _LoopState, watch: LossWatch) -> _LoopState:
+        """One epoch from ``state``'s position: its steps, its record (validation included), its
+        checkpoint; the state the next epoch starts from."""
+        epoch = state.epoch
+        ctx.set_phase(f"training epoch {epoch}")
+        model.train()
+        epoch_start = time.time()
+        comm_start = ctx.comm_bytes
+        loss_sum = torch.full((), state.loss_sum, dtype=torch.float64, device=ctx.device)
+
+        def save_mid_epoch() -> None:  # the loop's position now, with the epoch's figures so far
+            watch.check()  # a checkpoint never holds weights a NaN loss already spoiled
+            state.loss_sum = loss_sum.item()
+            self._save(ctx, model, optimizer, state, ctx.comm_bytes - comm_start, time.time() - epoch_start)
+
+        self._train_steps(ctx, model, optimizer, state, watch, loss_sum, save_mid_epoch)
+        watch.check()
+        record = self._epoch_record(ctx, state, loss_sum, epoch_start, comm_start)
+        # The validation pass (sparkdl._runtime.validation), with the run's metrics: adds
+        # val_loss, val_<metric>, val_samples when the run has validation data.
+        if ctx.has_validation:
+            record.update(ctx.validate(model, self.loss))
+        state.history.append(record)
+        if ctx.rank == 0:
+            ctx.report_epoch(record)
+        following = _LoopState(
+            epoch=epoch + 1, global_step=state.global_step, history=state.history, output_shape=state.output_shape
+        )
+        self._save(ctx, model, optimizer, following, 0, 0.0)
+        return following
+
+    def _train_steps(
+        self,
+        ctx: TrainContext,
+        model,
+        optimizer,
+        state: _LoopState,
+        watch: LossWatch,
+        loss_sum: torch.Tensor,
+        save_mid_epoch: Callable[[], None],
+    ) -> None:
+        """The epoch's steps from ``state.step`` on, counted in ``state`` and (the rank's loss, on
+        the device) in ``loss_sum``; a checkpoint every ``checkpoint_every`` steps, a stop at a drain."""
+        epoch = state.epoch
+        starts_step = True
+        # One micro-batch per step, or accumulation_steps of them on fewer workers with
+        # on_resize="keep_global_batch": the step's losses scaled so its gradient is their mean,
+        # synchronized only at its last backward. state.step counts batches (the data position).
+        for features, labels, scale, last in ctx.micro_batches(skip=state.step):
+            if starts_step:
+                optimizer.zero_grad(set_to_none=True)
+            starts_step = last
+            with ctx.gradient_sync(model, last):
+                with ctx.autocast():  # the run's precision: a no-op for "32"
+                    output = call_model(model, features)  # model(**inputs) with inputs=
+                    loss = self.loss(output, labels)
+                watch.add(epoch, state.step + 1, loss)
+                scaled = loss if scale == 1.0 else loss * scale
+                if last:
+                    ctx.backward_and_step(scaled, optimizer)  # through the grad scaler for "16-mixed"
+                else:
+                    ctx.backward(scaled)
+            rows = batch_rows(features)
+            loss_sum.add_(loss.detach(), alpha=rows)  # one op: the float64 sum takes the loss as it is
+            state.samples += rows
+            state.step += 1
+            if state.output_shape is None:
+                state.output_shape = list(output.shape[1:])
+            if not last:  # checkpoints and drains only between optimizer steps
+                continue
+            state.global_step += 1
+            saved = (
+                bool(self.checkpoint_every)
+                and state.global_step % self.checkpoint_every == 0
+                and state.step < ctx.steps_per_epoch
+            )
+            if saved:
+                save_mid_epoch()
+            if state.step < ctx.steps_per_epoch and ctx.should_drain():
+                # A host is going away: this step's checkpoint (unless just taken), stored before anyone stops.
+                if not saved:
+                    save_mid_epoch()
+                ctx.wait_for_checkpoint()
+                raise HostDrained(
+                    f"drained at step {state.global_step} ({ctx.drain_reason}): the checkpoint of that step is stored; "
+                    f"the run resumes from it"
                 )
-                if saved:
-                    watch.check()  # a checkpoint never holds weights a NaN loss already spoiled
-                    state.loss_sum = loss_sum.item()
-                    self._save(ctx, model, optimizer, state, ctx.comm_bytes - comm_start, time.time() - epoch_start)
-                if state.step < ctx.steps_per_epoch and ctx.should_drain():
-                    # A host is going away: this step's checkpoint (unless just taken), stored before anyone stops.
-                    if not saved:
-                        watch.check()
-                        state.loss_sum = loss_sum.item()
-                        self._save(ctx, model, optimizer, state, ctx.comm_bytes - comm_start, time.time() - epoch_start)
-                    ctx.wait_for_checkpoint()
-                    raise HostDrained(
-                        f"drained at step {state.global_step} ({ctx.drain_reason}): the checkpoint of that step is stored; "
-                        f"the run resumes from it"
-                    )
-            watch.check()
-            seconds = state.seconds + time.time() - epoch_start
-            # One small allreduce per epoch for metrics; not counted in comm_bytes (that is the
-            # strategy's model-sync traffic).
-            totals = torch.tensor(
-                [loss_sum.item(), float(state.samples), float(state.comm_bytes + ctx.comm_bytes - comm_start)],
-                dtype=torch.float64,
-                device=ctx.device,
-            )
-            dist.all_reduce(totals)
-            total_samples = int(totals[1].item())
-            record = {
-                "epoch": epoch,
-                "loss": totals[0].item() / max(1, total_samples),
-                "samples": total_samples,
-                "seconds": seconds,
-                "samples_per_sec": total_samples / seconds if seconds > 0 else math.inf,
-                "comm_bytes": int(totals[2].item() / ctx.world_size),
-                "global_batch": ctx.global_batch_size,  # rows per optimizer step (on_resize)
-                **_per_rank_rates(ctx, state.samples, seconds),  # rank0_samples_per_sec, rank1_...
-            }
-            # Strategy-specific figures (a parameter server's staleness...); nothing for most strategies.
-            record.update(_strategy_metrics(ctx))
-            cache = ctx.shard_cache_stats()
-            if cache is not None:  # the rank's decoded shard kept in memory (sparkdl.data.shard_cache)
-                record["cache_mb"] = round(int(cache["held_bytes"]) / 1e6, 1)
-            # The validation pass (sparkdl._runtime.validation), with the run's metrics: adds
-            # val_loss, val_<metric>, val_samples when the run has validation data.
-            if ctx.has_validation:
-                record.update(ctx.validate(model, self.loss))
-            state.history.append(record)
-            if ctx.rank == 0:
-                ctx.report_epoch(record)
-            state = _LoopState(
-                epoch=epoch + 1, global_step=state.global_step, history=state.history, output_shape=state.output_shape
-            )
-            self._save(ctx, model, optimizer, state, 0, 0.0)
-        ctx.set_phase("finishing")
-        ctx.wait_for_checkpoint()  # the last checkpoint is stored, and counted in the stats below
-        final = ctx.final_module(model)
-        if ctx.rank != 0:
-            return None
+
+    @staticmethod
+    def _epoch_record(
+        ctx: TrainContext, state: _LoopState, loss_sum: torch.Tensor, epoch_start: float, comm_start: int
+    ) -> Dict[str, Any]:
+        """The epoch's figures over all ranks (collective), as the history and the driver get them."""
+        seconds = state.seconds + time.time() - epoch_start
+        # One small allreduce per epoch for metrics; not counted in comm_bytes (that is the
+        # strategy's model-sync traffic).
+        totals = torch.tensor(
+            [loss_sum.item(), float(state.samples), float(state.comm_bytes + ctx.comm_bytes - comm_start)],
+            dtype=torch.float64,
+            device=ctx.device,
+        )
+        dist.all_reduce(totals)
+        total_samples = int(totals[1].item())
+        record = {
+            "epoch": state.epoch,
+            "loss": totals[0].item() / max(1, total_samples),
+            "samples": total_samples,
+            "seconds": seconds,
+            "samples_per_sec": total_samples / seconds if seconds > 0 else math.inf,
+            "comm_bytes": int(totals[2].item() / ctx.world_size),
+            "global_batch": ctx.global_batch_size,  # rows per optimizer step (on_resize)
+            **_per_rank_rates(ctx, state.samples, seconds),  # rank0_samples_per_sec, rank1_...
+        }
+        # Strategy-specific figures (a parameter server's staleness...); nothing for most strategies.
+        record.update(_strategy_metrics(ctx))
+        cache = ctx.shard_cache_stats()
+        if cache is not None:  # the rank's decoded shard kept in memory (sparkdl.data.shard_cache)
+            record["cache_mb"] = round(int(cache["held_bytes"]) / 1e6, 1)
+        return record
+
+    @staticmethod
+    def _result(
+        ctx: TrainContext, final: torch.nn.Module, state: _LoopState, start: float, resumed_at: int, resize: Any
+    ) -> Dict[str, Any]:
+        """Rank 0's value for the driver: the trained weights, the history and the run's figures."""
         buffer = io.BytesIO()
         torch.save({k: v.detach().cpu() for k, v in final.state_dict().items()}, buffer)
         return {

@@ -131,32 +131,52 @@ def run_child(
         ChildFailure: the child exited non-zero (a callable's exception, with its type and
             traceback), or the callable could not be unpickled there.
     """
-    import cloudpickle
-
-    workdir = tempfile.mkdtemp(prefix="sparkdl-launch-")  # 0700: this user only
-    secret_read = secret_write = report_read = report_write = -1
-    process: Optional[subprocess.Popen] = None
-    pumps: List[threading.Thread] = []
-    forwarder = OutputForwarder(send)
-    last: Deque[str] = collections.deque(maxlen=LAST_LINES)
+    child = _Child(send)
     try:
         child_spec = dict(spec, kind=target.kind, name=target.name, script=script_path, args=list(target.args))
-        _private_file(workdir, "spec.json", json.dumps(child_spec).encode("utf-8"))
-        if target.kind == "callable":
-            _private_file(workdir, "target.pkl", target.pickled or b"")
-        child_env = dict(env)
-        if data is not None:
-            child_env["SPARKDL_SHARD_DATA"] = _private_file(workdir, "data.pkl", cloudpickle.dumps(data))
-        secret_read, secret_write = os.pipe()
+        child_env = _write_inputs(child.workdir, target, child_spec, env, data)
+        child.start(child_env, secret)
+        child.pump(send, advance)
+        code = child.process.wait()
+    finally:
+        result = child.close()
+    return _outcome(target, rank, host, code, tuple(child.last), result)
+
+
+class _Child:
+    """One launch's child process and what this task holds of it: its private directory, the
+    ends of its pipes still open here, the threads that read it. ``close`` releases all of it,
+    also after a failure, and returns what the child left in its directory."""
+
+    def __init__(self, send: Callable[[Dict[str, Any]], None]) -> None:
+        self.workdir = tempfile.mkdtemp(prefix="sparkdl-launch-")  # 0700: this user only
+        self.process: Optional[subprocess.Popen] = None
+        self.last: Deque[str] = collections.deque(maxlen=LAST_LINES)
+        self._open_fds: List[int] = []
+        self._report_read = -1
+        self._pumps: List[threading.Thread] = []
+        self._forwarder = OutputForwarder(send)
+
+    def _pipe(self) -> Tuple[int, int]:
+        read, write = os.pipe()
+        self._open_fds += [read, write]
+        return read, write
+
+    def _close(self, fd: int) -> None:
+        os.close(fd)
+        self._open_fds.remove(fd)
+
+    def start(self, child_env: Dict[str, str], secret: bytes) -> None:
+        """Starts the runner in its own session, the secret on one inherited pipe, its reports on another."""
+        secret_read, secret_write = self._pipe()
         os.write(secret_write, secret)  # 32 bytes: far below a pipe's buffer, so this never blocks
-        os.close(secret_write)
-        secret_write = -1
-        report_read, report_write = os.pipe()
+        self._close(secret_write)
+        self._report_read, report_write = self._pipe()
         child_env.update(
             SPARKDL_SECRET_FD=str(secret_read), SPARKDL_REPORT_FD=str(report_write), SPARKDL_PARENT_PID=str(os.getpid())
         )
-        process = subprocess.Popen(
-            [sys.executable, "-m", "sparkdl._task.runner", workdir],
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "sparkdl._task.runner", self.workdir],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -165,29 +185,56 @@ def run_child(
             start_new_session=True,
             close_fds=True,
         )
-        os.close(secret_read)
-        os.close(report_write)
-        secret_read = report_write = -1
+        self._close(secret_read)
+        self._close(report_write)
+
+    def pump(self, send: Callable[[Dict[str, Any]], None], advance: Callable[[Optional[str]], None]) -> None:
+        """Threads that read the child's output and its reports until it closes them."""
         lock = threading.Lock()
-        for stream, pipe, local in (("stdout", process.stdout, sys.stdout), ("stderr", process.stderr, sys.stderr)):
-            pumps.append(_start(_pump_output, pipe, stream, local, last, lock, forwarder, advance))
-        reports = os.fdopen(report_read, "rb")
-        report_read = -1
-        pumps.append(_start(_pump_reports, reports, send, advance))
-        code = process.wait()
-    finally:
-        for fd in (secret_read, secret_write, report_read, report_write):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        if process is not None:
-            kill_group(process)  # what the child left behind (DataLoader workers...) ends with it
-        for pump in pumps:
+        for stream, pipe, local in (
+            ("stdout", self.process.stdout, sys.stdout),
+            ("stderr", self.process.stderr, sys.stderr),
+        ):
+            self._pumps.append(_start(_pump_output, pipe, stream, local, self.last, lock, self._forwarder, advance))
+        reports = os.fdopen(self._report_read, "rb")
+        self._open_fds.remove(self._report_read)  # the file object owns it now
+        self._pumps.append(_start(_pump_reports, reports, send, advance))
+
+    def close(self) -> Dict[str, Any]:
+        """Closes this side's pipes, kills the child's group, waits for the readers; the outcome."""
+        for fd in self._open_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if self.process is not None:
+            kill_group(self.process)  # what the child left behind (DataLoader workers...) ends with it
+        for pump in self._pumps:
             pump.join(timeout=10)
-        forwarder.close()
-        result = _read_outcome(workdir)
-        shutil.rmtree(workdir, ignore_errors=True)
-    lines = tuple(last)
+        self._forwarder.close()
+        result = _read_outcome(self.workdir)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        return result
+
+
+def _write_inputs(
+    workdir: str, target: LaunchTarget, child_spec: Dict[str, Any], env: Dict[str, str], data: Optional[Dict[str, Any]]
+) -> Dict[str, str]:
+    """The child's files (0600, in its 0700 directory): the spec, the pickled callable, the data
+    payload; the child's environment, which names the data file."""
+    import cloudpickle
+
+    _private_file(workdir, "spec.json", json.dumps(child_spec).encode("utf-8"))
+    if target.kind == "callable":
+        _private_file(workdir, "target.pkl", target.pickled or b"")
+    child_env = dict(env)
+    if data is not None:
+        child_env["SPARKDL_SHARD_DATA"] = _private_file(workdir, "data.pkl", cloudpickle.dumps(data))
+    return child_env
+
+
+def _outcome(
+    target: LaunchTarget, rank: int, host: str, code: int, lines: Tuple[str, ...], result: Dict[str, Any]
+) -> Any:
+    """The child's exit status and what it left, as run_child's value or its ChildFailure."""
     if code != 0:
         raise _failure(target, rank, host, code, lines, result)
     if target.kind == "callable":

@@ -80,11 +80,18 @@ def free_slots(sc: Any, stage: Optional[StageProfile] = None) -> int:
 
 
 def relaunch_workers(
-    sc: Any, num_workers: int, min_workers: int, wait_s: float, attempt: int = 2, stage: Optional[StageProfile] = None
+    sc: Any,
+    num_workers: int,
+    min_workers: int,
+    wait_s: float,
+    attempt: int = 2,
+    stage: Optional[StageProfile] = None,
+    enough: Optional[int] = None,
 ) -> int:
     """The workers an attempt runs on: ``num_workers`` when that many slots are free, else as
-    many as are free once the executors expected have registered (or after ``wait_s``), at least
-    ``min_workers``.
+    many as are free once the executors expected have registered, ``enough`` slots are free
+    (the driver knows the others are gone: a lost or decommissioned host's), or ``wait_s`` has
+    passed, at least ``min_workers``.
 
     Raises:
         InsufficientSlotsError: fewer than ``min_workers`` slots are free.
@@ -97,6 +104,8 @@ def relaunch_workers(
             return num_workers
         executors = int(sc._jsc.sc().getExecutorIds().size())
         if (expected is not None and executors >= expected) or time.monotonic() >= deadline:
+            break
+        if enough is not None and free >= enough:
             break
         time.sleep(0.25)  # polling the scheduler: executor registration has no Python-side event
     if free >= min_workers:

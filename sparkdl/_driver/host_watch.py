@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Dict
+from typing import Any, Dict, List, Sequence, Set
 
 from sparkdl._driver.monitor import JobMonitor
 from sparkdl._net.rendezvous_store import StoreServer
@@ -41,6 +41,7 @@ def watch_decommissioning(
                 logger.debug("could not ask Spark about decommissioning on %s", address, exc_info=True)
                 continue
             if going:
+                monitor.decommissioned.add(address)
                 reason = f"Spark is decommissioning executor {going[0]} on {monitor.hosts.get(rank) or address}, where rank {rank} runs"
                 logger.warning("%s: the ranks checkpoint at their next agreement and the run resumes from it", reason)
                 rendezvous_store.publish(DRAIN_KEY, reason.encode("utf-8"))
@@ -54,15 +55,26 @@ def stop_using_host(session: Session, address: str) -> None:
     if session.connect:
         return
     jsc = session.spark.sparkContext._jsc.sc()
+    for executor in _alive_on(jsc, address):
+        # Marks it pending removal at once: maxNumConcurrentTasks stops counting its slots.
+        killed = jsc.killExecutor(executor)
+        logger.warning(
+            "executor %s on %s: asked Spark to drop it (%s)", executor, address, "done" if killed else "refused"
+        )
+
+
+def _alive_on(jsc: Any, address: str) -> List[str]:
+    """The executors Spark lists as alive at ``address``."""
     alive = jsc.taskScheduler().getExecutorsAliveOnHost(address)  # Option[Set[String]]
     executors = []
     if alive.isDefined():
         found = alive.get().iterator()
         while found.hasNext():
             executors.append(found.next())
-    for executor in executors:
-        # Marks it pending removal at once: maxNumConcurrentTasks stops counting its slots.
-        killed = jsc.killExecutor(executor)
-        logger.warning(
-            "executor %s on %s: asked Spark to drop it (%s)", executor, address, "done" if killed else "refused"
-        )
+    return executors
+
+
+def hosts_with_executors(session: Session, addresses: Sequence[str]) -> Set[str]:
+    """Those of ``addresses`` where Spark still lists a live executor."""
+    jsc = session.spark.sparkContext._jsc.sc()
+    return {address for address in set(addresses) if address and _alive_on(jsc, address)}

@@ -10,8 +10,9 @@ import logging
 import re
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
+from sparkdl._driver.policy import RankWhereabouts
 from sparkdl._driver.progress import ProgressDisplay
 from sparkdl._driver.watchdog import Allowance, FixedWatchdog, RankProgress, Watchdog
 from sparkdl._runtime.liveness import COMPUTE, LOAD
@@ -48,6 +49,11 @@ class JobMonitor:
         self.addresses: Dict[int, str] = {}  # the executor's address as Spark knows it
         #: rank -> its step timings from its latest heartbeat (RankProgress's fields but idle_s).
         self._pace: Dict[int, Dict[str, Any]] = {}
+        #: Where the ranks ran and how long each had been silent when the first failure came.
+        self.whereabouts: List[RankWhereabouts] = []
+        #: Executor addresses Spark decommissioned (host_watch), and those dropped as silent.
+        self.decommissioned: Set[str] = set()
+        self.dropped: Set[str] = set()
 
     def on_message(self, rank: int, message: Dict[str, Any]) -> None:
         kind = message.get("kind")
@@ -150,15 +156,16 @@ class JobMonitor:
                     continue
                 rank, idle_s, allowance = stalled
                 phase, host = self.phases.get(rank, ""), self.hosts.get(rank, "")
-            on_host = f" on {host}" if host else ""
+            stuck = f"rank {rank} made no progress for {idle_s:.0f}s ({allowance.why})"
+            # Said now: the error itself comes once the Spark job is cancelled and the tasks end.
+            logger.warning("watchdog: %s while %s; cancelling the run", stuck, phase or "starting")
             self._fail(
                 RankFailure(
                     rank=rank,
                     exc_type="WatchdogTimeout",
                     message=(
-                        f"rank {rank}{on_host} made no progress for {idle_s:.0f}s ({allowance.why}); "
-                        f"it is stuck or much slower than expected. If this phase legitimately takes longer, "
-                        f"raise watchdog_timeout_s"
+                        f"{stuck}; it is stuck or much slower than expected. If this phase legitimately takes "
+                        f"longer, raise watchdog_timeout_s"
                     ),
                     traceback="",
                     phase=phase,
@@ -212,6 +219,7 @@ class JobMonitor:
             where = f"host {host}" if host else "its host"
             logger.error("rank %d on %s: no word for %.0fs; treating the host as lost", rank, where, now - heard)
             if address:
+                self.dropped.add(address)
                 try:
                     on_lost(address)
                 except Exception:  # noqa: BLE001 - the failure below must be reported regardless
@@ -276,6 +284,8 @@ class JobMonitor:
                 return
             self.failures.append(failure)
             first = len(self.failures) == 1
+            if first:
+                self.whereabouts = self._whereabouts(time.monotonic())
             self._cond.notify_all()
         if first:
             threading.Timer(self.settle_s, self.cancel_now).start()
@@ -292,6 +302,29 @@ class JobMonitor:
             # Not a warning: the TrainingError raised right after says it all (once).
             logger.info("rank %d failed (%s); cancelling the Spark job", root.rank, root.exc_type)
         self._cancel()
+
+    @property
+    def started(self) -> int:
+        """How many ranks have started."""
+        with self._cond:
+            return len(self._progress)
+
+    def _whereabouts(self, now: float) -> List[RankWhereabouts]:
+        """Every started, unfinished rank: its host and how long it has been silent (under ``_cond``)."""
+        return [
+            RankWhereabouts(rank, self.hosts.get(rank, ""), self.addresses.get(rank, ""), now - heard)
+            for rank, heard in sorted(self._heard.items())
+            if rank not in self.finished and rank in self._progress
+        ]
+
+    def forget_silent(self, silent_after_s: float) -> None:
+        """Stops waiting for the ranks that had been silent longer than ``silent_after_s`` when
+        the attempt failed: their host is gone, their connections will not close."""
+        with self._cond:
+            for where in self.whereabouts:
+                if where.silent_s > silent_after_s:
+                    self.connected.discard(where.rank)
+            self._cond.notify_all()
 
     def wait_disconnected(self, timeout: float) -> None:
         """Waits (bounded) until every task has hung up, so late error reports are not lost."""

@@ -1,5 +1,7 @@
 """The driver's decisions about attempts, as policy objects: whether a failed attempt is
-relaunched (:class:`FailurePolicy`) and on how many workers an attempt runs (:class:`ScalingPolicy`).
+relaunched (:class:`FailurePolicy`), on how many workers an attempt runs (:class:`ScalingPolicy`,
+and :class:`StartShortfallPolicy` when its tasks did not all start), which hosts are gone
+(:class:`LostHostPolicy`) and whether a drain relaunches for free (:class:`DrainPolicy`).
 
 Pure functions of what happened, no Spark: :mod:`sparkdl._driver.stage` asks Spark for the facts
 (the error, the free task slots) and does what these return.
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from sparkdl.errors import RankFailure, TrainingError, category
 
@@ -108,3 +110,95 @@ class ScalingPolicy:
                 f"within slot_wait_s={self.slot_wait_s:g}s (min_workers={self.min_workers}): continuing on {free} worker(s), {how}"
             ),
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class RankWhereabouts:
+    """Where a rank of a failed attempt ran, and how long the driver had not heard from it
+    (any message: heartbeats come every couple of seconds whatever the rank does) when the
+    attempt's first failure arrived."""
+
+    rank: int
+    host: str  # the host name the rank reported
+    address: str  # its executor's address as Spark knows it
+    silent_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LostHost:
+    """A host the driver stops using: its executors are dropped before the relaunch counts slots."""
+
+    address: str
+    host: str
+    ranks: Tuple[int, ...]
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LostHostPolicy:
+    """Which hosts of a failed attempt are gone, whatever ended the attempt (the watchdog, a
+    collective's timeout, ``spark.sparkdl.hostTimeout``, a rank's error).
+
+    A host is lost when every rank on it had been silent for more than ``silent_after_s`` when
+    the attempt failed (three heartbeats: one late heartbeat is no lost host) while some rank
+    elsewhere was heard within it, or when Spark no longer lists an executor there. When every
+    rank was silent, the silence is the driver's own (its network, a pause): no host is blamed.
+    A rank that is alive but hung keeps sending heartbeats: the watchdog names it, and its host
+    stays.
+    """
+
+    silent_after_s: float
+
+    def decide(self, ranks: Sequence[RankWhereabouts], spark_lists: Optional[Set[str]] = None) -> List[LostHost]:
+        """``spark_lists``: the addresses where Spark still lists a live executor (None: unknown)."""
+        by_address: Dict[str, List[RankWhereabouts]] = {}
+        for where in ranks:
+            if where.address:
+                by_address.setdefault(where.address, []).append(where)
+        heard = [w for w in ranks if w.silent_s <= self.silent_after_s]
+        lost = []
+        for address, there in sorted(by_address.items()):
+            names = tuple(sorted(w.rank for w in there))
+            host = there[0].host or address
+            silent = min(w.silent_s for w in there)
+            if spark_lists is not None and address not in spark_lists:
+                lost.append(LostHost(address, host, names, "Spark lists no live executor there"))
+            elif heard and silent > self.silent_after_s:
+                lost.append(
+                    LostHost(
+                        address,
+                        host,
+                        names,
+                        f"no word from rank(s) {list(names)} for {silent:.0f}s when the attempt failed",
+                    )
+                )
+        return lost
+
+
+@dataclasses.dataclass(frozen=True)
+class StartShortfallPolicy:
+    """On how many workers to relaunch when an attempt's barrier tasks did not all start within
+    their bound (a slot Spark counted was gone): the tasks that did start, or one fewer than
+    asked when none did, down to ``min_workers``; None when that is below ``min_workers`` (or
+    without ``min_workers``): the shortfall is raised."""
+
+    min_workers: Optional[int] = None
+
+    def workers_after(self, asked: int, started: int) -> Optional[int]:
+        if self.min_workers is None:
+            return None
+        workers = started if 0 < started < asked else asked - 1
+        return workers if workers >= self.min_workers else None
+
+
+@dataclasses.dataclass(frozen=True)
+class DrainPolicy:
+    """Drains (a host Spark decommissions) relaunch from their checkpoint without counting as
+    failures, up to ``max_drains`` in a run (a cluster that keeps decommissioning the run's
+    hosts); past that a drain counts as a failure."""
+
+    max_drains: int = 10
+
+    def relaunch_free(self, error: TrainingError, drains_so_far: int) -> bool:
+        drained = bool(error.failures) and all(f.exc_type == "HostDrained" for f in error.failures)
+        return drained and drains_so_far < self.max_drains

@@ -13,6 +13,8 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple, Union
 
+from sparkdl._driver.dataframe_copy import copy_for_run
+from sparkdl.checkpoint import CheckpointConfig
 from sparkdl.data import shard_cache
 from sparkdl.data.batching import steps_per_epoch
 from sparkdl.data.cache import materialize
@@ -43,11 +45,18 @@ UNEVEN_SHARDS = 1.5
 
 
 def prepare_data(
-    data: DataSource, settings: "DataSettings", num_workers: int, spark: Any = None, task_cpus: Optional[float] = None
+    data: DataSource,
+    settings: "DataSettings",
+    num_workers: int,
+    spark: Any = None,
+    task_cpus: Optional[float] = None,
+    checkpoint: Optional[CheckpointConfig] = None,
 ) -> Tuple[DatasetInfo, DataSpec, DataReader, int]:
     """Everything the tasks need to read ``data`` as ``settings`` say, checked on the driver
     before launch. ``task_cpus``: the training stage's CPUs per task when ``resources=`` sets
-    them (how many ranks share an executor's memory), else ``spark.task.cpus``.
+    them (how many ranks share an executor's memory), else ``spark.task.cpus``. ``checkpoint``:
+    the run's checkpoints, beside which a training DataFrame's copy is kept
+    (:mod:`sparkdl._driver.dataframe_copy`; the entry point removes it when the run completes).
 
     Returns the training dataset, the data spec (with the validation plan), the reader, and the
     steps per epoch (from the rows that pass the filter and are not held out).
@@ -59,15 +68,14 @@ def prepare_data(
             written: :func:`sparkdl._driver.session_checks.check_session`.
     """
     from sparkdl._driver.session_checks import check_session
-    from sparkdl.data.selection import shard_rows
 
     # What the launch would refuse because of the session's settings, refused before a
     # DataFrame is written to the cache, not after.
     check_session(spark or getattr(data, "sparkSession", None))
-    plan, spec, filters, holdout = settings.plan, settings.spec, settings.filters, settings.holdout
+    plan, spec, filters = settings.plan, settings.spec, settings.filters
     data_reader = settings.data_reader()
 
-    def prepare(source: DataSource, what: str) -> DatasetInfo:
+    def prepare(source: DataSource, what: str, checkpoint: Optional[CheckpointConfig] = None) -> DatasetInfo:
         prepared = prepare_dataset(
             source,
             plan,
@@ -78,18 +86,32 @@ def prepare_data(
             transform_fn=settings.transform_fn,
             what=what,
             pack_arrays=data_reader.reads_tensor_bytes,
+            checkpoint=checkpoint,
         )
         data_reader.check(prepared)
         return prepared
 
-    dataset = prepare(data, "the DataFrame")
+    # Only the training data's positions are checkpointed: only its copy is kept with them.
+    dataset = prepare(data, "the DataFrame", checkpoint)
     validation_data = (
         prepare(settings.validation_data, "the validation DataFrame") if settings.validation_data is not None else None
     )
+    steps = _steps_per_epoch(dataset, settings, num_workers)
     if settings.validation is not None:
-        spec = dataclasses.replace(
-            spec, validation=ValidationSpec(validation_data, tuple(sorted((settings.metrics or {}).items())))
-        )
+        _check_validation_rows(validation_data or dataset, validation_data is not None, settings, num_workers)
+        metrics = tuple(sorted((settings.metrics or {}).items()))
+        spec = dataclasses.replace(spec, validation=ValidationSpec(validation_data, metrics))
+    session = spark or getattr(data, "sparkSession", None)
+    cache = _shard_cache(settings, dataset, num_workers, data_reader, session, task_cpus)
+    return dataset, dataclasses.replace(spec, shard_cache=cache), data_reader, steps
+
+
+def _steps_per_epoch(dataset: DatasetInfo, settings: "DataSettings", num_workers: int) -> int:
+    """Steps every rank runs per epoch, from the rows of each rank's shard that pass the filters
+    and are not held out; a rank whose shard holds none is a DataError."""
+    from sparkdl.data.selection import shard_rows
+
+    filters, holdout = settings.filters, settings.holdout
     conditions = [
         text
         for text, on in (("pass the filters", filters is not None), ("are not held out for validation", holdout))
@@ -104,23 +126,22 @@ def prepare_data(
             f"(rows per rank: {counts}); use fewer workers, more row groups, or a wider filter"
         )
     _warn_if_uneven(dataset, counts, narrowed)
-    steps = steps_per_epoch(sum(counts), spec.batch_size, num_workers)
-    if settings.validation is not None:
-        source = validation_data or dataset
-        held = shard_rows(
-            source, num_workers, 0.0 if validation_data else holdout, "train" if validation_data else "holdout", filters
-        )
-        if sum(held) == 0:
-            raise DataError(
-                f"the validation data ({source.name}) holds no rows{' that pass the filters' if filters is not None else ''}"
-            )
-    spec = dataclasses.replace(
-        spec,
-        shard_cache=_shard_cache(
-            settings, dataset, num_workers, data_reader, spark or getattr(data, "sparkSession", None), task_cpus
-        ),
+    return steps_per_epoch(sum(counts), settings.spec.batch_size, num_workers)
+
+
+def _check_validation_rows(source: DatasetInfo, separate: bool, settings: "DataSettings", num_workers: int) -> None:
+    """The validation rows (``separate``: validation data of its own, else the held-out rows of
+    the training data) must not be empty."""
+    from sparkdl.data.selection import shard_rows
+
+    filters = settings.filters
+    held = shard_rows(
+        source, num_workers, 0.0 if separate else settings.holdout, "train" if separate else "holdout", filters
     )
-    return dataset, spec, data_reader, steps
+    if sum(held) == 0:
+        raise DataError(
+            f"the validation data ({source.name}) holds no rows{' that pass the filters' if filters is not None else ''}"
+        )
 
 
 def _shard_cache(
@@ -180,13 +201,16 @@ def prepare_dataset(
     label_col: Optional[str] = None,
     what: str = "the DataFrame",
     pack_arrays: bool = False,
+    checkpoint: Optional[CheckpointConfig] = None,
 ) -> DatasetInfo:
     """Validates the columns and turns a DataFrame, URL or connector source into a dataset the
     tasks can stream (a DataFrame is materialized with the columns to train on and filter by).
     ``plan`` may also be a list of feature columns (with ``label_col``); ``what`` names a
     DataFrame in messages (``"the validation DataFrame"``): its copy's path never appears.
     ``pack_arrays`` writes a DataFrame's array columns that dense inputs read as float32 bytes
-    (:mod:`sparkdl.data.tensor_bytes`; for readers with ``reads_tensor_bytes``)."""
+    (:mod:`sparkdl.data.tensor_bytes`; for readers with ``reads_tensor_bytes``). With
+    ``checkpoint``, a DataFrame's copy is kept beside the checkpoints
+    (:func:`sparkdl._driver.dataframe_copy.copy_for_run`), else in the driver's cache."""
     if not isinstance(plan, InputPlan):
         plan = InputPlan.from_feature_cols(plan, label_col)
     columns = plan.columns
@@ -211,8 +235,9 @@ def prepare_dataset(
     _check_spark_types(data, plan)
     if filters is not None:
         columns += [c for c in referenced_columns(filters, _arrow_schema(data), "the DataFrame") if c not in columns]
-    url = materialize(
-        data, columns, num_workers, cache_dir, packed=_dense_array_columns(data, plan) if pack_arrays else ()
+    packed = _dense_array_columns(data, plan) if pack_arrays else ()
+    url = copy_for_run(data, columns, num_workers, checkpoint, packed, cache_dir) or materialize(
+        data, columns, num_workers, cache_dir, packed=packed
     )
     try:
         dataset = _inspect(url, plan, filters, transform_fn)

@@ -21,6 +21,7 @@ from sparkdl.data.dataset import Filters
 from sparkdl.data.plan import InputPlan
 from sparkdl.data.readers import reader_from_name
 from sparkdl.data.readers.base import DEFAULT_READER, DataReader
+from sparkdl.data.reshard import check_reader
 from sparkdl.data.shard_cache import check_setting as check_shard_cache
 from sparkdl.data.spec import DataSpec, MetricFn, TransformFn
 from sparkdl.errors import ConfigError
@@ -150,6 +151,13 @@ class RunSettings:
         data = None
         if with_data:
             data = DataSettings(**{k: arguments[k] for k in _DATA if k in arguments})
+            if checkpoint is not None and launch.min_workers is not None and launch.min_workers < launch.num_workers:
+                # A relaunch on fewer workers resumes the checkpoint elastically: refused now, not after a failure.
+                check_reader(
+                    data.reader,
+                    f" (min_workers={launch.min_workers} < num_workers={launch.num_workers} with checkpoint_dir: a "
+                    f"relaunch on fewer workers resumes the newest checkpoint on them)",
+                )
         else:
             given = [k for k in _NEED_DATA if arguments.get(k) is not None]
             if given:

@@ -83,7 +83,7 @@ class AutoWatchdog:
 
     warmup_steps: int = 10
     factor: float = 10.0
-    compute_floor_s: float = 8.0
+    compute_floor_s: float = 6.0
     load_floor_s: float = 60.0
     phase_s: float = 600.0
     check_every_s: float = 0.5

@@ -52,7 +52,8 @@ def _data_changed(rank: Rank, parts: Sequence[RankState]) -> Optional[str]:
     if {stream.get("data") for stream in streams} != {rank.dataset.fingerprint}:
         return (
             f"it indexes other data than {rank.dataset.name} holds now (its files and row groups differ: a DataFrame "
-            f"materialized again, e.g. by a new driver, whose rows Spark does not promise in the same order, or changed files)"
+            f"whose rows are not those of the copy kept beside the checkpoints, or one materialized again without it, "
+            f"or changed files)"
         )
     return None
 
@@ -80,8 +81,9 @@ def _resume_at_next_epoch(rank: Rank, state: StreamState, why: str) -> None:
         rank.logger.warning(
             "the checkpoint's stream positions cannot be replayed: %s. Replaying them would train other rows than "
             "those it had left, so the interrupted epoch %d ends here (%d of its steps per rank skipped) and training "
-            "resumes at the start of epoch %d. For exact mid-epoch resumes by a new driver, train on a Parquet URL "
-            "(df.write.parquet once)",
+            "resumes at the start of epoch %d. Mid-epoch resumes are exact on the same data: a Parquet URL whose files "
+            "did not change, or a DataFrame of the same rows (its copy is kept beside the checkpoints until the run "
+            "completes: docs/recovery.md)",
             why,
             next_epoch,
             left,

@@ -279,12 +279,17 @@ def _groups_of(dataset: DatasetInfo, positions: np.ndarray) -> np.ndarray:
     return np.searchsorted(_starts(dataset), positions, side="right") - 1
 
 
-def check_reader(reader_name: str) -> None:
-    """Elastic resume reads through the Arrow reader's code; the Petastorm reader refuses it."""
-    if reader_name != "arrow":
+def check_reader(reader_name: str, why: str = "") -> None:
+    """Elastic resume reads through the Arrow reader's code: a reader that is not
+    ``reshardable`` (Petastorm's, a user's own unless it subclasses the Arrow reader) refuses it.
+    ``why``: what would need it, for the message (default: resuming on another worker count)."""
+    from sparkdl.data.readers import reader_class
+
+    if not reader_class(reader_name).reshardable:
         raise ConfigError(
-            f"reader={reader_name!r} cannot resume a checkpoint on a different number of workers; "
-            f"use reader='arrow' (it reads the same rows in the same order) or the num_workers the checkpoint was written with"
+            f"reader={reader_name!r} cannot resume a checkpoint on a different number of workers{why}: its rows are "
+            f"not the Arrow reader's in its order (DataReader.reshardable is False); use reader='arrow' or a reader that "
+            f"subclasses it, or keep the num_workers the checkpoint was written with"
         )
 
 

@@ -94,7 +94,7 @@ def strategy_for(name: str):
     }[name]()
 
 
-def fit(spark, args, scenario: str, strategy: str, out_dir: str, **overrides) -> dict:
+def fit(spark, args, scenario: str, strategy: str, out_dir: str, data=None, **overrides) -> dict:
     from models import accuracy, read_digits
 
     import sparkdl
@@ -110,7 +110,7 @@ def fit(spark, args, scenario: str, strategy: str, out_dir: str, **overrides) ->
         progress=False,
         **overrides,
     )
-    model = estimator.fit(args.train)
+    model = estimator.fit(data if data is not None else args.train)
     features, labels = read_digits(args.test)
     result = {
         "accuracy": accuracy(model.module, features, labels),
@@ -213,12 +213,20 @@ class LogTimes(logging.Handler):
         self.records.append((record.created, record.getMessage()))
 
 
-def host_lost(spark, args, scenario: str, out_dir: str) -> dict:
+def host_lost(spark, args, scenario: str, out_dir: str, noticed_by: str = "host_timeout") -> dict:
+    """Rank 1 unplugs its host's link for good at its 15th step. ``noticed_by``: what ends the
+    attempt — ``"host_timeout"`` (spark.sparkdl.hostTimeout=20s, before anything else) or
+    ``"watchdog"`` (watchdog_timeout_s=30 and timeout_s=30, before the default hostTimeout of
+    45 s: the issue's case, where the host was never treated as lost)."""
     import subprocess
 
     os.makedirs(out_dir, exist_ok=True)
     marker = os.path.join(out_dir, "cut")
-    spark.conf.set("spark.sparkdl.hostTimeout", "20s")
+    settings = dict(max_failures=1)
+    if noticed_by == "host_timeout":
+        spark.conf.set("spark.sparkdl.hostTimeout", "20s")
+    else:
+        settings = dict(max_failures=2, watchdog_timeout_s=30, timeout_s=30)
     log = LogTimes()
     logging.getLogger("sparkdl").addHandler(log)
     try:
@@ -231,9 +239,9 @@ def host_lost(spark, args, scenario: str, out_dir: str) -> dict:
             epochs=3,
             checkpoint_dir=os.path.join(out_dir, "checkpoints"),
             checkpoint_every=10,
-            max_failures=1,
             min_workers=1,
             loss=RankOneFailsAtStep(marker, at=15, how="unplug"),
+            **settings,
         )
     finally:
         logging.getLogger("sparkdl").removeHandler(log)
@@ -254,8 +262,63 @@ def host_lost(spark, args, scenario: str, out_dir: str) -> dict:
         cut_host=cut_host,
         detected_after_s=first("treating the host as lost"),
         relaunched_after_s=first("attempt 1 failed"),
+        resumed_after_s=first("resumed on 1 workers"),
         log=[message[:300] for _, message in log.records],
     )
+    return result
+
+
+class CutOnceWriting:
+    """A row filter (keeps every row) that, in the first task that evaluates it on a worker host
+    (the driver materializing the DataFrame), unplugs that host's cluster link for good (a
+    marker file on the shared filesystem: once per scenario). Each row costs ``row_s`` (a costly
+    transformation), so the write is still running on the other host when this one drops out."""
+
+    def __init__(self, marker: str, row_s: float = 0.002) -> None:
+        self.marker, self.row_s = marker, row_s
+
+    def __call__(self, labels):
+        import subprocess
+
+        # The copy's write is the first job that evaluates the DataFrame's rows (the fit's checks
+        # before it read only its schema): the first call on a worker host is inside it.
+        if socket.gethostname().startswith("sparkdl-h") and not os.path.exists(self.marker):
+            with open(self.marker, "w") as handle:
+                handle.write(f"{socket.gethostname()} {time.time()}")
+            link = [sys.executable, os.path.join(REPO, "scripts", "netcluster"), "link", socket.gethostname(), "down"]
+            subprocess.run(link, check=True, capture_output=True)
+        time.sleep(self.row_s * len(labels))  # the transformation's compute, not a synchronization
+        return labels == labels
+
+
+def host_lost_materializing(spark, args, scenario: str, out_dir: str) -> dict:
+    """A DataFrame fit (min_workers=1) whose materialization loses a worker host for good: Spark
+    re-runs that host's write tasks on the other host once it declares the executor lost
+    (spark.network.timeout, set short by the test), and the fit trains on the host that is left."""
+    import subprocess
+
+    from pyspark.sql import functions as F
+
+    from sparkdl.data.cache import CACHE_DIR_CONF
+
+    os.makedirs(out_dir, exist_ok=True)
+    marker = os.path.join(out_dir, "cut")
+    keep = F.pandas_udf(CutOnceWriting(marker), "boolean")
+    frame = spark.read.parquet(args.train).repartition(4).filter(keep(F.col("label")))
+    spark.conf.set(CACHE_DIR_CONF, os.path.join(out_dir, "cache"))
+    try:
+        result = fit(spark, args, scenario, "allreduce", out_dir, epochs=2, min_workers=1, data=frame)
+    finally:
+        spark.conf.unset(CACHE_DIR_CONF)
+        if os.path.exists(marker):
+            cut_host = open(marker).read().split()[0]
+            subprocess.run(
+                [sys.executable, os.path.join(REPO, "scripts", "netcluster"), "link", cut_host, "up"],
+                check=True,
+                capture_output=True,
+            )
+    result["cut_host"] = open(marker).read().split()[0]
+    result["hosts_after_cut"] = [h for h in hosts_in(out_dir) if h != result["cut_host"]]
     return result
 
 
@@ -652,8 +715,10 @@ def run_scenario(spark, args, scenario: str) -> dict:
             )
         finally:
             spark.conf.unset("spark.sparkdl.hostTimeout")
-    if name == "host_lost":
-        return host_lost(spark, args, scenario, out_dir)
+    if name == "host_lost":  # host_lost or host_lost:watchdog
+        return host_lost(spark, args, scenario, out_dir, noticed_by=option or "host_timeout")
+    if name == "host_lost_materializing":
+        return host_lost_materializing(spark, args, scenario, out_dir)
     if name == "resume":
         # Rank 1's process dies at its 15th step, once; the relaunch resumes the step-10 checkpoint.
         os.makedirs(out_dir, exist_ok=True)

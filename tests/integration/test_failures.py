@@ -138,10 +138,10 @@ def test_a_setting_a_rank_refuses_is_a_config_error_on_the_driver_and_not_retrie
 
 
 def test_shard_modules_naming_no_submodule_fails_fit_before_launch(spark, digits_df, monkeypatch):
-    from sparkdl._driver import stage as driver
+    from sparkdl._driver import attempt as driver
 
     launched = []
-    monkeypatch.setattr(driver, "_launch_once", lambda *args, **kwargs: launched.append(1))
+    monkeypatch.setattr(driver, "run_attempt", lambda *args, **kwargs: launched.append(1))
     estimator = sparkdl.TorchEstimator(
         model=digits_mlp,
         num_workers=2,
@@ -256,7 +256,7 @@ def test_a_connection_flood_on_the_driver_channel_neither_breaks_the_fit_nor_lea
     import socket
     import threading
 
-    from sparkdl._driver import stage as driver
+    from sparkdl._driver import attempt as driver
 
     servers = []
 

@@ -7,7 +7,7 @@ server refused new connections while 64 were pending, held those for 10 s (chann
 (bad greeting)".
 
 How the flood starts before the ranks connect: the driver creates both servers before it launches
-the barrier stage, so the test replaces them (in ``sparkdl._driver.stage``) with the real classes
+the barrier stage, so the test replaces them (in ``sparkdl._driver.attempt``) with the real classes
 plus a constructor that opens the flood on the address just bound and only then returns. A thread
 per server then keeps the flood going for the whole fit: it opens more idle connections than a
 server keeps pending, so the servers shed flood connections all the time and a rank's connection
@@ -97,7 +97,7 @@ def _estimator(**kwargs) -> sparkdl.TorchEstimator:
 def test_a_flood_of_idle_connections_on_the_driver_slows_a_fit_but_does_not_fail_it(
     spark, digits_df, digits_split, monkeypatch, caplog
 ):
-    from sparkdl._driver import stage as driver
+    from sparkdl._driver import attempt as driver
 
     floods: List[_Flood] = []
 

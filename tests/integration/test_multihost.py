@@ -219,10 +219,50 @@ def test_a_host_lost_mid_fit_is_detected_within_the_bound_and_the_run_goes_on_wi
     # Silence counts from the rank's last heartbeat (every 2 s, so up to 2 s before the cut) and
     # is checked once a second: detection lies within [20 - 2, 20 + 1] s of the cut, plus noise.
     assert 17.5 <= line["detected_after_s"] <= 23.0, line["log"]
-    # The relaunch did not wait for the lost rank to hang up, nor for Spark to notice (120 s).
+    # The relaunch did not wait for the lost rank to hang up, nor for Spark to notice (120 s);
+    # training again within docs/recovery.md's bound: hostTimeout + 3 s + 20 s.
     assert line["relaunched_after_s"] <= 35.0, line["log"]
+    print(f"host lost, hostTimeout=20s: training again {line['resumed_after_s']:.1f}s after the cut")
+    assert line["resumed_after_s"] <= 20 + 3 + 20, line["log"]
     assert line["workers"] == [2, 1] and line["steps"]["resumed_at"] == 10, line
     assert any("asked Spark to drop it (done)" in message for message in line["log"]), line["log"]
+    assert line["accuracy"] >= 0.6, line
+
+
+def test_a_host_lost_for_good_is_dropped_whatever_notices_first_and_the_run_resumes_on_what_is_left(
+    netcluster, tmp_path
+):
+    """The same cut with watchdog_timeout_s=30 and timeout_s=30 under the default hostTimeout
+    (45 s): the watchdog or the collective's timeout ends the attempt first. Before relaunching,
+    the controller finds rank 1's host silent since the cut, asks Spark to drop its executor,
+    and relaunches on the host that is left without waiting for the lost slot."""
+    env, _state = netcluster
+    (line,) = _drive(env, tmp_path, "host_lost:watchdog")
+    assert line["ok"], f"{line.get('error')}\n{line.get('traceback', '')}"
+    first, second = line["attempts"]
+    assert "HostLost" not in first["error"] and second["error"] is None, line["attempts"]
+    said = [m for m in line["log"] if "[sparkdl]" in m or "executor" in m]  # the driver's own lines
+    assert any("is gone (no word from rank(s) [1]" in m and line["cut_host"] in m for m in said), said
+    assert any("asked Spark to drop it (done)" in message for message in said), said
+    assert line["workers"] == [2, 1] and line["steps"]["resumed_at"] == 10, line
+    # Training again within the bound docs/recovery.md states: the first of watchdog_timeout_s
+    # (30 s, + 3 s to see it) and timeout_s (30 s) + 20 s to wind down and relaunch.
+    assert line["resumed_after_s"] is not None, said
+    print(f"host lost, watchdog 30 s: training again {line['resumed_after_s']:.1f}s after the cut")
+    assert line["resumed_after_s"] <= 30 + 3 + 20, said
+    assert line["accuracy"] >= 0.6, line
+
+
+def test_a_host_lost_while_the_dataframe_is_materialized_leaves_a_fit_on_the_host_that_is_left(netcluster, tmp_path):
+    """The link of one worker host goes down for good while the driver writes the DataFrame's
+    copy: Spark re-runs that host's write tasks elsewhere once it declares the executor lost
+    (spark.network.timeout=20s here), and the fit (min_workers=1) trains on the other host."""
+    env, _state = netcluster
+    conf = ("spark.network.timeout=20s", "spark.network.timeoutInterval=5s", "spark.executor.heartbeatInterval=2s")
+    (line,) = _drive(env, tmp_path, "host_lost_materializing", conf=conf)
+    assert line["ok"], f"{line.get('error')}\n{line.get('traceback', '')}"
+    assert line["workers"] == [1] and [a["error"] for a in line["attempts"]] == [None], line
+    assert line["hosts"] == [h for h in WORKERS if h != line["cut_host"]], line
     assert line["accuracy"] >= 0.6, line
 
 

@@ -228,12 +228,14 @@ def _subnormals_on_every_rank(ctx):
 def test_ranks_flush_subnormal_floats_to_zero_unless_the_setting_says_not_to(spark):
     # Subnormals cost x86 CPUs microcode-slow arithmetic: a DiLoCo fit whose gradients underflowed
     # stepped 4.5x slower across hosts (spark.sparkdl.flushDenormals, docs/settings.md).
-    assert sparkdl.run(_subnormals_on_every_rank, num_workers=2, progress=False) == 0.0
+    assert sparkdl.run(_subnormals_on_every_rank, num_workers=2, spark=spark, progress=False) == 0.0
     spark.conf.set("spark.sparkdl.flushDenormals", "false")
     try:
-        assert sparkdl.run(_subnormals_on_every_rank, num_workers=2, progress=False) == pytest.approx(1e-39, rel=1e-3)
+        assert sparkdl.run(_subnormals_on_every_rank, num_workers=2, spark=spark, progress=False) == pytest.approx(
+            1e-39, rel=1e-3
+        )
         spark.conf.set("spark.sparkdl.flushDenormals", "sometimes")
         with pytest.raises(sparkdl.ConfigError, match="spark.sparkdl.flushDenormals='sometimes'"):
-            sparkdl.run(_subnormals_on_every_rank, num_workers=2, progress=False)
+            sparkdl.run(_subnormals_on_every_rank, num_workers=2, spark=spark, progress=False)
     finally:
         spark.conf.unset("spark.sparkdl.flushDenormals")

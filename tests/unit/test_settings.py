@@ -116,3 +116,34 @@ def test_a_sequence_label_survives_param_resolution():
     assert estimator._data_settings().plan.label == label
     renamed = estimator.copy({estimator.labelCol: "other"})._data_settings()
     assert renamed.plan.label_column == "other" and renamed.plan.label != label
+
+
+def test_a_relaunch_on_fewer_workers_with_a_reader_that_cannot_reshard_is_refused_before_launch():
+    """Elastic resume replays the interrupted epoch through the Arrow reader's code: a reader of
+    a user's that subclasses it can, one of its own cannot (nor Petastorm's) — refused when the
+    settings are built, not after a failure has already relaunched on fewer workers."""
+    from sparkdl.data.readers.arrow import ArrowReader
+    from sparkdl.data.readers.base import DataReader
+    from sparkdl.data.readers.petastorm import PetastormReader
+
+    class ColumnsRenamed(ArrowReader):  # same rows, same order: reshardable by inheritance
+        name = "test_columns_renamed"
+
+    class OwnOrder(DataReader):
+        name = "test_own_order"
+
+        def read_pass(self, *args, **kwargs):  # never read here
+            raise NotImplementedError
+
+    elastic = {"num_workers": 2, "min_workers": 1, "checkpoint_dir": "/tmp/unused-ckpt", "feature_cols": ["x"]}
+    assert RunSettings.from_arguments({**elastic, "reader": "test_columns_renamed"}, with_data=True).data is not None
+    with pytest.raises(
+        ConfigError,
+        match=r"reader='test_own_order' cannot resume a checkpoint on a different number of workers \(min_workers=1 < num_workers=2",
+    ):
+        RunSettings.from_arguments({**elastic, "reader": "test_own_order"}, with_data=True)
+    # Without min_workers (or without checkpoints) nothing resumes on another count: accepted.
+    plain = {"num_workers": 2, "reader": "test_own_order", "feature_cols": ["x"]}
+    assert RunSettings.from_arguments(plain, with_data=True).data.reader == "test_own_order"
+    assert ColumnsRenamed.reshardable and not OwnOrder.reshardable
+    assert not PetastormReader.reshardable  # its own row order (refused the same way where it is installed)

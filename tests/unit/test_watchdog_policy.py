@@ -34,7 +34,7 @@ def test_a_fixed_bound_is_the_same_in_every_phase():
 
 def test_auto_judges_a_step_by_the_slowest_step_seen_on_any_rank_with_a_floor_and_a_cap():
     policy = AutoWatchdog()
-    # 10 ms steps: the floor (8 s) is the bound, not 10 x 10 ms.
+    # 10 ms steps: the floor (6 s) is the bound, not 10 x 10 ms.
     fast = {0: _stepping(3.0), 1: _stepping(0.1)}
     allowance = policy.allowance(0, fast)
     assert allowance.seconds == policy.compute_floor_s

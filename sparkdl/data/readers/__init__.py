@@ -7,14 +7,14 @@ their names are registered before anything can look them up, and ``base`` never 
 implementation. A reader defined outside sparkdl registers itself when its module is imported.
 """
 
-from typing import List
+from typing import List, Type
 
 # Defining the classes registers "arrow" and "petastorm" (DataReader.__init_subclass__).
 from sparkdl.data.readers import arrow, petastorm  # noqa: F401
 from sparkdl.data.readers.base import _READERS, Chunk, DataReader, chunk_rows
 from sparkdl.errors import ConfigError
 
-__all__ = ["Chunk", "DataReader", "chunk_rows", "reader_from_name", "registered_readers"]
+__all__ = ["Chunk", "DataReader", "chunk_rows", "reader_class", "reader_from_name", "registered_readers"]
 
 
 def registered_readers() -> List[str]:
@@ -22,8 +22,14 @@ def registered_readers() -> List[str]:
     return sorted(_READERS)
 
 
-def reader_from_name(name: str) -> DataReader:
+def reader_class(name: str) -> Type[DataReader]:
+    """The reader class registered as ``name`` (its class attributes need no instance, which a
+    reader whose package is missing refuses to build)."""
     try:
-        return _READERS[name]()
+        return _READERS[name]
     except KeyError:
         raise ConfigError(f"reader={name!r} is unknown; valid: {', '.join(sorted(_READERS))}") from None
+
+
+def reader_from_name(name: str) -> DataReader:
+    return reader_class(name)()

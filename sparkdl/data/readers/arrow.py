@@ -37,6 +37,7 @@ class ArrowReader(DataReader):
     """Streams Parquet row groups with pyarrow; see the module docstring."""
 
     name = "arrow"
+    reshardable = True
     description = "native pyarrow row groups, read ahead in a background thread (the default)"
     reads_tensor_bytes = True
     # A row group's chunk is a pure function of the row group, the rank and the spec.

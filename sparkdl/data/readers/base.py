@@ -59,6 +59,11 @@ class DataReader(abc.ABC):
     #: Whether :meth:`passes` keeps row groups in the :class:`~sparkdl.data.shard_cache.ShardCache`
     #: it is given (readers whose chunks are a pure function of the row group can).
     caches_row_groups: ClassVar[bool] = False
+    #: Whether a checkpoint written by another number of workers can be resumed reading with it
+    #: (elastic resume, ``min_workers``): the interrupted epoch's remaining rows are replayed by
+    #: :mod:`sparkdl.data.reshard` through the Arrow reader's code, so the reader's chunks must be
+    #: the Arrow reader's rows in its order — true of it and of readers that subclass it.
+    reshardable: ClassVar[bool] = False
     #: The training stream's shard cache on this rank (run_info reports it); None: streaming.
     shard_cache: Optional[ShardCache] = None
 

@@ -3,6 +3,7 @@
 Public surface::
 
     sparkdl.TorchEstimator / sparkdl.TorchModel   Spark ML estimator and model
+    sparkdl.predict, PredictResult                 a model's predictions for a Parquet dataset, resumable
     sparkdl.run                                    custom training loops on barrier tasks
     sparkdl.launch, report, shard_dataset          an existing script or function, unchanged, on barrier tasks
     sparkdl.warm_up                                start the executors' Python workers ahead of the first fit
@@ -38,6 +39,7 @@ _PUBLIC = {
     "OuterSGD": "sparkdl.strategies",
     "ParameterServer": "sparkdl.strategies",
     "PeerLostError": "sparkdl.errors",
+    "PredictResult": "sparkdl.inference.predict_job",
     "Resources": "sparkdl.resources",
     "ScriptResult": "sparkdl.launching",
     "Sequence": "sparkdl.data.inputs",
@@ -54,6 +56,7 @@ _PUBLIC = {
     "launch": "sparkdl.launching",
     "plan": "sparkdl.planning",
     "plot_history": "sparkdl.plotting",
+    "predict": "sparkdl.inference.predict_job",
     "report": "sparkdl.reporting",
     "run": "sparkdl.custom_loop",
     "shard_dataset": "sparkdl._runtime.shard_dataset",
@@ -79,6 +82,7 @@ if TYPE_CHECKING:  # pragma: no cover - what type checkers and IDEs see
         TrainingError,
     )
     from sparkdl.estimator import TorchEstimator
+    from sparkdl.inference.predict_job import PredictResult, predict
     from sparkdl.launching import ScriptResult, launch
     from sparkdl.model import TorchModel
     from sparkdl.planning import plan

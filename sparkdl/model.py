@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import io
 import json
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import cloudpickle
 import numpy as np
-import pandas as pd
 import torch
 from pyspark.ml import Model
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.util import MLReadable, MLWritable
 
 from sparkdl import filesystem
-from sparkdl._driver.prepare_data import spark_column_infos
 from sparkdl._persistence.input_columns import column_infos, describe_columns, example_rows
-from sparkdl._persistence.input_columns import output_shape as measured_shape
+from sparkdl._persistence.input_columns import output_shapes as measured_shapes
 from sparkdl._persistence.stage import (
     StageReader,
     StageWriter,
@@ -31,13 +29,16 @@ from sparkdl._persistence.stage import (
     restore_params,
     write_stage_metadata,
 )
-from sparkdl._spark import is_connect
 from sparkdl._task.fit_loop import ModelFactory
 from sparkdl._version import __version__
 from sparkdl.data.batching import call_model, frame_batch
 from sparkdl.data.columns import ColumnInfo
 from sparkdl.data.plan import InputPlan
 from sparkdl.errors import ConfigError
+from sparkdl.inference.api import InferenceOptions, inference_options
+from sparkdl.inference.model_source import weights_bytes, weights_key
+from sparkdl.inference.transform import transform_dataframe
+from sparkdl.resources import Resources
 
 
 class _TorchParams(Params):
@@ -48,12 +49,88 @@ class _TorchParams(Params):
         TypeConverters.toListString,
     )
     predictionCol = Param(Params._dummy(), "predictionCol", "output column of transform", TypeConverters.toString)
+    batchSize = Param(Params._dummy(), "batchSize", "rows per model call in transform", TypeConverters.toInt)
+    output = Param(
+        Params._dummy(),
+        "output",
+        "what the prediction column holds: raw, probabilities, label or top_k",
+        TypeConverters.toString,
+    )
+    topK = Param(Params._dummy(), "topK", "classes kept by output='top_k'", TypeConverters.toInt)
+    onError = Param(
+        Params._dummy(),
+        "onError",
+        "a row that cannot be scored: fail the job, or null its prediction (reason in errorCol)",
+        TypeConverters.toString,
+    )
+    errorCol = Param(
+        Params._dummy(),
+        "errorCol",
+        "column of reasons with onError='null' (default <predictionCol>_error)",
+        TypeConverters.toString,
+    )
+    precision = Param(
+        Params._dummy(), "precision", "autocast of the forward pass: bf16 or fp16", TypeConverters.toString
+    )
+    useGpu = Param(
+        Params._dummy(),
+        "useGpu",
+        "True: score on the GPU Spark assigns each task (required); False: on the CPU; unset: the GPU when assigned",
+        TypeConverters.toBoolean,
+    )
 
     def getFeatureCols(self) -> List[str]:
         return self.getOrDefault(self.featureCols)
 
     def getPredictionCol(self) -> str:
         return self.getOrDefault(self.predictionCol)
+
+    def setPredictionCol(self, value: str) -> "_TorchParams":
+        return self._set(predictionCol=value)
+
+    def setBatchSize(self, value: int) -> "_TorchParams":
+        """Rows per model call in ``transform`` (default 1024)."""
+        return self._set(batchSize=value)
+
+    def setOutput(self, value: str) -> "_TorchParams":
+        """``raw`` (default), ``probabilities``, ``label`` or ``top_k`` (docs/inference.md)."""
+        return self._set(output=value)
+
+    def setTopK(self, value: int) -> "_TorchParams":
+        return self._set(topK=value)
+
+    def setOnError(self, value: str) -> "_TorchParams":
+        """``fail`` (default) or ``null``: a row that cannot be scored gets a null prediction
+        and its reason in ``errorCol``."""
+        return self._set(onError=value)
+
+    def setErrorCol(self, value: str) -> "_TorchParams":
+        return self._set(errorCol=value)
+
+    def setPrecision(self, value: str) -> "_TorchParams":
+        """``bf16`` or ``fp16``: autocast the forward pass (on a GPU, mostly)."""
+        return self._set(precision=value)
+
+    def setUseGpu(self, value: bool) -> "_TorchParams":
+        """True requires the GPU Spark assigns each scoring task, False scores on the CPU; unset
+        (the default) uses the GPU when Spark assigns one, as training does."""
+        return self._set(useGpu=value)
+
+    def inference_options(self) -> InferenceOptions:
+        """The scoring options these params say (validated)."""
+        given: Dict[str, Any] = {}
+        for param, name in (
+            (self.batchSize, "batch_size"),
+            (self.output, "output"),
+            (self.topK, "top_k"),
+            (self.onError, "on_error"),
+            (self.errorCol, "error_col"),
+            (self.precision, "precision"),
+            (self.useGpu, "use_gpu"),
+        ):
+            if self.isDefined(param):
+                given[name] = self.getOrDefault(param)
+        return inference_options(**given)
 
 
 class TorchModel(Model, _TorchParams, MLReadable["TorchModel"], MLWritable):
@@ -84,6 +161,7 @@ class TorchModel(Model, _TorchParams, MLReadable["TorchModel"], MLWritable):
         run_info: Optional[Dict[str, Any]] = None,
         input_plan: Optional[InputPlan] = None,
         input_columns: Optional[Mapping[str, Mapping[str, Any]]] = None,
+        output_heads: Optional[Mapping[str, Sequence[int]]] = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -97,6 +175,13 @@ class TorchModel(Model, _TorchParams, MLReadable["TorchModel"], MLWritable):
         self.model_fn = model_fn
         self.run_info = dict(run_info or {})
         self.input_columns = {name: dict(value) for name, value in input_columns.items()} if input_columns else None
+        #: ``{head: shape}`` of a model whose forward returns several tensors (a tuple, list or
+        #: dict); None for one tensor of ``output_shape``.
+        self.output_heads = {str(k): list(v) for k, v in output_heads.items()} if output_heads else None
+        #: The scoring stage's own task resources (:meth:`setResources`).
+        self.resources: Optional[Resources] = None
+        self._saved: Optional[Tuple[str, str]] = None
+        self._setDefault(batchSize=1024, output="raw", topK=5, onError="fail")
         self._set(featureCols=list(feature_cols), predictionCol=prediction_col)
 
     @property
@@ -104,47 +189,28 @@ class TorchModel(Model, _TorchParams, MLReadable["TorchModel"], MLWritable):
         return int(np.prod(self.output_shape)) if self.output_shape else 1
 
     def _transform(self, dataset: Any) -> Any:
-        from pyspark.sql.functions import pandas_udf
-        from pyspark.sql.types import ArrayType, DoubleType
+        """``dataset`` with the prediction column(s) (and the error column with ``onError='null'``),
+        computed by one ``mapInArrow`` stage (:mod:`sparkdl.inference`): the model built once per
+        Python worker, Arrow batches of ``batchSize`` rows, the GPU Spark assigns the task; over a
+        plain Parquet scan the tasks read the files themselves. Lazy, as every transform is."""
+        return transform_dataframe(self, dataset, self.inference_options(), self.resources)
 
-        plan = self.input_plan
-        columns = plan.columns
-        missing = [c for c in columns if c not in dataset.columns]
-        if missing:
-            raise ConfigError(
-                f"column(s) {missing} not in the DataFrame to transform; its columns are: {dataset.columns}"
-            )
-        infos = spark_column_infos(dataset, plan)
-        scalar = self.output_size == 1
-        return_type = DoubleType() if scalar else ArrayType(DoubleType())
-        buffer = io.BytesIO()
-        torch.save(self.module.state_dict(), buffer)
-        blob = (cloudpickle.dumps(self.model_fn or _FixedModule(self.module)), buffer.getvalue())
-        # Classic sessions ship the weights once per job as a broadcast; a Spark Connect client has
-        # no SparkContext, so there they travel inside the UDF, with the plan.
-        model_blob = (
-            _Inline(blob) if is_connect(dataset.sparkSession) else dataset.sparkSession.sparkContext.broadcast(blob)
-        )
+    def setResources(self, resources: Optional[Resources]) -> "TorchModel":
+        """The scoring stage's own task resources, e.g. ``sparkdl.Resources(gpus=1)`` (as for
+        training: docs/resources.md); None runs it with the application's defaults."""
+        if resources is not None and not isinstance(resources, Resources):
+            raise ConfigError(f"resources must be sparkdl.Resources or None, got {type(resources).__name__}")
+        self.resources = resources
+        return self
 
-        def predict_batches(batches: Iterator[Tuple[Any, ...]]) -> Iterator[pd.Series]:
-            module = _load_for_inference(*model_blob.value)
-            for batch in batches:
-                values = predict_frame(module, plan, infos, dict(zip(columns, batch)), "the DataFrame to transform")
-                yield pd.Series(values[:, 0]) if scalar else pd.Series(list(values))
+    def scoring_factory(self) -> ModelFactory:
+        """What builds the module on an executor: the model's factory, else a copy of the module."""
+        return self.model_fn or _FixedModule(self.module)
 
-        # Spark picks the UDF's kind from its annotations; a struct column (an image) arrives
-        # as a DataFrame, every other column as a Series.
-        if len(columns) == 1:
-
-            def predict(batches: Iterator[Union[pd.Series, pd.DataFrame]]) -> Iterator[pd.Series]:
-                return predict_batches((column,) for column in batches)
-
-        else:
-
-            def predict(batches: Iterator[Tuple[Union[pd.Series, pd.DataFrame], ...]]) -> Iterator[pd.Series]:  # type: ignore[misc]
-                return predict_batches(batches)
-
-        return dataset.withColumn(self.getPredictionCol(), pandas_udf(predict, return_type)(*columns))
+    def saved_location(self) -> Optional[Tuple[str, str]]:
+        """``(url, weights key)`` of this model's last save or load (executors may read the
+        weights there while they are unchanged)."""
+        return self._saved
 
     def save(self, path: str) -> None:
         """Writes the weights (``state_dict.pt``), the model factory (``model_fn.pkl``), metadata
@@ -159,10 +225,9 @@ class TorchModel(Model, _TorchParams, MLReadable["TorchModel"], MLWritable):
         self._write_files(path)
 
     def _write_files(self, path: str) -> None:
-        _, fs, root = filesystem.open_url(path, "model path")
+        url, fs, root = filesystem.open_url(path, "model path")
         fs.create_dir(root, recursive=True)
-        buffer = io.BytesIO()
-        torch.save(self.module.state_dict(), buffer)
+        state = weights_bytes(self.module)
         metadata = {
             "format": 1,
             "sparkdl_version": __version__,
@@ -172,17 +237,19 @@ class TorchModel(Model, _TorchParams, MLReadable["TorchModel"], MLWritable):
             "inputs": self.input_plan.to_json(),
             "input_columns": self.input_columns,
             "output_shape": self.output_shape,
+            "output_heads": self.output_heads,
             "history": self.history,
             "run_info": self.run_info,
         }
         files = {
-            "state_dict.pt": buffer.getvalue(),
+            "state_dict.pt": state,
             "model_fn.pkl": cloudpickle.dumps(self.model_fn or _FixedModule(self.module)),
             "metadata.json": json.dumps(metadata, indent=2, default=str).encode(),
         }
         for name, data in files.items():
             filesystem.write_atomically(fs, filesystem.join(root, name), data)
         write_stage_metadata(fs, root, self)  # last: Spark ML finds a stage only once it is whole
+        self._saved = (url, weights_key(state))
 
     def write(self) -> StageWriter:
         """Spark ML's writer of this model (``overwrite()``, ``save(path)``): the files of :meth:`save`."""
@@ -201,7 +268,7 @@ class TorchModel(Model, _TorchParams, MLReadable["TorchModel"], MLWritable):
         ``model_fn.pkl`` is a pickle: load only models you trust, or pass ``model`` (the same
         factory used to train) so that only the weights and JSON metadata are read.
         """
-        _, fs, root = filesystem.open_url(readable_path(path, "metadata.json"), "model path")
+        url, fs, root = filesystem.open_url(readable_path(path, "metadata.json"), "model path")
         if not filesystem.is_file(fs, filesystem.join(root, "metadata.json")):
             raise FileNotFoundError(f"no sparkdl model at {path!r} (metadata.json is missing)")
 
@@ -230,7 +297,11 @@ class TorchModel(Model, _TorchParams, MLReadable["TorchModel"], MLWritable):
             model_fn=model_fn,
             run_info=metadata.get("run_info"),
             input_columns=metadata.get("input_columns"),
+            output_heads=metadata.get("output_heads"),
         )
+        # Keyed by the weights as loaded, which is what scoring compares (the file's bytes may
+        # differ from a new torch.save of the same tensors).
+        loaded._saved = (url, weights_key(weights_bytes(module)))
         return restore_params(loaded, read_stage_metadata(fs, root))
 
     @classmethod
@@ -241,7 +312,7 @@ class TorchModel(Model, _TorchParams, MLReadable["TorchModel"], MLWritable):
         feature_cols: Optional[Sequence[str]] = None,
         inputs: Optional[Dict[str, Any]] = None,
         example: Any = None,
-        output_shape: Optional[Sequence[int]] = None,
+        output_shape: Optional[Union[Sequence[int], Mapping[str, Sequence[int]]]] = None,
         prediction_col: str = "prediction",
         history: Sequence[Dict[str, Any]] = (),
         run_info: Optional[Dict[str, Any]] = None,
@@ -263,7 +334,9 @@ class TorchModel(Model, _TorchParams, MLReadable["TorchModel"], MLWritable):
                 columns' types, which the MLflow signature is made of, and (without
                 ``output_shape``) one row's output shape are taken from it.
             output_shape: the shape of one row's output: ``[10]`` makes ``transform`` add an
-                ``array<double>`` of 10, ``[]`` or ``[1]`` a ``double``. Default: ``example``'s.
+                ``array<float>`` of 10, ``[]`` or ``[1]`` a ``float``; for a model returning several
+                tensors (a tuple, list or dict), ``{head: shape}`` with heads ``"0"``, ``"1"``...
+                or the dict's keys: each gets its own column. Default: ``example``'s.
             prediction_col: the column ``transform`` adds.
             history: per-epoch records, if the run kept any.
             run_info: anything to keep with the model (saved in ``metadata.json``).
@@ -300,12 +373,22 @@ class TorchModel(Model, _TorchParams, MLReadable["TorchModel"], MLWritable):
                     "example= (a few input rows, from which it is measured)"
                 )
             infos = column_infos(input_columns)
-            output_shape = measured_shape(module, plan, infos, example_rows(example, plan, infos))
+            output_shape = measured_shapes(module, plan, infos, example_rows(example, plan, infos))
+        heads = None
+        if isinstance(output_shape, Mapping):
+            heads = {str(name): list(shape) for name, shape in output_shape.items()}
+            if list(heads) == [""]:  # one tensor, measured
+                output_shape, heads = heads[""], None
+            elif not heads:
+                raise ConfigError("output_shape={} names no output: give {head: shape} for each of the model's outputs")
+            else:
+                output_shape = next(iter(heads.values()))
         return cls(
             module=module,
             history=list(history),
             input_plan=plan,
             output_shape=output_shape,
+            output_heads=heads,
             prediction_col=prediction_col,
             model_fn=model,
             run_info=run_info,
@@ -335,13 +418,6 @@ def predict_frame(
     return np.concatenate(outputs) if outputs else np.zeros((0, 1))
 
 
-class _Inline:
-    """A value with a broadcast's ``.value``, carried in the closure itself."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
 class _FixedModule:
     """A factory returning a copy of one module, for models built without a factory."""
 
@@ -352,16 +428,3 @@ class _FixedModule:
         import copy
 
         return copy.deepcopy(self.module)
-
-
-def _load_for_inference(model_fn_bytes: bytes, state_bytes: bytes) -> torch.nn.Module:
-    from pyspark import TaskContext
-
-    from sparkdl._spark import task_threads
-
-    context = TaskContext.get()
-    if context is not None:
-        torch.set_num_threads(task_threads(context))
-    module = cloudpickle.loads(model_fn_bytes)()
-    module.load_state_dict(torch.load(io.BytesIO(state_bytes), weights_only=True))
-    return module.eval()

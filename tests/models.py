@@ -89,3 +89,47 @@ def read_digits(path: str):
     table = pq.read_table(path)
     features = np.array(table.column("features").to_pylist(), dtype=np.float32)
     return features, np.asarray(table.column("label").to_numpy(), dtype=np.int64)
+
+
+class Poisonable(torch.nn.Module):
+    """An MLP 8-16-3 (seeded) that raises on a row whose first feature is 999 and answers
+    infinity where it is 555: bad rows for the inference tests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x[:, 0] == 999).any():
+            raise ValueError("feature 0 is 999")
+        out = self.net(x)
+        return torch.where(x[:, :1] == 555, torch.full_like(out, float("inf")), out)
+
+
+class CountingFactory:
+    """Builds a :class:`Poisonable` and leaves one file per build in ``directory``, named by the
+    building process and holding the Spark resources its task was given: what the inference
+    tests count builds and read task resources from."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __call__(self) -> torch.nn.Module:
+        import json
+        import os
+        import uuid
+
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        resources = {k: list(v.addresses) for k, v in context.resources().items()} if context else {}
+        with open(os.path.join(self.directory, f"{os.getpid()}-{uuid.uuid4().hex}.json"), "w") as handle:
+            json.dump({"pid": os.getpid(), "resources": resources, "threads": torch.get_num_threads()}, handle)
+        return Poisonable()
+
+
+def wide_mlp() -> torch.nn.Module:
+    """64 -> 100,000 -> 2: about 26 MiB of weights for 2 outputs (a model too large to inline)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 100_000), torch.nn.ReLU(), torch.nn.Linear(100_000, 2))

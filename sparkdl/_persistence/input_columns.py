@@ -103,13 +103,17 @@ def model_columns(frame: pd.DataFrame, columns: List[str], infos: Mapping[str, C
     return out
 
 
-def output_shape(
+def output_shapes(
     module: torch.nn.Module, plan: InputPlan, infos: Mapping[str, ColumnInfo], rows: Mapping[str, Any]
-) -> List[int]:
+) -> Dict[str, List[int]]:
+    """One row's output shape per head of the model's result on ``rows``: ``{"": shape}`` for
+    one tensor, ``{"0": ..., "1": ...}`` for a tuple or list, the keys of a dict."""
+    from sparkdl.inference.outputs import named_outputs
+
     inputs = frame_batch(plan, rows, infos, "example")
     tensors = (
         {k: torch.from_numpy(v) for k, v in inputs.items()} if isinstance(inputs, dict) else torch.from_numpy(inputs)
     )
     with torch.inference_mode():
         out = call_model(module.eval(), tensors)
-    return list(out.shape[1:])
+    return {name: list(value.shape[1:]) for name, value in named_outputs(out).items()}

@@ -1,6 +1,9 @@
 """``sparkdl predict`` (= ``jobs/predict.py``): a saved model's predictions for a Parquet dataset,
 evaluated with ``--label``, and metrics.json. ``--model``, ``--data`` and ``--output`` are paths
-or URLs (``_frames`` reads and writes the datasets where Spark's Hadoop has no filesystem for them)."""
+or URLs. The predictions are a resumable job (:mod:`sparkdl.inference.predict_job`): each input
+part is committed on its own, so a rerun without ``--overwrite`` after a failure or a kill
+computes only what is missing; a complete output is refused. Data at a URL only Spark's Hadoop
+opens is read and written by Spark in one job (``_frames``)."""
 
 from __future__ import annotations
 
@@ -49,8 +52,37 @@ def build_predict_parser() -> argparse.ArgumentParser:
         "--label", default=None, help="label column: also report accuracy (vector outputs) or mse/mae (scalar outputs)"
     )
     parser.add_argument("--master", default=None, help="Spark master when not started by spark-submit")
-    parser.add_argument("--overwrite", action="store_true", help="replace existing predictions")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace existing predictions (without it, a partial output of the same job is resumed)",
+    )
+    parser.add_argument("--batch-size", type=int, default=None, help="rows per model call (default 1024)")
+    parser.add_argument(
+        "--on-error",
+        choices=["fail", "null"],
+        default=None,
+        help="a row that cannot be scored fails the job (default), or gets a null prediction and a reason",
+    )
+    parser.add_argument(
+        "--prediction-kind",
+        choices=["raw", "probabilities", "label", "top_k"],
+        default=None,
+        help="what the prediction column holds (default raw: the model's output)",
+    )
+    parser.add_argument("--top-k", type=int, default=None, help="classes kept by --prediction-kind top_k (default 5)")
     return parser
+
+
+def _options(args: argparse.Namespace) -> Dict[str, Any]:
+    """The scoring options the flags give (those not given keep the model's own)."""
+    given = {
+        "batch_size": args.batch_size,
+        "on_error": args.on_error,
+        "output": args.prediction_kind,
+        "top_k": args.top_k,
+    }
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def predict(args: argparse.Namespace) -> Dict[str, Any]:
@@ -64,12 +96,10 @@ def predict(args: argparse.Namespace) -> Dict[str, Any]:
     spark = spark_session(f"sparkdl-predict {basename(args.output)}", args.master)
     try:
         model = sparkdl.TorchModel.load(args.model, model=factory)
-        frame = read_parquet(spark, args.data, "--data")
-        if args.label and args.label not in frame.columns:
-            raise UsageError(f"--label {args.label!r} is not a column of {args.data}; its columns are: {frame.columns}")
-        write_parquet(model.transform(frame), target, args.overwrite)
+        written = _write_predictions(spark, model, args, target)
         # Evaluated on what was written rather than by running the model twice.
-        rows, evaluation = _evaluate(read_parquet(spark, target, "predictions"), model, args.label)
+        kind = args.prediction_kind or model.inference_options().output
+        rows, evaluation = _evaluate(read_parquet(spark, target, "predictions"), model, args.label, kind)
     finally:
         if not borrowed:
             spark.stop()
@@ -79,27 +109,80 @@ def predict(args: argparse.Namespace) -> Dict[str, Any]:
         "data": args.data,
         "predictions": target,
         "rows": rows,
+        **written,
         "evaluation": evaluation,
         "config": _config(args),
         "versions": _versions(pyspark.__version__),
     }
 
 
-def _evaluate(written: Any, model: Any, label: Optional[str]) -> Any:
-    """``(rows, evaluation)`` of the written predictions: accuracy for vector outputs, mse and
-    mae for scalar ones, nothing without ``label``."""
+def _write_predictions(spark: Any, model: Any, args: argparse.Namespace, target: str) -> Dict[str, Any]:
+    """Writes the predictions as a resumable job of committed parts (sparkdl.inference), or,
+    for a URL only Spark's Hadoop opens, with Spark's writer. Returns what it did."""
+    from sparkdl.errors import ConfigError
+    from sparkdl.inference.parts import list_parts, part_schema
+    from sparkdl.inference.predict_job import OutputConflictError, predict_parts
+
+    try:
+        parts = list_parts(spark, args.data)
+    except ConfigError:  # no pyarrow or fsspec filesystem here for the scheme: Spark's own reader
+        return _write_with_spark(spark, model, args, target)
+    columns = part_schema(parts[0]).names
+    if args.label and args.label not in columns:
+        raise UsageError(f"--label {args.label!r} is not a column of {args.data}; its columns are: {columns}")
+    try:
+        result = predict_parts(
+            spark,
+            model,
+            parts,
+            args.data,
+            target,
+            overwrite=args.overwrite,
+            refuse_complete=True,
+            options=_options(args),
+        )
+    except OutputConflictError as exc:  # what --output holds: the user's to change
+        raise UsageError(str(exc)) from exc
+    return {
+        "bad_rows": result.bad_rows,
+        "parts": result.parts,
+        "parts_written": result.parts_written,
+        "parts_skipped": result.parts_skipped,
+    }
+
+
+def _write_with_spark(spark: Any, model: Any, args: argparse.Namespace, target: str) -> Dict[str, Any]:
+    """Spark reads and writes the whole dataset in one job (not resumable)."""
+    frame = read_parquet(spark, args.data, "--data")
+    if args.label and args.label not in frame.columns:
+        raise UsageError(f"--label {args.label!r} is not a column of {args.data}; its columns are: {frame.columns}")
+    setters = {"batch_size": model.setBatchSize, "on_error": model.setOnError, "output": model.setOutput}
+    for name, value in _options(args).items():
+        {**setters, "top_k": model.setTopK}[name](value)
+    write_parquet(model.transform(frame), target, args.overwrite)
+    return {}
+
+
+def _evaluate(written: Any, model: Any, label: Optional[str], kind: Optional[str] = None) -> Any:
+    """``(rows, evaluation)`` of the written predictions: accuracy for class predictions (vector
+    outputs, probabilities, labels, top-k's first class), mse and mae for scalar outputs,
+    nothing without ``label``."""
     from pyspark.sql import functions as sf
 
-    prediction = model.getPredictionCol()
-    if label and model.output_size > 1:
-        predicted_class = sf.expr(f"array_position(`{prediction}`, array_max(`{prediction}`)) - 1")
+    kind = kind if isinstance(kind, str) else "raw"  # a dict of kinds: several heads, no single prediction
+    prediction = f"`{model.getPredictionCol()}`"
+    predicted_class = {
+        "label": sf.expr(prediction),
+        "top_k": sf.expr(f"{prediction}.indices[0]"),
+    }.get(kind, sf.expr(f"array_position({prediction}, array_max({prediction})) - 1"))
+    if label and (model.output_size > 1 or kind in ("label", "top_k")):
         row = written.select(
             sf.avg((predicted_class == sf.col(label)).cast("double")).alias("accuracy"),
             sf.count(sf.lit(1)).alias("rows"),
         ).first()
         return row["rows"], {"accuracy": row["accuracy"]}
     if label:
-        error = sf.col(prediction) - sf.col(label).cast("double")
+        error = sf.expr(prediction) - sf.col(label).cast("double")
         row = written.select(
             sf.avg(error * error).alias("mse"),
             sf.avg(sf.abs(error)).alias("mae"),

@@ -80,6 +80,33 @@ class Collect(logging.Handler):
         self.messages.append(f"{record.levelname} {record.getMessage()}")
 
 
+def inference(spark: Any) -> Dict[str, Any]:
+    """TorchModel.transform in this application, whose tasks each get one GPU: what the scoring
+    tasks were given (recorded by the model factory where each builds the model), the rows
+    scored on the CPU fallback, and the error with useGpu=True."""
+    import glob
+    import tempfile
+
+    import sparkdl
+    from tests.models import CountingFactory, Poisonable
+
+    builds = tempfile.mkdtemp(prefix="sparkdl-gpu-inference-")
+    model = sparkdl.TorchModel.from_state(
+        Poisonable().state_dict(), model=CountingFactory(builds), feature_cols=["features"], output_shape=[3]
+    )
+    frame = spark.createDataFrame([(i, [float(i % 5)] * 8) for i in range(64)], "id long, features array<float>")
+    frame = frame.repartition(2)
+    out: Dict[str, Any] = {"inference_rows": model.transform(frame).filter("prediction IS NOT NULL").count()}
+    found = [json.load(open(path)) for path in sorted(glob.glob(os.path.join(builds, "*.json")))]
+    out["inference_builds"] = [b for b in found if b["pid"] != os.getpid()]
+    try:
+        model.copy().setUseGpu(True).transform(frame).collect()
+        out["inference_required"] = None
+    except Exception as exc:  # noqa: BLE001 - the message is what the test reads
+        out["inference_required"] = str(exc)[-4000:]
+    return out
+
+
 def main(discovery_script: str, output: str) -> None:
     import sparkdl
     from tests.cluster import local_cluster_builder
@@ -118,6 +145,7 @@ def main(discovery_script: str, output: str) -> None:
         results["cpu_bf16"] = sparkdl.run(
             report, num_workers=2, use_gpu=False, precision="bf16-mixed", progress=False, spark=spark, timeout_s=120
         )
+        results.update(inference(spark))
     finally:
         spark.stop()
     with open(output, "w") as handle:

@@ -18,7 +18,7 @@ import torch
 
 import sparkdl
 from tests.conftest import REPO_ROOT
-from tests.models import accuracy, digits_mlp
+from tests.models import accuracy, digits_mlp, wide_mlp
 
 pytestmark = [pytest.mark.spark, pytest.mark.connect]
 
@@ -72,6 +72,10 @@ def connect(tmp_path_factory):
         "spark.ui.enabled=false",
         "--conf",
         "spark.sql.shuffle.partitions=4",
+        "--conf",
+        # The largest message the server takes (default 128 MiB), lowered so that a model above
+        # it stays small enough for a test (test_a_model_above_the_plan_limit...).
+        "spark.connect.grpc.maxInboundMessageSize=16m",
         "--conf",
         f"spark.executorEnv.PYTHONPATH={REPO_ROOT}{os.pathsep}{os.path.join(REPO_ROOT, 'tests')}",
         "--conf",
@@ -273,3 +277,18 @@ def test_a_pipeline_model_saves_and_loads_from_a_connect_client(connect_digits, 
     after = np.stack(back.transform(test).select("prediction").toPandas()["prediction"])
     np.testing.assert_allclose(after, before, rtol=1e-6, atol=1e-6)
     assert (after.argmax(1) == test_y).mean() > 0.5  # trained: chance is 0.1
+
+
+def test_a_model_above_the_plan_limit_is_refused_unsaved_and_scores_from_where_it_was_saved(connect, tmp_path):
+    # ~26 MiB of weights: above the 16 MiB a message to this server may hold, so it cannot
+    # travel inside the plan; saved, only its URL does, and the executors read the weights.
+    model = sparkdl.TorchModel.from_state(wide_mlp().state_dict(), model=wide_mlp, output_shape=[2])
+    rows = np.random.default_rng(0).standard_normal((40, 64)).astype(np.float32)
+    df = connect.createDataFrame([(i, row.tolist()) for i, row in enumerate(rows)], "id long, features array<float>")
+    with pytest.raises(sparkdl.ConfigError, match=r"too large to travel inside a Spark Connect plan .* = 16 MiB"):
+        model.transform(df)
+    model.save(str(tmp_path / "wide"))
+    got = np.array([r["prediction"] for r in model.transform(df).orderBy("id").collect()])
+    with torch.inference_mode():
+        want = model.module(torch.from_numpy(rows)).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

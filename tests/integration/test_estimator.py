@@ -88,7 +88,7 @@ def test_transform_adds_predictions_computed_on_executors(fitted, digits_test_df
     _, model, _ = fitted
     _, (test_x, test_y) = digits_split
     out = model.transform(digits_test_df)
-    assert dict(out.dtypes)["prediction"] == "array<double>"
+    assert dict(out.dtypes)["prediction"] == "array<float>"
     rows = out.select("prediction", "label").toPandas()
     predictions = np.stack(rows["prediction"].to_numpy())
     assert predictions.shape == (len(test_y), 10)
@@ -98,7 +98,7 @@ def test_transform_adds_predictions_computed_on_executors(fitted, digits_test_df
     np.testing.assert_allclose(predictions, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_scalar_output_gives_a_double_column(spark):
+def test_scalar_output_gives_a_float_column(spark):
     rng = np.random.default_rng(1)
     x = rng.normal(size=(256, 3)).astype(np.float32)
     y = x @ np.array([1.0, -2.0, 0.5], dtype=np.float32)
@@ -124,7 +124,7 @@ def test_scalar_output_gives_a_double_column(spark):
     weights = model.module.weight.detach().numpy().ravel()
     np.testing.assert_allclose(weights, [1.0, -2.0, 0.5], atol=0.05)
     out = model.transform(df)
-    assert dict(out.dtypes)["prediction"] == "double"
+    assert dict(out.dtypes)["prediction"] == "float"
     pdf = out.toPandas()
     np.testing.assert_allclose(pdf["prediction"], pdf["y"], atol=0.2)
 

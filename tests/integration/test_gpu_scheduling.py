@@ -133,6 +133,17 @@ def test_use_gpu_false_ignores_assigned_gpus_and_precision_reaches_the_tasks(gpu
 
 
 @pytest.mark.spark
+def test_scoring_tasks_get_the_gpu_spark_assigns_and_use_gpu_true_without_cuda_is_a_clear_error(gpu_app):
+    # Each scoring task was given one of the two GPUs (the application asks one per task); with
+    # a CPU build of torch, unset useGpu falls back to the CPU and scores every row.
+    assert gpu_app["inference_rows"] == 64
+    builds = gpu_app["inference_builds"]
+    assert builds and all(len(b["resources"].get("gpu", [])) == 1 for b in builds), builds
+    assert {a for b in builds for a in b["resources"]["gpu"]} <= {"0", "1"}, builds
+    message = gpu_app["inference_required"]
+    assert message is not None and "torch has no CUDA" in message and "install a CUDA build of torch" in message
+
+
 def test_use_gpu_true_on_an_application_without_gpu_resources_fails_before_launch(spark):
     with pytest.raises(ConfigError) as raised:
         sparkdl.run(lambda ctx: None, num_workers=2, use_gpu=True, spark=spark, progress=False)

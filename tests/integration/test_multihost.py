@@ -141,14 +141,30 @@ def test_every_strategy_trains_across_hosts_whose_names_resolve_to_loopback(netc
     assert "WorkerLost" in resume["attempts"][0]["error"] and resume["steps"]["resumed_at"] == 10, resume
 
 
-def test_collectives_stay_on_the_cluster_network_whatever_the_host_names_resolve_to(netcluster, tmp_path):
+@pytest.fixture(scope="module")
+def resolved_then_lost(netcluster, tmp_path_factory):
+    """The lines of fits under each resolution of the host names, and then (names resolving to
+    the cluster network again) of a host lost for good with the watchdog first: one driver for
+    all (a Spark application's start is ~15 s here); the lost host's executor is dropped, so that
+    scenario comes last."""
+    env, _state = netcluster
+    return _drive(
+        env,
+        tmp_path_factory.mktemp("resolved"),
+        "resolve:second",
+        "fit:allreduce",
+        "resolve:unreachable",
+        "fit:sharded",
+        "resolve:cluster",
+        "host_lost:watchdog",
+    )
+
+
+def test_collectives_stay_on_the_cluster_network_whatever_the_host_names_resolve_to(resolved_then_lost):
     """A host name that resolves to a second, reachable network (eth1) or to an address every
     host has and none can reach (docker0): the collectives still run over eth0, where Spark
     reaches the executors."""
-    env, _state = netcluster
-    lines = _drive(
-        env, tmp_path, "resolve:second", "fit:allreduce", "resolve:unreachable", "fit:sharded", "resolve:cluster"
-    )
+    lines = resolved_then_lost
     for line in (lines[1], lines[3]):
         _trained_across_hosts(line)
         for host in WORKERS:
@@ -193,23 +209,35 @@ def test_the_cluster_script_needs_root_and_says_so_in_one_line(tmp_path):
     ]
 
 
-def test_a_partition_that_heals_within_the_host_timeout_does_not_fail_the_run(netcluster, tmp_path):
+@pytest.fixture(scope="module")
+def healed_then_lost(netcluster, tmp_path_factory):
+    """The lines of a partition that heals and then of a host lost for good, one driver for both
+    (a Spark application's start is ~15 s here): the healed cut leaves both executors in place;
+    the lost host's is dropped, so that scenario comes last."""
+    env, _state = netcluster
+    return dict(
+        zip(
+            ("partition_heals", "host_lost"),
+            _drive(env, tmp_path_factory.mktemp("cuts"), "partition_heals", "host_lost"),
+        )
+    )
+
+
+def test_a_partition_that_heals_within_the_host_timeout_does_not_fail_the_run(healed_then_lost):
     """Rank 1's host is cut off for 8 s, under spark.sparkdl.hostTimeout=20s: TCP retransmits, the
     collectives wait (timeout_s), and the one attempt finishes."""
-    env, _state = netcluster
-    (line,) = _drive(env, tmp_path, "partition_heals")
+    line = healed_then_lost["partition_heals"]
     _trained_across_hosts(line)
     assert [attempt["error"] for attempt in line["attempts"]] == [None], line["attempts"]
     assert line["seconds"] >= 8.0, line  # the partition did happen, inside the fit
 
 
-def test_a_host_lost_mid_fit_is_detected_within_the_bound_and_the_run_goes_on_without_it(netcluster, tmp_path):
+def test_a_host_lost_mid_fit_is_detected_within_the_bound_and_the_run_goes_on_without_it(healed_then_lost):
     """Rank 1 unplugs its host's cluster link at its 15th step, for good (until the scenario
     ends): its TCP connections neither close nor answer. Within spark.sparkdl.hostTimeout (20 s
     here) the driver names the host, asks Spark to drop its executor, releases the surviving
     rank, and (min_workers=1) relaunches on the host that is left from the step-10 checkpoint."""
-    env, _state = netcluster
-    (line,) = _drive(env, tmp_path, "host_lost")
+    line = healed_then_lost["host_lost"]
     assert line["ok"], f"{line.get('error')}\n{line.get('traceback', '')}"
     first, second = line["attempts"]
     assert "HostLost: no word from rank 1 on host sparkdl-h" in first["error"] and second["error"] is None, line[
@@ -230,14 +258,14 @@ def test_a_host_lost_mid_fit_is_detected_within_the_bound_and_the_run_goes_on_wi
 
 
 def test_a_host_lost_for_good_is_dropped_whatever_notices_first_and_the_run_resumes_on_what_is_left(
-    netcluster, tmp_path
+    resolved_then_lost,
 ):
     """The same cut with watchdog_timeout_s=30 and timeout_s=30 under the default hostTimeout
     (45 s): the watchdog or the collective's timeout ends the attempt first. Before relaunching,
     the controller finds rank 1's host silent since the cut, asks Spark to drop its executor,
     and relaunches on the host that is left without waiting for the lost slot."""
-    env, _state = netcluster
-    (line,) = _drive(env, tmp_path, "host_lost:watchdog")
+    line = resolved_then_lost[-1]
+    assert line["scenario"] == "host_lost:watchdog", line
     assert line["ok"], f"{line.get('error')}\n{line.get('traceback', '')}"
     first, second = line["attempts"]
     assert "HostLost" not in first["error"] and second["error"] is None, line["attempts"]

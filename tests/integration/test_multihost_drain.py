@@ -2,8 +2,9 @@
 shutdown or a Kubernetes pre-stop hook does), or SIGTERM to an executor's JVM under
 spark.executor.decommission.signal=TERM, while a fit runs. The ranks take a checkpoint at once
 (sparkdl._runtime.drain), the attempt ends without counting as a failure (max_failures=0), and the run
-resumes from that very step on the host that is left (min_workers=1). A cluster per test: a
-decommissioned worker stays so. Needs root, as tests/integration/test_multihost.py."""
+resumes from that very step on the host that is left (min_workers=1). One cluster for both
+tests, the SIGTERM one first: it drains one executor and leaves its worker in service, while a
+decommissioned worker stays so (the last test). Needs root, as tests/integration/test_multihost.py."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tests.integration.test_multihost import _drive, cluster_up
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def decommissioning_cluster(tmp_path_factory):
     state_dir = str(tmp_path_factory.mktemp("netcluster-drain"))
     with cluster_up("sdd", state_dir, "--hosts", "3", "--spark-conf", "spark.decommission.enabled=true") as (
@@ -27,9 +28,10 @@ def decommissioning_cluster(tmp_path_factory):
 @pytest.mark.parametrize(
     "how, conf",
     [
-        ("decommission", ["spark.decommission.enabled=true"]),
         # SIGTERM decommissions instead of killing the executor (Kubernetes, spot reclaim).
         ("sigterm", ["spark.decommission.enabled=true", "spark.executor.decommission.signal=TERM"]),
+        # Last: the worker it decommissions takes no executor again, for the cluster's lifetime.
+        ("decommission", ["spark.decommission.enabled=true"]),
     ],
 )
 def test_a_decommissioned_host_drains_the_run_with_a_checkpoint_and_it_resumes_there(

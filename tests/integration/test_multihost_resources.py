@@ -70,6 +70,12 @@ def test_training_runs_with_its_own_cpus_and_gpu_per_task_while_etl_keeps_the_de
     assert line["etl_before"] == [0] and line["etl_after"] == [0], line
     (profile,) = line["train_profiles"]
     assert profile != 0, line
+    # TorchModel.transform with the same Resources: its stage ran with that profile, each
+    # scoring task on its host's GPU with 2 torch threads, and every row was scored.
+    assert line["scored"] == 200, line
+    assert profile in line["score_profiles"] and 0 not in line["score_profiles"][1:], line
+    builds = line["score_builds"]
+    assert builds and all(len(b["resources"]["gpu"]) == 1 and b["threads"] == 2 for b in builds), builds
     # Two 2-core executors: 4 default slots (1 CPU), 2 for the profile (2 CPUs and the one GPU).
     assert line["slots"] == {"default": 4, "profile": 2}, line
     too_big = line["too_big"]

@@ -2,7 +2,8 @@
 seconds, and a run of slow steps with a long checkpoint is left alone.
 
 The hang is a rank blocked on an Event that is never set (no progress, heartbeats go on); the
-slow parts are timed waits standing for a 2 s step and a 20 s checkpoint write. The driver's
+slow parts are timed waits standing for a step's compute and a checkpoint write that lasts as
+long as twenty such steps (twice the "auto" bound inside a step: 10 x the slowest step). The driver's
 error is awaited by ``sparkdl.run`` itself, never by sleeping."""
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from tests.models import digits_mlp
 pytestmark = pytest.mark.spark
 
 HANG_AT_STEP = 150  # well past the warm-up (10 steps): the pace is known
+#: A slow step's compute: above AutoWatchdog's floor of 6 s / 10, so the pace sets the bound.
+STEP_S = 0.75
+#: The slow checkpoint write: 20 steps, twice what "auto" allows a rank inside a step.
+CHECKPOINT_S = 20 * STEP_S
 
 
 def _fast_steps_then_rank_1_hangs(marker: str):
@@ -92,7 +97,7 @@ def test_a_hang_in_a_run_of_fast_steps_is_reported_within_ten_seconds(spark, dig
 
 
 class _SlowToSave(torch.nn.Module):
-    """The digits MLP whose first checkpoint on rank 0 takes 20 s more (a slow store)."""
+    """The digits MLP whose first checkpoint on rank 0 takes CHECKPOINT_S more (a slow store)."""
 
     def __init__(self, marker: str) -> None:
         super().__init__()
@@ -105,26 +110,26 @@ class _SlowToSave(torch.nn.Module):
     def state_dict(self, *args, **kwargs):
         if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0 and not os.path.exists(self.marker):
             open(self.marker, "w").close()
-            threading.Event().wait(20.0)  # stands for a 20 s write
+            threading.Event().wait(CHECKPOINT_S)  # stands for a slow write
         return super().state_dict(*args, **kwargs)
 
 
-def _two_second_step_loss(output, label):
+def _slow_step_loss(output, label):
     if torch.distributed.is_initialized():  # not the driver's preflight check of the loss
-        threading.Event().wait(2.0)  # stands for a 2 s forward and backward
+        threading.Event().wait(STEP_S)  # stands for a slow forward and backward
     return torch.nn.functional.cross_entropy(output, label)
 
 
-def test_a_run_of_two_second_steps_and_a_twenty_second_checkpoint_completes_untouched(
+def test_a_run_of_slow_steps_and_a_checkpoint_twenty_steps_long_completes_untouched(
     spark, digits_df, digits_split, tmp_path
 ):
     marker = str(tmp_path / "slow-save-done")
     estimator = sparkdl.TorchEstimator(
         model=lambda: _SlowToSave(marker),
         optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
-        loss=_two_second_step_loss,
+        loss=_slow_step_loss,
         num_workers=2,
-        batch_size=48,  # 14 steps of 2 s per rank
+        batch_size=48,  # 14 slow steps per rank
         epochs=1,
         seed=0,
         progress=False,
@@ -133,8 +138,8 @@ def test_a_run_of_two_second_steps_and_a_twenty_second_checkpoint_completes_unto
         watchdog_timeout_s="auto",
     )
     model = estimator.fit(digits_df)
-    assert os.path.exists(marker)  # the 20 s checkpoint happened
+    assert os.path.exists(marker)  # the slow checkpoint happened
     (attempt,) = model.run_info["attempts"]
     steps = model.run_info["steps"]["total"]  # 14: 718 rows per rank in steps of 48
-    assert steps > 12 and attempt["error"] is None and attempt["seconds"] > 2 * steps + 20
+    assert steps > 12 and attempt["error"] is None and attempt["seconds"] > STEP_S * steps + CHECKPOINT_S
     assert model.history[0]["samples"] == steps * 2 * 48

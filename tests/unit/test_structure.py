@@ -55,6 +55,8 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
         (
             "sparkdl.estimator",
             "sparkdl.model",
+            # Scoring DataFrames and Parquet datasets with a TorchModel: what transform and predict run.
+            "sparkdl.inference",
             # Saving the estimator and model for Spark ML and MLflow: beside them, not below.
             "sparkdl._persistence",
             "sparkdl.custom_loop",

@@ -12,7 +12,10 @@ Runs what one barrier task runs — the Arrow reader streaming a Parquet shard, 
 * **loader feed rate**: samples/s and MB/s that the reader plus prefetch thread deliver alone
   (pinned batches, nothing trains), next to the **pinned and pageable host-to-device copy
   bandwidth** measured on the same GPU, and the MB/s training actually consumed;
-* **bf16 vs fp32** (and fp16 on GPUs): the same loop per precision.
+* **bf16 vs fp32** (and fp16 on GPUs): the same loop per precision;
+* **inference**: sparkdl's scorer (what ``TorchModel.transform`` and ``sparkdl.predict`` run in
+  a task) over the same Parquet with the same model, rows/s per precision, and the feed alone
+  (read + model inputs) beside it (``benchmarks/_gpu_inference.py``).
 
 Run from the repository root on a machine with a GPU (it needs torch with CUDA, numpy, pyarrow and
 cloudpickle; pyspark is not needed)::
@@ -38,11 +41,13 @@ from typing import Any, Dict, List, Optional
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
+from _gpu_inference import print_scoring, score_runs  # noqa: E402
 
 from sparkdl._runtime.host_batches import Prefetcher  # noqa: E402
 from sparkdl._runtime.rendezvous import rendezvous, teardown  # noqa: E402
@@ -319,6 +324,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     bandwidth = copy_bandwidth(device, max(batch_bytes, 64 << 20))
     loader = loader_rate(dataset, spec, args.reader, device, seconds=0.5 if args.tiny else 3.0)
     runs = [train(dataset, spec, args.reader, device, p, sizes, args.seed) for p in precisions]
+    autocasts = [None, "bf16"] + (["fp16"] if device.type == "cuda" else [])
+    scoring = score_runs(data_dir, make_model, sizes, device, autocasts)
 
     report = {
         "device": str(device),
@@ -335,8 +342,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "h2d": bandwidth,
         "loader": loader,
         "runs": runs,
+        "scoring": scoring,
     }
     print_report(report)
+    print_scoring(report)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(report, handle, indent=2)

@@ -29,16 +29,27 @@ logger = logging.getLogger("sparkdl.inference")
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def current_task() -> Any:
+    """The Spark task this runs in; None outside one, or where pyspark is not installed (the
+    device check, ``benchmarks/gpu_check.py``, runs the scorer on a GPU host without Spark)."""
+    try:
+        from pyspark import TaskContext
+    except ImportError:
+        return None
+    return TaskContext.get()
+
+
 @contextlib.contextmanager
 def task_device(use_gpu: Optional[bool]) -> Iterator[DeviceAssignment]:
-    """The scoring task's device, made current for the block (the CPU outside a Spark task)."""
-    from pyspark import TaskContext
-
-    context = TaskContext.get()
-    resources = (
-        {name: [str(a) for a in info.addresses] for name, info in context.resources().items()} if context else {}
-    )
+    """The scoring task's device, made current for the block. Outside a Spark task nothing is
+    assigned: the current CUDA device counts as the task's when there is one and ``use_gpu`` is
+    not False (a local check), else the CPU."""
+    context = current_task()
     available = use_gpu is not False and torch.cuda.is_available()
+    if context is not None:
+        resources = {name: [str(a) for a in info.addresses] for name, info in context.resources().items()}
+    else:
+        resources = {"gpu": [str(torch.cuda.current_device())]} if available else {}
     assignment = select_device(
         resources,
         use_gpu,

@@ -14,7 +14,7 @@ import pyarrow as pa
 import torch
 
 from sparkdl._spark import task_threads
-from sparkdl.inference.execution import ModelRunner, task_device
+from sparkdl.inference.execution import ModelRunner, current_task, task_device
 from sparkdl.inference.model_cache import cached_model
 
 logger = logging.getLogger("sparkdl.inference")
@@ -35,9 +35,7 @@ class ScoringTask:
         self.bad_rows = 0
 
     def __enter__(self) -> "ScoringTask":
-        from pyspark import TaskContext
-
-        context = TaskContext.get()
+        context = current_task()
         if context is not None:
             self.partition = context.partitionId()
             self.threads = task_threads(context)

@@ -342,3 +342,8 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_without_pyspark(tmp_path):
         assert 0 < run["busy_fraction"] <= 1 and run["samples_per_s"] > 0 and math.isfinite(run["loss"])
     assert report["loader"]["samples_per_s"] > 0 and report["h2d"]["pinned_gbps"] is None
     assert "| bf16-mixed |" in done.stdout and "verdict:" in done.stdout
+    # The inference part: sparkdl's scorer over every row, per autocast, and the feed alone.
+    scoring = report["scoring"]
+    assert [run["precision"] for run in scoring["runs"]] == ["fp32", "bf16"]
+    assert all(run["rows"] == report["sizes"]["rows"] and run["rows_per_s"] > 0 for run in scoring["runs"])
+    assert scoring["feed"]["rows_per_s"] > 0 and "feed headroom" in done.stdout

@@ -133,3 +133,59 @@ def wide_mlp() -> torch.nn.Module:
     """64 -> 100,000 -> 2: about 26 MiB of weights for 2 outputs (a model too large to inline)."""
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(64, 100_000), torch.nn.ReLU(), torch.nn.Linear(100_000, 2))
+
+
+class HoldingDoubler(torch.nn.Module):
+    """``y = 2 x`` (a bias-free ``Linear(1, 1)`` of weight 2) whose forward first holds while at
+    least N parts of a predict job's output are committed, N read from the JSON file ``control``
+    (``{"output": dir, "hold_at": N}``; no file or N = 0: no hold; bounded: 120 s). A test kills
+    the job's driver while its tasks hold, at a point it chose, without sleeping for it; the
+    factory's bytes do not depend on N, so every run is the same model to the job's record."""
+
+    def __init__(self, control: str = "") -> None:
+        super().__init__()
+        self.control = control
+        self.linear = torch.nn.Linear(1, 1, bias=False)
+        with torch.no_grad():
+            self.linear.weight.fill_(2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._hold()
+        return self.linear(x)
+
+    def _hold(self) -> None:
+        import json
+        import os
+        import time
+
+        if not self.control or not os.path.exists(self.control):
+            return
+        with open(self.control) as handle:
+            settings = json.load(handle)
+        markers = os.path.join(settings["output"], "_committed")
+        deadline = time.monotonic() + 120
+        while settings["hold_at"] and _committed_count(markers) >= settings["hold_at"]:
+            if time.monotonic() > deadline:  # the test kills this driver meanwhile
+                raise RuntimeError("the driver was not killed within 120 s")
+            time.sleep(0.05)
+
+
+def _committed_count(directory: str) -> int:
+    import os
+
+    return len([n for n in os.listdir(directory) if n.endswith(".json")]) if os.path.isdir(directory) else 0
+
+
+def doubling_model(control: str, weight: float = 2.0):
+    """The job's TorchModel: y = weight * x on the column ``x``, holding as ``control`` says."""
+    import functools
+
+    import torch
+
+    import sparkdl
+
+    module = HoldingDoubler(control)
+    with torch.no_grad():
+        module.linear.weight.fill_(weight)
+    factory = functools.partial(HoldingDoubler, control)
+    return sparkdl.TorchModel.from_state(module.state_dict(), model=factory, feature_cols=["x"], output_shape=[])

@@ -19,6 +19,8 @@ import sparkdl
 from sparkdl.inference.scan import plain_parquet_sources
 from tests.models import CountingFactory, Poisonable
 
+pytestmark = pytest.mark.spark
+
 ROWS = 2000
 
 

@@ -19,10 +19,10 @@ import pytest
 from sparkdl.errors import ConfigError
 from sparkdl.inference.committed_output import RUN_ID_KEY
 from sparkdl.inference.parts import list_parts
-from sparkdl.inference.predict_job import run_predict_job
+from sparkdl.inference.predict_job import predict_parts
 from tests.conftest import REPO_ROOT
-from tests.doubling_scorer import DoublingScorer
 from tests.integration.test_cache import _alive, _descendants
+from tests.models import doubling_model
 
 pytestmark = pytest.mark.spark
 
@@ -33,14 +33,17 @@ ROWS = PARTS * ROW_GROUP
 OPTIONS = {"batch_size": 10}
 
 # A driver of its own (process, JVM, Python workers) that runs the job until the test kills it:
-# its scorer holds before each part once `at` parts are committed.
+# its model (a real TorchModel, y = 2x) holds in forward once the control file's count of parts
+# is committed.
 _DRIVER = """
-import sys
+import json, sys
 sys.path[:0] = [{root!r}]
 from pyspark.sql import SparkSession
 from sparkdl.inference.parts import list_parts
-from sparkdl.inference.predict_job import run_predict_job
-from tests.doubling_scorer import DoublingScorer
+from sparkdl.inference.predict_job import predict_parts
+from tests.models import doubling_model
+
+json.dump({{"output": {output!r}, "hold_at": {at}}}, open({control!r}, "w"))
 
 spark = (
     SparkSession.builder.master("local[2]").appName("sparkdl-killed-predict")
@@ -49,7 +52,7 @@ spark = (
     .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false").getOrCreate()
 )
 parts = list_parts(spark, {data!r}, target_rows={row_group})
-run_predict_job(spark, DoublingScorer(hold_output={output!r}, hold_at={at}), parts, {output!r}, options={options!r})
+predict_parts(spark, doubling_model({control!r}), parts, {data!r}, {output!r}, options={options!r})
 """
 
 
@@ -82,7 +85,14 @@ def _kill_when_committed(tmp_path, name, data, output, at):
     env["PYTHONPATH"] = REPO_ROOT
     env.pop("PYSPARK_DRIVER_PYTHON", None)
     script = _DRIVER.format(
-        root=REPO_ROOT, local_dir=str(local_dir), data=data, row_group=ROW_GROUP, output=output, at=at, options=OPTIONS
+        root=REPO_ROOT,
+        local_dir=str(local_dir),
+        data=data,
+        row_group=ROW_GROUP,
+        output=output,
+        at=at,
+        options=OPTIONS,
+        control=str(tmp_path / "hold.json"),
     )
     log = tmp_path / f"{name}.log"
     with open(log, "w") as out:
@@ -130,7 +140,9 @@ def test_a_predict_job_killed_twice_resumes_without_recomputing_a_committed_part
     assert len({second[p] for p in set(second) - set(first)}) == 1 and set(first.values()) != set(second.values())
 
     parts = list_parts(spark, str(data), target_rows=ROW_GROUP)
-    result = run_predict_job(spark, DoublingScorer(), parts, output, options=OPTIONS)
+    control = str(tmp_path / "hold.json")
+    os.remove(control)  # the last run holds nowhere
+    result = predict_parts(spark, doubling_model(control), parts, str(data), output, options=OPTIONS)
 
     assert (result.parts, result.parts_skipped, result.parts_written) == (PARTS, len(second), PARTS - len(second))
     assert (result.rows, result.bad_rows) == (ROWS, 0)
@@ -146,17 +158,17 @@ def test_a_predict_job_killed_twice_resumes_without_recomputing_a_committed_part
         assert written_by[part_id].decode() == run_id, (seed, part_id)
     last = {written_by[p] for p in written_by if p not in second}
     assert len(last) == 1 and last.isdisjoint({r.encode() for r in second.values()}), seed
-    assert spark.read.parquet(output).where("y = 2 * x").count() == ROWS
+    assert spark.read.parquet(output).where("prediction = 2 * x").count() == ROWS
 
     # The same job again: complete, nothing runs; refused where asked (sparkdl predict).
-    again = run_predict_job(spark, DoublingScorer(), parts, output, options=OPTIONS)
+    again = predict_parts(spark, doubling_model(control), parts, str(data), output, options=OPTIONS)
     assert (again.rows, again.parts_written, again.parts_skipped) == (ROWS, 0, PARTS)
     with pytest.raises(
         ConfigError, match="already exists: pass --overwrite .* holds the complete predictions of this job"
     ):
-        run_predict_job(spark, DoublingScorer(), parts, output, options=OPTIONS, refuse_complete=True)
+        predict_parts(spark, doubling_model(control), parts, str(data), output, options=OPTIONS, refuse_complete=True)
     with pytest.raises(ConfigError, match="another model than this one"):
-        run_predict_job(spark, DoublingScorer(model_key="other"), parts, output, options=OPTIONS)
+        predict_parts(spark, doubling_model(control, weight=3.0), parts, str(data), output, options=OPTIONS)
 
 
 def test_sparkdl_predict_with_a_torch_model_resumes_a_lost_part_and_refuses_other_options(spark, tmp_path):

@@ -449,7 +449,7 @@ def test_the_plan_predicts_each_strategy_within_a_quarter_of_what_two_hosts_meas
             first = line["first_pairs"].get(strategy)
             again = (
                 f"; first pair {first['predicted']:.0f}/{first['measured']:.0f} = "
-                f"{first['predicted'] / first['measured']:.2f}, measured again"
+                f"{first['predicted'] / first['measured']:.2f}, measured twice again, the median pair judged"
                 if first
                 else ""
             )

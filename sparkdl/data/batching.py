@@ -108,7 +108,7 @@ def batches(
     try:
         for _ in range(skip):
             next(cuts)
-        yield from _finish_in_order(cuts, finish, skip, _threads_for(plan, spec))
+        yield from finish_in_order(cuts, finish, skip, _threads_for(plan, spec))
     finally:
         cuts.close()
         source.close()
@@ -159,7 +159,7 @@ def validation_batches(
 
     cuts = _cut_batches(source, spec.batch_size, spec.batch_size, _concatenate, keep_rest=True)
     try:
-        yield from _finish_in_order(cuts, finish, 0, _threads_for(plan, spec))
+        yield from finish_in_order(cuts, finish, 0, _threads_for(plan, spec))
     finally:
         cuts.close()
         source.close()
@@ -211,7 +211,7 @@ def _threads_for(plan: InputPlan, spec: DataSpec) -> int:
     return spec.decode_thread_count()
 
 
-def _finish_in_order(
+def finish_in_order(
     cuts: Iterator[Chunk], finish: Callable[[int, Chunk], Batch], first_index: int, threads: int
 ) -> Iterator[Batch]:
     """``finish`` over the cut batches, in order, on ``threads`` threads (0: inline) with at most

@@ -78,7 +78,6 @@ class ModelRunner:
     def __init__(self, module: torch.nn.Module, device: torch.device, precision: Optional[str], batch_size: int):
         self.module, self.device, self.precision = module, device, precision
         self.batch_size = batch_size
-        self.splits = 0
 
     def __call__(self, inputs: Any) -> Dict[str, np.ndarray]:
         rows = batch_rows(inputs)
@@ -96,7 +95,6 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self.batch_size = max(1, rows // 2)
-            self.splits += 1
             logger.warning(
                 "a batch of %d rows ran out of memory on %s; scoring in batches of %d from now on",
                 rows,

@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import pyarrow as pa
 
-from sparkdl.inference.parts import InputPart, list_parts, read_part
+from sparkdl.inference.parts import InputPart, list_parts, part_schema, read_part
 from sparkdl.inference.scorer import Scorer
 
 
@@ -32,8 +32,6 @@ def score_files(
         return None
     if {_path(part.url) for part in parts if part.rows} != {_path(url) for url in dataset.inputFiles()}:
         return None
-    from sparkdl.inference.parts import part_schema
-
     try:  # Spark reads some stored types as others (e.g. unsigned ints): they must cast to its own
         part_schema(parts[0]).empty_table().cast(target)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError):

@@ -64,10 +64,6 @@ class ModelRef:
     broadcast: Any = None
     inline: Optional[bytes] = None
 
-    @property
-    def how(self) -> str:
-        return "url" if self.url else ("broadcast" if self.broadcast is not None else "inline")
-
     def weights(self) -> bytes:
         """The weights' bytes (``torch.save`` of the state dict), on an executor."""
         if self.url is not None:

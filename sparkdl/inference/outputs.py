@@ -14,7 +14,6 @@ from typing import Any, Dict, List, Sequence
 import numpy as np
 import pyarrow as pa
 
-from sparkdl.errors import ConfigError
 from sparkdl.inference.api import InferenceOptions
 
 
@@ -44,34 +43,6 @@ def named_outputs(out: Any) -> Dict[str, Any]:
     if isinstance(out, (tuple, list)):
         return {str(i): v for i, v in enumerate(out)}
     return {"": out}
-
-
-def heads_of(out: Any, prediction_col: str, options: InferenceOptions) -> List[Head]:
-    """The heads of a model's result on a probe batch (``[rows, ...]`` tensors), with their columns.
-
-    Raises:
-        ConfigError: a head that is not a tensor of one row per input row, or a kind that needs
-            several values (probabilities, label, top_k) on a head of one.
-    """
-    named = named_outputs(out)
-    heads = []
-    for name, value in named.items():
-        shape = tuple(getattr(value, "shape", ()))
-        if not shape:
-            raise ConfigError(
-                f"the model's output {name or 'tensor'!r} is {type(value).__name__} of shape {shape}: every output "
-                f"must be a tensor with one row per input row"
-            )
-        size = int(np.prod(shape[1:])) if len(shape) > 1 else 1
-        kind = options.kind_of(name)
-        if kind in ("probabilities", "label", "top_k") and size < 2:
-            raise ConfigError(
-                f"output={kind!r} needs a model output of one score per class, but output {name or 'tensor'!r} has "
-                f"{size} value per row: use output='raw' for it"
-            )
-        column = prediction_col if len(named) == 1 else f"{prediction_col}_{name}"
-        heads.append(Head(name, column, size, kind))
-    return heads
 
 
 def fields(heads: Sequence[Head], options: InferenceOptions) -> List[pa.Field]:

@@ -4,16 +4,15 @@ which enters this for every task, says what each step does)."""
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import contextlib
 import logging
-from typing import Any, Deque, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Tuple
 
 import pyarrow as pa
 import torch
 
 from sparkdl._spark import task_threads
+from sparkdl.data.batching import finish_in_order
 from sparkdl.inference.execution import ModelRunner, current_task, task_device
 from sparkdl.inference.model_cache import cached_model
 
@@ -30,8 +29,9 @@ class ScoringTask:
         self.scorer = scorer
         self.stack = contextlib.ExitStack()
         self.partition = 0
-        self.pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.threads = 1
+        #: Threads preparing slices ahead of the model (0: inline).
+        self.decode_threads = 0
         self.bad_rows = 0
 
     def __enter__(self) -> "ScoringTask":
@@ -48,10 +48,7 @@ class ScoringTask:
             # Decoding images (Pillow and numpy release the GIL) overlaps the model; plain
             # numbers are converted inline, where a thread would only add hand-offs.
             if self.scorer.plan.expensive:
-                workers = options.decode_threads or self.threads
-                self.pool = self.stack.enter_context(
-                    concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sparkdl-score-decode")
-                )
+                self.decode_threads = options.decode_threads or self.threads
         except BaseException:
             self.stack.close()
             raise
@@ -69,9 +66,12 @@ class ScoringTask:
         scorer = self.scorer
         pending: List[Any] = []
         first_row = 0
-        ahead = 2 * (self.pool._max_workers if self.pool is not None else 1)
-        work = ((piece, lambda item: scorer.try_prepare(item[1])) for piece in self._slices(batches))
-        for (source, rows, last), prepared in in_order(self.pool, work, ahead):
+
+        def prepare(_: int, piece: _Slice) -> Tuple[_Slice, Any]:
+            return piece, scorer.try_prepare(piece[1])
+
+        # The data path's own in-order finisher: at most twice the threads' slices in flight.
+        for (source, rows, last), prepared in finish_in_order(self._slices(batches), prepare, 0, self.decode_threads):
             pending.append(scorer.score(rows, prepared, self.runner))
             if last:
                 whole = scorer.join(pending)
@@ -86,27 +86,3 @@ class ScoringTask:
             # An empty batch has nothing to score and no columns to add rows to: it is dropped.
             for start in range(0, batch.num_rows, size):
                 yield batch, batch.slice(start, size), start + size >= batch.num_rows
-
-
-def in_order(
-    pool: Optional[concurrent.futures.ThreadPoolExecutor], work: Iterator[Tuple[Any, Any]], ahead: int
-) -> Iterator[Tuple[Any, Any]]:
-    """``(item, fn(item))`` for ``(item, fn)`` pairs in order, ``ahead`` of them computing on
-    ``pool`` at once (inline without a pool)."""
-    if pool is None:
-        for item, fn in work:
-            yield item, fn(item)
-        return
-    flight: Deque[Tuple[Any, concurrent.futures.Future]] = collections.deque()
-    try:
-        for item, fn in work:
-            flight.append((item, pool.submit(fn, item)))
-            if len(flight) >= ahead:
-                done, future = flight.popleft()
-                yield done, future.result()
-        while flight:
-            done, future = flight.popleft()
-            yield done, future.result()
-    finally:
-        for _, future in flight:
-            future.cancel()

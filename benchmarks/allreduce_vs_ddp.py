@@ -100,12 +100,23 @@ def make_optimizer(params):
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
-def synthetic(rows: int, seed: int = 0):
+def synthetic(rows: int, seed: int = 0, features: int = FEATURES, center_scale: float = 1.0, noise: float = 2.0):
+    """``rows`` rows of ``features`` float32 around one random center per class (learnable: the
+    smaller ``center_scale`` against ``noise``, the harder), and their int64 labels."""
     rng = np.random.default_rng(seed)
-    centers = rng.normal(size=(CLASSES, FEATURES)).astype(np.float32)
+    centers = (rng.normal(size=(CLASSES, features)) * center_scale).astype(np.float32)
     labels = rng.integers(0, CLASSES, size=rows)
-    features = centers[labels] + rng.normal(scale=2.0, size=(rows, FEATURES)).astype(np.float32)
-    return features, labels.astype(np.int64)
+    values = centers[labels] + rng.normal(scale=noise, size=(rows, features)).astype(np.float32)
+    return values, labels.astype(np.int64)
+
+
+def held_out_accuracy(module: torch.nn.Module, test: str) -> float:
+    """The share of the rows in ``test`` (an ``.npz`` of ``features``, ``labels``) that ``module``
+    classifies right."""
+    with np.load(test) as held_out:
+        x, y = torch.from_numpy(held_out["features"]), torch.from_numpy(held_out["labels"])
+    with torch.no_grad():
+        return float((module(x).argmax(dim=1) == y).float().mean())
 
 
 def write_parquet(path: str, features, labels, row_group: int = 8192) -> None:
@@ -113,16 +124,18 @@ def write_parquet(path: str, features, labels, row_group: int = 8192) -> None:
     import pyarrow.parquet as pq
 
     os.makedirs(path, exist_ok=True)
-    offsets = pa.array(np.arange(0, len(features) * FEATURES + 1, FEATURES, dtype=np.int32))
+    width = features.shape[1]
+    offsets = pa.array(np.arange(0, len(features) * width + 1, width, dtype=np.int32))
     values = pa.ListArray.from_arrays(offsets, pa.array(features.reshape(-1)))
     table = pa.table({"features": values, "label": labels})
     pq.write_table(table, os.path.join(path, "part-0.parquet"), row_group_size=row_group)
 
 
-def _train_ddp(model_fn, x, y, steps: int, batch: int, epochs: int, rank: int, world: int):
+def _train_ddp(model_fn, x, y, steps: int, batch: int, epochs: int, rank: int, world: int, test: Optional[str] = None):
     """The training loop of both DDP sides (process group already up): the model wrapped in DDP,
     ``steps`` batches of ``batch`` rows per epoch in a fresh shuffled order. Returns (per-epoch
-    samples/s of all ranks together, time.time() at the first batch)."""
+    samples/s of all ranks together, time.time() at the first batch, the trained model's
+    accuracy on ``test`` on rank 0 or None)."""
     import torch.distributed as dist
 
     torch.manual_seed(0)
@@ -144,13 +157,14 @@ def _train_ddp(model_fn, x, y, steps: int, batch: int, epochs: int, rank: int, w
             optimizer.step()
         dist.barrier()
         rates.append(steps * batch * world / (time.time() - start))
-    return rates, first_batch
+    accuracy = held_out_accuracy(model.module, test) if test and rank == 0 else None
+    return rates, first_batch, accuracy
 
 
 # --- plain DDP, in-memory tensors ----------------------------------------------------------------
 
 
-def _ddp_worker(rank: int, world: int, port: int, model_fn, features, labels, batch: int, epochs: int, out):
+def _ddp_worker(rank: int, world: int, port: int, model_fn, features, labels, batch: int, epochs: int, out, test=None):
     import torch.distributed as dist
 
     from tests.gloo import exit_without_finalizing
@@ -161,9 +175,9 @@ def _ddp_worker(rank: int, world: int, port: int, model_fn, features, labels, ba
     x = torch.from_numpy(features[rank::world].copy())
     y = torch.from_numpy(labels[rank::world].copy())
     steps = len(labels) // (batch * world)
-    rates, first_batch = _train_ddp(model_fn, x, y, steps, batch, epochs, rank, world)
+    rates, first_batch, accuracy = _train_ddp(model_fn, x, y, steps, batch, epochs, rank, world, test)
     if rank == 0:
-        out.put({"rates": rates, "first_batch": first_batch, "steps": steps})
+        out.put({"rates": rates, "first_batch": first_batch, "steps": steps, "accuracy": accuracy})
     dist.destroy_process_group()
     # Rank 0 hosts the store: it stays until the others are done with it (a rank whose store
     # vanished while it tore down its group aborted once).
@@ -174,7 +188,7 @@ def _ddp_worker(rank: int, world: int, port: int, model_fn, features, labels, ba
     exit_without_finalizing()
 
 
-def run_ddp(model_fn, features, labels, batch: int, epochs: int) -> Dict:
+def run_ddp(model_fn, features, labels, batch: int, epochs: int, test: Optional[str] = None) -> Dict:
     import socket
 
     import torch.multiprocessing as mp
@@ -187,7 +201,7 @@ def run_ddp(model_fn, features, labels, batch: int, epochs: int) -> Dict:
     called = time.time()
     mp.start_processes(
         _ddp_worker,
-        args=(WORKERS, port, model_fn, features, labels, batch, epochs, queue),
+        args=(WORKERS, port, model_fn, features, labels, batch, epochs, queue, test),
         nprocs=WORKERS,
         start_method="spawn",
     )
@@ -203,7 +217,7 @@ def _plain_in_executor(model_name: str, rows: int, batch: int, epochs: int, ctx)
     x = torch.from_numpy(np.ascontiguousarray(features[ctx.rank :: ctx.world_size]))
     y = torch.from_numpy(labels[ctx.rank :: ctx.world_size].copy())
     steps = rows // (batch * ctx.world_size)
-    rates, first_batch = _train_ddp(MODELS[model_name], x, y, steps, batch, epochs, ctx.rank, ctx.world_size)
+    rates, first_batch, _ = _train_ddp(MODELS[model_name], x, y, steps, batch, epochs, ctx.rank, ctx.world_size)
     return {"rates": rates, "first_batch": first_batch}
 
 
@@ -223,7 +237,7 @@ def run_plain_in_executors(spark, model_name: str, rows: int, batch: int, epochs
 # --- TorchDistributor: pyarrow shard in memory + DDP ---------------------------------------------
 
 
-def _distributor_train(path: str, model_fn, batch: int, epochs: int):
+def _distributor_train(path: str, model_fn, batch: int, epochs: int, test: Optional[str] = None):
     """Run by torchrun on each executor (cloudpickled by value, as this module is ``__main__``):
     the usual TorchDistributor pattern for Parquet, which it does not stream: read this rank's
     share of the rows into memory with pyarrow, then DDP over the tensors. Returns rank 0's
@@ -261,10 +275,11 @@ def _distributor_train(path: str, model_fn, batch: int, epochs: int):
     del table, column
     steps = total_rows // (batch * world)  # the other sides' steps: one pass over the rows
     loaded = time.time()
-    rates, first_batch = _train_ddp(model_fn, x, y, steps, batch, epochs, rank, world)
+    rates, first_batch, accuracy = _train_ddp(model_fn, x, y, steps, batch, epochs, rank, world, test)
     dist.destroy_process_group()
     if rank == 0:
         return {
+            "accuracy": accuracy,
             "rates": rates,
             "first_batch": first_batch,
             "entered": entered,
@@ -274,14 +289,14 @@ def _distributor_train(path: str, model_fn, batch: int, epochs: int):
     return None
 
 
-def run_distributor(path: str, model_fn, batch: int, epochs: int) -> Dict:
+def run_distributor(path: str, model_fn, batch: int, epochs: int, test: Optional[str] = None) -> Dict:
     from pyspark.ml.torch.distributor import TorchDistributor
 
     # local_mode=False: torchrun runs inside the executors' barrier tasks, one node per task
     # (nproc_per_node=1 as CUDA_VISIBLE_DEVICES is empty without GPUs), not on the driver.
     distributor = TorchDistributor(num_processes=WORKERS, local_mode=False, use_gpu=False)
     called = time.time()
-    result = distributor.run(_distributor_train, path, model_fn, batch, epochs)
+    result = distributor.run(_distributor_train, path, model_fn, batch, epochs, test)
     whole = time.time() - called
     # launch: run() called -> the function entered on rank 0 (Spark job, torchrun, imports).
     return {**result, "startup": result["first_batch"] - called, "launch": result["entered"] - called, "whole": whole}
@@ -307,10 +322,13 @@ def run_sparkdl(spark, data, model_fn, batch: int, epochs: int, reader: str, sha
     model = estimator.fit(data)
     whole = time.time() - called
     info = model.run_info
+    startup = info["prepare_seconds"] + (info["startup_seconds"] or 0.0)
     return {
         "rates": [r["samples_per_sec"] for r in model.history],
         "whole": whole,
-        "startup": info["prepare_seconds"] + (info["startup_seconds"] or 0.0),
+        "startup": startup,
+        "first_batch": called + startup,
+        "model": model,
     }
 
 
@@ -535,14 +553,15 @@ def _ray_python() -> str:
     return subprocess.run([script], check=True, capture_output=True, text=True).stdout.strip()
 
 
-def run_ray(python: str, path: str, model: str, batch: int, epochs: int) -> Dict:
+def run_ray(python: str, path: str, model: str, batch: int, epochs: int, test: Optional[str] = None) -> Dict:
     side = os.path.join(ROOT, "benchmarks", "ray_train_side.py")
     command = [python, side, "--path", path, "--model", model, "--batch-size", str(batch), "--epochs", str(epochs)]
-    command += ["--workers", str(WORKERS)]
+    command += ["--workers", str(WORKERS)] + (["--test", test] if test else [])
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"the Ray Train side failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    # Its figures are the last JSON line: Ray's own processes may print to the same stdout after it.
+    return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
 
 
 if __name__ == "__main__":

@@ -22,6 +22,12 @@ cloudpickle; pyspark is not needed)::
 
     python benchmarks/gpu_check.py                      # cuda, wide MLP, 32 / bf16-mixed / 16-mixed
     python benchmarks/gpu_check.py --device cpu --tiny  # the same code path on a CPU, in seconds
+    python benchmarks/gpu_check.py --loader-only --device cpu  # the loader alone per decode worker
+
+``--loader-only`` measures only the data path (``benchmarks/_loader.py``): for 1, 2, ... up to
+the machine's CPUs decode workers (``--workers N`` caps them), the first epoch (Parquet) and the
+later ones (shard cache; ``--no-cache`` streams them too): rows/s, MB/s, CPU-µs per row, rows/s
+per worker and the scaling against one worker.
 
 ``--json PATH`` also writes the results as JSON. The data is synthetic Parquet the script writes
 itself (``--data DIR`` keeps it between runs). See docs/gpu.md.
@@ -48,6 +54,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 from _gpu_inference import print_scoring, score_runs  # noqa: E402
+from _loader import available_cpus, loader_table, print_loader_table  # noqa: E402
 
 from sparkdl._runtime.host_batches import Prefetcher  # noqa: E402
 from sparkdl._runtime.rendezvous import rendezvous, teardown  # noqa: E402
@@ -297,6 +304,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (a Spark task uses spark.task.cpus)"
     )
+    parser.add_argument("--loader-only", action="store_true", help="only the loader, per decode worker count")
+    parser.add_argument("--workers", type=int, default=None, help="--loader-only: most decode workers (CPUs)")
+    parser.add_argument("--epochs", type=int, default=3, help="--loader-only: epochs per worker count")
+    parser.add_argument("--repeats", type=int, default=1, help="--loader-only: runs per worker count (best kept)")
+    parser.add_argument("--no-cache", action="store_true", help="--loader-only: stream later epochs from Parquet")
     for name in SIZES["default"]:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     args = parser.parse_args(argv)
@@ -319,6 +331,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     write_s = time.perf_counter() - started
     dataset = inspect_dataset(data_dir, ["features"], "label")
     spec = DataSpec(batch_size=sizes["batch_size"], seed=args.seed)
+    if args.loader_only:
+        return loader_only(args, dataset, sizes, device)
 
     batch_bytes = sizes["batch_size"] * (sizes["features"] * 4 + 8)
     bandwidth = copy_bandwidth(device, max(batch_bytes, 64 << 20))
@@ -346,6 +360,27 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     }
     print_report(report)
     print_scoring(report)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=2)
+    return report
+
+
+def loader_only(args: argparse.Namespace, dataset: Any, sizes: Dict[str, int], device: torch.device) -> Dict[str, Any]:
+    cpus = args.workers or available_cpus()
+    table = loader_table(
+        dataset,
+        sizes["batch_size"],
+        device,
+        cpus,
+        max(1, args.epochs),
+        not args.no_cache,
+        max(1, args.repeats),
+        args.reader,
+    )
+    report = {"device": str(device), "cpus": cpus, "cache": not args.no_cache, "reader": args.reader}
+    report.update(sizes=sizes, loader_workers=table)
+    print_loader_table(report)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(report, handle, indent=2)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -26,16 +27,27 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
+def model_fn(name: str):
+    """The model builder ``name`` stands for: a key of allreduce_vs_ddp.MODELS, or ``module:function``
+    (a module of benchmarks/, e.g. ``_parity_workload:make_model``)."""
+    import importlib
+
+    from allreduce_vs_ddp import MODELS
+
+    module, _, function = name.rpartition(":")
+    return getattr(importlib.import_module(module), function) if module else MODELS[name]
+
+
 def train_loop(config) -> None:
     import torch
     import torch.distributed as dist
-    from allreduce_vs_ddp import FEATURES, MODELS, make_optimizer
+    from allreduce_vs_ddp import held_out_accuracy, make_optimizer
     from ray import train
     from ray.train.torch import prepare_model
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = prepare_model(MODELS[config["model"]]())  # DDP on gloo
+    model = prepare_model(model_fn(config["model"])())  # DDP on gloo
     optimizer = make_optimizer(model.parameters())
     shard = train.get_dataset_shard("train")
     context = train.get_context()
@@ -51,8 +63,8 @@ def train_loop(config) -> None:
         ):
             if first_batch is None:
                 first_batch = time.time()
-            x = batch_data["features"].reshape(-1, FEATURES).float()
             y = batch_data["label"].long()
+            x = batch_data["features"].reshape(len(y), -1).float()
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
@@ -61,6 +73,8 @@ def train_loop(config) -> None:
         seconds = time.time() - start
         record = {"epoch": epoch, "samples": samples * world, "seconds": seconds, "first_batch": first_batch or 0.0}
         if context.get_world_rank() == 0:
+            if config["test"] and epoch == config["epochs"] - 1:
+                record["accuracy"] = held_out_accuracy(model.module, config["test"])
             # Written by rank 0 itself: what a trainer hands back of its reports differs between
             # Ray Train's versions, a file does not.
             with open(config["metrics"], "a") as out:
@@ -68,10 +82,26 @@ def train_loop(config) -> None:
         train.report(record)
 
 
+def summary(metrics: str, called: float, whole: float) -> dict:
+    """The run's figures from rank 0's metrics file: per-epoch samples/s, the whole call, start-up
+    (called -> first batch), the first batch's time.time() and the held-out accuracy."""
+    with open(metrics) as lines:
+        history = [json.loads(line) for line in lines]
+    first = next((row["first_batch"] for row in history if row.get("first_batch")), None)
+    return {
+        "rates": [row["samples"] / row["seconds"] for row in history if row.get("seconds")],
+        "whole": whole,
+        "startup": (first - called) if first else whole,
+        "first_batch": first,
+        "accuracy": next((row["accuracy"] for row in history if "accuracy" in row), None),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", required=True, help="the Parquet directory allreduce_vs_ddp.py wrote")
-    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--model", default="mlp", help="a name of allreduce_vs_ddp.MODELS or module:function")
+    parser.add_argument("--test", default=None, help="an .npz of held-out features, labels: report the accuracy")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
@@ -101,6 +131,7 @@ def main() -> None:
                 "batch_size": args.batch_size,
                 "epochs": args.epochs,
                 "metrics": metrics,
+                "test": args.test and os.path.abspath(args.test),
             },
             scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False, resources_per_worker={"CPU": 1}),
             datasets={"train": dataset},
@@ -110,22 +141,10 @@ def main() -> None:
         if result.error is not None:
             raise result.error
         whole = time.time() - called
-        with open(metrics) as lines:
-            history = [json.loads(line) for line in lines]
-        rates = [row["samples"] / row["seconds"] for row in history if row.get("seconds")]
-        first = next((row["first_batch"] for row in history if row.get("first_batch")), None)
-        print(
-            json.dumps(
-                {
-                    "rates": rates,
-                    "whole": whole,
-                    "startup": (first - called) if first else whole,
-                    "ray": ray.__version__,
-                }
-            )
-        )
+        print(json.dumps({**summary(metrics, called, whole), "ray": ray.__version__}))
     finally:
         ray.shutdown()
+        shutil.rmtree(os.path.dirname(metrics), ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,8 @@ class TrainContext(ResizeMethods):
         self.steps_per_epoch = steps_per_epoch
         #: A logger whose records reach the driver prefixed with the rank.
         self.logger = self._rank.logger
+        #: This rank's place in the job, for a second strategy's ``create_runtime`` (sparkdl plan).
+        self.dist_env = env
         #: Wall-clock times of the task's start-up: ``worker_started`` (its Python process),
         #: ``task_entered``, ``ready`` (process group and strategy up); see run_info["startup"].
         self.startup_marks: Dict[str, Optional[float]] = dict(startup_marks or {})

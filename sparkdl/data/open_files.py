@@ -21,8 +21,11 @@ class OpenFiles:
     """A dataset's files, each opened once with its footer kept: a task reads many row groups
     per file, and re-parsing a footer per row group would cost more than small row groups."""
 
-    def __init__(self, dataset: DatasetInfo) -> None:
+    def __init__(self, dataset: DatasetInfo, use_threads: bool = True) -> None:
         self.dataset = dataset
+        # False: one row group is decoded in the calling thread, for callers that read several
+        # at once on threads of their own (pyarrow's pool would only add handovers to it).
+        self.use_threads = use_threads
         self.urls = [f.url for f in dataset.files]
         self.fs, _ = filesystem_and_path(self.urls[0])
         self.paths = file_paths(self.fs, self.urls)
@@ -43,8 +46,8 @@ class OpenFiles:
         """Every row of a row group (a table's deleted ones too: the selection leaves them out)."""
         try:
             if self.dataset.layout is not None:
-                return self.dataset.layout.read(self.parquet(index), index, row_group, columns)
-            return self.parquet(index).read_row_group(row_group, columns=list(columns))
+                return self.dataset.layout.read(self.parquet(index), index, row_group, columns, self.use_threads)
+            return self.parquet(index).read_row_group(row_group, columns=list(columns), use_threads=self.use_threads)
         except (pa.ArrowInvalid, OSError) as exc:
             raise DataError(f"cannot read row group {row_group} of Parquet file {self.urls[index]!r}: {exc}") from exc
 

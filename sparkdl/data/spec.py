@@ -61,8 +61,10 @@ class DataSpec:
         holdout: fraction of rows held out of training for validation (by row position).
         part: ``"train"`` reads the rows not held out, ``"holdout"`` only the held-out ones.
         validation: the validation pass, or None for none.
-        prefetch_row_groups: row groups the Arrow reader reads ahead in the background.
-        decode_threads: threads that finish batches (decode images, apply ``transform_fn``)
+        prefetch_row_groups: row groups the Arrow reader reads ahead in the background; None:
+            two, or the decode threads when there are more (each reads one at a time).
+        decode_threads: the task's decode workers: threads that read and decode row groups at
+            once (the Arrow reader) and finish batches (decode images, apply ``transform_fn``)
             ahead of the training step; None uses the task's cores (``spark.task.cpus``). Runs
             without images or ``transform_fn`` finish batches inline: there is nothing to decode.
         shard_cache: the driver's shard-cache decision (:mod:`sparkdl.data.shard_cache`): with a
@@ -82,7 +84,7 @@ class DataSpec:
     holdout: float = 0.0
     part: str = "train"
     validation: Optional[ValidationSpec] = None
-    prefetch_row_groups: int = 2
+    prefetch_row_groups: Optional[int] = None
     decode_threads: Optional[int] = None
     pass_marks: bool = False
     shard_cache: Optional[Decision] = None
@@ -95,6 +97,13 @@ class DataSpec:
 
         # The launcher sets torch's threads to the task's cores (spark.task.cpus).
         return max(1, torch.get_num_threads())
+
+    def read_ahead(self) -> int:
+        """Row groups the Arrow reader reads ahead: ``prefetch_row_groups``, else two or, when
+        there are more, one per decode thread (so that every thread has one to read)."""
+        if self.prefetch_row_groups is not None:
+            return self.prefetch_row_groups
+        return max(2, self.decode_thread_count())
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
@@ -109,7 +118,7 @@ class DataSpec:
             raise ConfigError(f"part={self.part!r} must be 'train' or 'holdout'")
         if self.transform_fn is not None and not callable(self.transform_fn):
             raise ConfigError(f"transform_fn={self.transform_fn!r} is not callable")
-        if self.prefetch_row_groups < 1:
+        if self.prefetch_row_groups is not None and self.prefetch_row_groups < 1:
             raise ConfigError(f"prefetch_row_groups={self.prefetch_row_groups!r} must be >= 1")
         if self.decode_threads is not None and (
             not isinstance(self.decode_threads, int) or isinstance(self.decode_threads, bool) or self.decode_threads < 1

@@ -135,12 +135,14 @@ class TableLayout:
         are other data."""
         return hashlib.sha256(b"\0".join(self.deleted)).digest() if self.deleted_count else b""
 
-    def read(self, handle: Any, index: int, row_group: int, columns: Sequence[str]) -> pa.Table:
+    def read(
+        self, handle: Any, index: int, row_group: int, columns: Sequence[str], use_threads: bool = True
+    ) -> pa.Table:
         """Row group ``row_group`` of file ``index`` (a ``pyarrow.parquet.ParquetFile``) as the
         table's ``columns``: stored ones by their physical names, partition ones as constants."""
         partitions = self.partitions
         stored = [c for c in columns if c not in partitions]
-        table = handle.read_row_group(row_group, columns=[self.physical(c) for c in stored])
+        table = handle.read_row_group(row_group, columns=[self.physical(c) for c in stored], use_threads=use_threads)
         rows = handle.metadata.row_group(row_group).num_rows
         arrays: Dict[str, Any] = dict(zip(stored, table.columns))
         for position, field in enumerate(self.partition_schema):

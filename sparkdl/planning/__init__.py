@@ -136,7 +136,8 @@ def plan(
     check_optimizer(optimizer, module)
     check_loss(module, loss, info, spec, reader)
     calibrated = run(
-        measure_task(model, optimizer, loss, batch_size),
+        # Each strategy's synchronization is timed only where there is a link to time it over.
+        measure_task(model, optimizer, loss, batch_size, list(zip(shapes, (s for _, s in labelled))) if probe else ()),
         num_workers=tasks,
         data=data,
         feature_cols=data_settings.feature_cols,
@@ -172,6 +173,7 @@ def plan(
         bandwidth=stated_bandwidth if stated_bandwidth is not None else network.bandwidth,
         latency_s=stated_latency if stated_latency is not None else network.latency_s,
         backend="nccl" if task.device.startswith("cuda") else "gloo",
+        sync_overhead_s=dict(task.sync_overhead_s),
     )
     if stated_bandwidth is not None:
         notes.append(f"bandwidth stated: {stated_bandwidth * 8 / 1e9:.3g} Gbit/s per link")

@@ -8,6 +8,8 @@ data in one short barrier stage of two tasks (about half a minute):
 2. **The link between them**: gloo allreduces, small ones for the latency and large ones for the
    bandwidth, over the transport and interface the strategies use. When both tasks ran on one
    host, that is loopback, not a network: the plan says so, and asks for ``bandwidth=``.
+3. **Each strategy's synchronization**, a few of its cycles with its own code over that link:
+   what one costs beyond the link model's transfer (:mod:`.sync_cost`).
 
 With the link stated (``bandwidth=`` and ``latency=``) the stage has one task and no probe.
 """
@@ -18,9 +20,12 @@ import dataclasses
 import logging
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from sparkdl.planning.models import Measured, StrategyShape
+from sparkdl.planning.sync_cost import sync_overheads
 
 logger = logging.getLogger("sparkdl")
 
@@ -45,6 +50,8 @@ class TaskCalibration:
     device: str
     threads: int
     host: str
+    #: Seconds one synchronization costs beyond the link model's transfer, by strategy label.
+    sync_overhead_s: Dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,13 +71,18 @@ class NetworkCalibration:
 
 
 def measure_task(
-    model_fn: Callable[[], torch.nn.Module], optimizer_fn: Callable, loss_fn: Callable, batch_size: int
+    model_fn: Callable[[], torch.nn.Module],
+    optimizer_fn: Callable,
+    loss_fn: Callable,
+    batch_size: int,
+    strategies: Sequence[Tuple[StrategyShape, Any]] = (),
 ) -> Callable:
     """The ``sparkdl.run`` function of the calibration stage. Every rank times its own step at the
     same time as the others, part by part (a barrier between parts): in a fit the ranks compute at
     once, so a rank alone on an idle host would time a step faster than any fit runs it, and a
     synchronous step waits for the slowest rank. With two or more ranks the stage then probes
-    the link between them (:func:`probe_network`). Rank 0 returns every rank's figures."""
+    the link between them (:func:`probe_network`) and times each of ``strategies``' synchronization
+    over it (:func:`sync_overheads`). Rank 0 returns every rank's figures."""
 
     def calibrate(ctx: Any) -> Dict[str, Any]:
         import socket
@@ -91,13 +103,16 @@ def measure_task(
 
         on_gpu = torch.device(ctx.device).type == "cuda"
 
-        def step(features: Any, labels: Any) -> None:
+        def train_step(model: Any, optimizer: Any, features: Any, labels: Any) -> None:
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(call_model(model, features), labels)
             loss.backward()
             optimizer.step()
             if on_gpu:  # kernels run asynchronously: a step's time is when the GPU is done with it
                 torch.cuda.synchronize()
+
+        def step(features: Any, labels: Any) -> None:
+            train_step(model, optimizer, features, labels)
 
         def passes(compute: bool, most: Optional[int] = None) -> tuple:
             """Passes over the shard as the fit loop makes them (a pass's start included, as an
@@ -175,22 +190,45 @@ def measure_task(
         }
         if not together:
             return {"tasks": [mine], "network": None}
+        network = probe_network(ctx)
+
+        def build() -> tuple:
+            torch.manual_seed(0)
+            return model_fn().to(ctx.device), optimizer_fn
+
+        # The model's prediction of a cycle on batches in memory (what the cycles run on).
+        compute_only = Measured(
+            **{key: mine[key] for key in ("batch_size", "compute_step_s", "param_bytes", "grad_bytes")},
+            local_step_s=mine["compute_step_s"],
+            data_rows_per_s=float("inf"),
+            optimizer_bytes=mine["optimizer_bytes"],
+            largest_unit_bytes=mine["largest_unit_bytes"],
+            bandwidth=network["bandwidth"],
+            latency_s=network["latency_s"],
+            backend=network["backend"],
+        )
+        mine["sync_overhead_s"] = sync_overheads(ctx, strategies, build, train_step, kept, compute_only)
         tasks: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(tasks, mine)
-        return {"tasks": tasks, "network": probe_network(ctx)}
+        return {"tasks": tasks, "network": network}
 
     return calibrate
 
 
 def slowest(tasks: Sequence[Dict[str, Any]]) -> TaskCalibration:
-    """One figure per part from every rank's: the slowest rank's step and data path (a synchronous
-    step waits for it), the model's bytes (the same on every rank)."""
+    """One figure per part from every rank's: the slowest rank's step, data path and
+    synchronizations (a synchronous step waits for it), the model's bytes (the same on every rank)."""
     pacing = max(tasks, key=lambda task: task["local_step_s"])
+    labels = {label for task in tasks for label in task.get("sync_overhead_s", {})}
     return TaskCalibration(
         **{
             **pacing,
             "compute_step_s": max(task["compute_step_s"] for task in tasks),
             "data_rows_per_s": min(task["data_rows_per_s"] for task in tasks),
+            "sync_overhead_s": {
+                label: max(task.get("sync_overhead_s", {}).get(label, 0.0) for task in tasks)
+                for label in sorted(labels)
+            },
         }
     )
 

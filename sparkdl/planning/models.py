@@ -22,6 +22,9 @@ their assumptions in docs/planning.md.
   pulls, 2(N−1)/N·S each way, as allreduce does, after its backward and before its next forward
   (no overlap). Its shard hosts serve every worker: with fewer shards than workers (``shards``) a
   host's link carries N/shards times a worker's share (server-bound).
+* **What a synchronization costs beyond its transfer** (γ, ``sync_overhead_s``): the strategy's own
+  copies, the steps after it from cold caches, the wait for the slower rank; timed per strategy
+  by the calibration (:mod:`sparkdl.planning.sync_cost`) and added once per synchronization.
 * **Sharded data parallel** (FSDP2): per step each unit's parameters are all-gathered for the
   forward and again for the backward (resharded after forward), (N−1)/N·S each, and the
   gradients reduce-scattered: (N−1)/N·S on NCCL; on gloo, which has no reduce-scatter, an
@@ -58,6 +61,8 @@ class Measured:
         bandwidth: bytes per second a link carries each way.
         latency_s: the cost of one message (α).
         backend: ``"gloo"`` or ``"nccl"`` (what the ranks' collectives run on).
+        sync_overhead_s: by strategy label, what one synchronization costs a rank beyond the
+            link model's transfer (γ); a strategy not in it is charged its transfer alone.
     """
 
     batch_size: int
@@ -71,6 +76,7 @@ class Measured:
     bandwidth: float
     latency_s: float
     backend: str = "gloo"
+    sync_overhead_s: Dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +133,7 @@ def predict(measured: Measured, shape: StrategyShape, workers: int) -> Predictio
     local_bound = "data" if data_s > measured.compute_step_s else "compute"
     share = (n - 1) / n if n > 1 else 0.0
     state = measured.param_bytes + measured.grad_bytes + measured.optimizer_bytes
+    overhead = measured.sync_overhead_s.get(shape.label, 0.0)  # per synchronization
     if shape.kind == "allreduce":
         buckets = max(1, math.ceil(measured.grad_bytes / DDP_BUCKET_BYTES))
         bandwidth_s = 2 * share * measured.grad_bytes / bandwidth
@@ -134,13 +141,13 @@ def predict(measured: Measured, shape: StrategyShape, workers: int) -> Predictio
         comm = bandwidth_s + latency_part
         # Buckets other than the last allreduce while the backward still runs.
         hidden = min(comm * (buckets - 1) / buckets, BACKWARD_SHARE * measured.compute_step_s)
-        step, wire, memory = local + comm - hidden, int(2 * share * measured.grad_bytes), state
+        step, wire, memory = local + comm - hidden + overhead, int(2 * share * measured.grad_bytes), state
         comm_bound = "bandwidth" if bandwidth_s >= latency_part else "latency"
     elif shape.kind in ("averaging", "elastic"):
         tau = max(1, shape.sync_every)
         sync = ring_allreduce_s(measured.param_bytes, n, bandwidth, alpha)
         comm = sync / tau
-        step, wire = local + comm, int(2 * share * measured.param_bytes / tau)
+        step, wire = local + comm + overhead / tau, int(2 * share * measured.param_bytes / tau)
         # Elastic averaging keeps a center copy of the parameters on every rank.
         memory = state + (measured.param_bytes if shape.kind == "elastic" else 0)
         comm_bound = "bandwidth" if 2 * share * measured.param_bytes / bandwidth >= 2 * (n - 1) * alpha else "latency"
@@ -158,7 +165,7 @@ def predict(measured: Measured, shape: StrategyShape, workers: int) -> Predictio
         volume = (2 * share + reduce_scatter) * measured.param_bytes
         latency_part = 3 * (n - 1) * alpha if n > 1 else 0.0
         comm = volume / bandwidth + latency_part
-        step, wire = local + comm, int(volume)
+        step, wire = local + comm + overhead, int(volume)
         memory = int(state / n) + 2 * measured.largest_unit_bytes if n > 1 else state
         comm_bound = "bandwidth" if volume / bandwidth >= latency_part else "latency"
     # What the step spends most on: the rank's own work, or the communication.

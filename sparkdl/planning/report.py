@@ -110,6 +110,14 @@ class Plan:
             f"data path {m.data_rows_per_s:,.0f} rows/s), batch {m.batch_size}, model {m.param_bytes / 1e6:.2f} MB, "
             f"optimizer state {m.optimizer_bytes / 1e6:.2f} MB; link {m.bandwidth * 8 / 1e9:.3g} Gbit/s, "
             f"latency {m.latency_s * 1e6:.0f} us ({m.backend})",
+            *(
+                [
+                    "each synchronization beyond its transfer: "
+                    + ", ".join(f"{label} {seconds * 1e3:.1f} ms" for label, seconds in m.sync_overhead_s.items())
+                ]
+                if m.sync_overhead_s
+                else []
+            ),
             "",
             f"{'strategy':<34} {'workers':>7} {'step ms':>9} {'samples/s':>12} {'efficiency':>10} "
             f"{'wire MB/step':>12} {'MB/rank':>9}  bound",

@@ -662,6 +662,8 @@ def plan_against_fits(spark, args, rate: str, out_dir: str) -> dict:
             "first_pairs": first_pairs,  # the strategies measured again, their first pair
             "calibration": planned.to_json()["measured"],
             "task_steps": [task["local_step_s"] for task in planned.calibration["tasks"]],
+            # What the calibration timed each synchronization at beyond its transfer (the first plan's).
+            "sync_overhead_s": dict(planned.measured.sync_overhead_s),
             "network": planned.calibration["network"],
         }
     finally:

@@ -453,9 +453,11 @@ def test_the_plan_predicts_each_strategy_within_a_quarter_of_what_two_hosts_meas
                 if first
                 else ""
             )
+            overhead = line["sync_overhead_s"].get(strategy)
+            sync = f"; {overhead * 1e3:.1f} ms per sync beyond its transfer" if overhead is not None else ""
             report.append(
                 f"{line['rate']:>8} {strategy:<32} predicted {predicted:8.0f} measured {measured:8.0f} "
-                f"({predicted / measured:.2f}; fits {fits}; {line['bound'][strategy]}-bound{again})"
+                f"({predicted / measured:.2f}; fits {fits}; {line['bound'][strategy]}-bound{sync}{again})"
             )
             if abs(predicted / measured - 1) > PLAN_TOLERANCE:
                 misses.append(report[-1])

@@ -54,6 +54,11 @@ def test_a_plan_on_one_host_calibrates_predicts_and_warns_that_loopback_is_no_ne
     assert sorted(written) == sorted([str(tmp_path / "plan.json"), str(tmp_path / "plan.png")])
     assert len(document["predictions"]) == 18 and "not predicted" in document["notes"][-1]
     assert "AllReduce" in plan.table() and "calibration:" in plan.table()
+    # Each strategy that synchronizes with collectives had its synchronization timed with its own
+    # code (sparkdl.planning.sync_cost); the parameter server's transfer is what its model charges.
+    assert set(measured.sync_overhead_s) == set(plan.strategies) - {"ParameterServer"}, measured.sync_overhead_s
+    assert document["measured"]["sync_overhead_s"] == measured.sync_overhead_s
+    assert "each synchronization beyond its transfer: AllReduce" in plan.table()
 
 
 def test_a_stated_link_replaces_the_probe_and_a_slow_one_stops_allreduce_early(spark, digits_df):
@@ -70,6 +75,7 @@ def test_a_stated_link_replaces_the_probe_and_a_slow_one_stops_allreduce_early(s
     assert plan.measured.bandwidth == pytest.approx(10e6 / 8) and plan.measured.latency_s == pytest.approx(1e-3)
     assert plan.calibration["network"] is None  # nothing probed: both were stated
     assert len(plan.calibration["tasks"]) == 1  # so one task was enough
+    assert plan.measured.sync_overhead_s == {}  # and no link to time a synchronization over
     stop = plan.stops_scaling(plan.strategies[0])
     assert stop is not None and stop.workers == 2 and stop.comm_bound == "bandwidth", plan.table()
     averaging = plan.of(plan.strategies[1])

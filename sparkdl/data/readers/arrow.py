@@ -4,9 +4,11 @@
 (pyarrow's current API, no legacy ``ParquetDataset``), only the columns it needs, and turns
 them into arrays without per-row Python objects: a ``list<float>`` column becomes one
 ``[rows, width]`` view of its values buffer (``flatten()`` + reshape), checked for equal
-lengths through its offsets. A background thread reads the next row groups while the current
-ones are trained on (``DataSpec.prefetch_row_groups`` ahead, so memory stays bounded), across
-the boundaries of passes too.
+lengths through its offsets. Background threads read the next row groups while the current
+ones are trained on (``DataSpec.read_ahead()`` ahead, so memory stays bounded), across the
+boundaries of passes too: up to ``DataSpec.decode_thread_count()`` row groups are read and
+decoded at once (pyarrow decodes without the GIL, so a task's reads scale with its cores), each
+thread with its own open files, and handed out in the pass's order whichever finishes first.
 
 It follows the same rules as the Petastorm reader (:mod:`sparkdl.data.selection`): the same
 row groups per rank, in the same order for the same seed, the same striding fallback, filter
@@ -19,8 +21,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import threading
 import time
-from typing import Deque, Iterable, Iterator, Optional
+from typing import Callable, Deque, Dict, Iterable, Iterator, List, Optional
 
 import pyarrow as pa
 
@@ -60,12 +63,27 @@ class ArrowReader(DataReader):
         cache: Optional[ShardCache] = None,
     ) -> Iterator[Chunk]:
         """The passes' row groups in order, each pass followed by ``PASS_END``, with
-        ``spec.prefetch_row_groups`` row groups read ahead across the passes' boundaries too:
-        the next pass's first row groups are read while this pass's last ones are trained on,
-        so an epoch's first step does not wait for a read. With ``cache``, a row group it holds
-        is not read again, and one it does not is kept after its read while the budget lasts."""
+        ``spec.read_ahead()`` row groups read ahead across the passes' boundaries too: the
+        next pass's first row groups are read while this pass's last ones are trained on, so an
+        epoch's first step does not wait for a read. Up to ``spec.decode_thread_count()`` of
+        them are read at once. With ``cache``, a row group it holds is not read again, and one
+        it does not is kept after its read while the budget lasts."""
         selector = RowSelector(dataset, spec.holdout, spec.part, spec.filters, rank, world_size)
-        files = OpenFiles(dataset)
+        window = in_flight(dataset, spec)
+        workers = min(spec.decode_thread_count(), window)
+        opened: List[OpenFiles] = []
+        opened_lock = threading.Lock()
+        local = threading.local()
+
+        def open_files() -> OpenFiles:
+            # A ParquetFile is not shared between threads: each reading thread opens its own.
+            files = getattr(local, "files", None)
+            if files is None:
+                files = local.files = OpenFiles(dataset, use_threads=False)
+                with opened_lock:
+                    opened.append(files)
+            return files
+
         locations = dataset.row_group_location()
         rows = dataset.row_group_rows
         columns = dataset.columns + [c for c in dataset.filter_columns if c not in dataset.columns]
@@ -73,11 +91,10 @@ class ArrowReader(DataReader):
         # With a cache, every chunk takes the form the cache keeps (images decoded here, not on
         # the decode threads), kept or not: the shuffle buffer mixes chunks of one form.
         convert = cache is not None and dataset.plan.converts_kept
-        threads = spec.decode_thread_count() if convert else 1
+        # The row groups read at once share the decode threads (image decoding within one).
+        threads = max(1, spec.decode_thread_count() // workers) if convert else 1
 
-        def load(group: int) -> Optional[Chunk]:
-            if cache is None:
-                return read(group)
+        def keep_or_read(group: int) -> Optional[Chunk]:
             kept = cache.get(group)
             if kept is not MISSING:
                 return kept
@@ -92,6 +109,7 @@ class ArrowReader(DataReader):
             file_index, row_group = locations[group]
             if rows[group] == 0:
                 return None
+            files = open_files()
             if selector.expression is not None and not files.may_match(file_index, row_group, selector.expression):
                 return None  # the row group's statistics rule the filter out: not even read
             table = files.read(file_index, row_group, columns)
@@ -118,12 +136,12 @@ class ArrowReader(DataReader):
                 None,
             ]
         )
-        # One thread: reads run in order (a ParquetFile is not shared between threads) and
-        # pyarrow decodes without the GIL, so reading overlaps the training thread.
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparkdl-arrow-read")
+        load = read if cache is None else _OneLoadAtATime(keep_or_read)
+        # pyarrow decodes without the GIL, so the reads overlap each other and the training
+        # thread; futures are taken in submission order, so the chunks keep the pass's order.
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sparkdl-arrow-read")
         pending: Deque[Optional[concurrent.futures.Future]] = collections.deque()  # None: a pass's end
         reading = 0  # futures in pending: the one about to be consumed and those read ahead
-        window = spec.prefetch_row_groups + 1
         try:
             while True:
                 # A pass adds a row group and an end at least, so the length bound only binds
@@ -149,7 +167,56 @@ class ArrowReader(DataReader):
                 if future is not None:
                     future.cancel()
             pool.shutdown(wait=True)
-            files.close()
+            for files in opened:
+                files.close()
+
+
+#: What the row groups read ahead may take decoded, when ``prefetch_row_groups`` is not set: one
+#: per decode thread, unless that many of the dataset's largest would take more than this.
+READ_AHEAD_BYTES = 512 << 20
+
+
+def in_flight(dataset: DatasetInfo, spec: DataSpec) -> int:
+    """Row groups read or being read at a time: the one about to be consumed and those read
+    ahead (``spec.read_ahead()``, within :data:`READ_AHEAD_BYTES` by the footers' sizes unless
+    ``prefetch_row_groups`` says how many)."""
+    ahead = spec.read_ahead()
+    if spec.prefetch_row_groups is None and dataset.row_group_bytes:
+        largest = max(1, max(dataset.row_group_bytes))
+        ahead = min(ahead, max(2, READ_AHEAD_BYTES // largest))
+    return ahead + 1
+
+
+class _OneLoadAtATime:
+    """``load(group)``, run once at a time per row group: a thread that reaches a row group
+    another thread is still loading (the read-ahead reaches the next pass's first row groups while
+    this pass's last ones are read) waits for that load instead of reading it again, so that a
+    cached row group is read, and its images decoded, once."""
+
+    def __init__(self, load: Callable[[int], Optional[Chunk]]) -> None:
+        self._load = load
+        self._lock = threading.Lock()
+        self._running: Dict[int, "concurrent.futures.Future[Optional[Chunk]]"] = {}
+
+    def __call__(self, group: int) -> Optional[Chunk]:
+        with self._lock:
+            running = self._running.get(group)
+            first = running is None
+            if first:
+                running = self._running[group] = concurrent.futures.Future()
+        if not first:
+            return running.result()
+        try:
+            chunk = self._load(group)
+        except BaseException as exc:
+            running.set_exception(exc)
+            raise
+        else:
+            running.set_result(chunk)
+            return chunk
+        finally:
+            with self._lock:
+                del self._running[group]
 
 
 _EXHAUSTED = object()  # the end of a finite pass_indexes (None already marks a pass's end)

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/startup.py [--fits 3] [--rows 20000]
 
 Starts a new ``local-cluster[2,1,1024]`` application three times, each in a fresh driver
-process (a process that already fitted once has torch._dynamo and pandas imported), and, in
+process (a process that already fitted once has imported what a first fit imports), and, in
 each, waits until both executors registered (Spark's own start-up is not sparkdl's), then fits
 the same small MLP on the same Parquet ``--fits`` times. In the first application the first fit
 is the application's first Spark job and finds the executors cold; in the second, one Spark job

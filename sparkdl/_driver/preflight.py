@@ -7,9 +7,11 @@ every rank at the first step and on every relaunch: it is worth one small batch 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from typing import Any, Callable, Optional
+import sys
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -64,12 +66,42 @@ def build_checked_model(model_fn: Callable[[], Any], plan: InputPlan) -> torch.n
 
 def check_optimizer(optimizer_fn: Callable[[Any], Any], module: torch.nn.Module) -> None:
     """``optimizer_fn(module.parameters())`` must build a ``torch.optim.Optimizer``."""
-    built = optimizer_fn(module.parameters())
+    with _no_dynamo_import():
+        built = optimizer_fn(module.parameters())
     if not isinstance(built, torch.optim.Optimizer):
         raise ConfigError(
             f"optimizer={_name(optimizer_fn)} returned {type(built).__name__}, not a torch.optim.Optimizer: "
             f"pass a function params -> optimizer, e.g. lambda params: torch.optim.Adam(params, lr=1e-3)"
         )
+
+
+@contextlib.contextmanager
+def _no_dynamo_import() -> Iterator[None]:
+    """Building an optimizer without importing torch._dynamo, when nothing in this process has.
+
+    ``Optimizer.add_param_group``, which every optimizer's constructor calls, is wrapped by
+    ``torch._disable_dynamo``: its first call imports torch._dynamo (1-3 s of CPU, most of a
+    first fit's ``prepare``) only to keep the method out of compiled graphs, and caches the
+    result on the method. The check compiles nothing and steps nothing, so while it builds the
+    optimizer the cache holds the plain method (what runs without compilation anyway); it is
+    removed afterwards, and the next optimizer built in the process imports
+    torch._dynamo as before. Where torch keeps no such cache, nothing is set and the check
+    imports torch._dynamo as it did. The ranks still import it: every ``optimizer.step()`` does.
+    """
+    method = getattr(torch.optim.Optimizer.add_param_group, "__wrapped__", None)
+    if "torch._dynamo" in sys.modules or method is None or getattr(method, _DYNAMO_CACHE, None) is not None:
+        yield
+        return
+    setattr(method, _DYNAMO_CACHE, method)
+    try:
+        yield
+    finally:
+        if getattr(method, _DYNAMO_CACHE, None) is method:
+            delattr(method, _DYNAMO_CACHE)
+
+
+#: Where ``torch._disable_dynamo``'s wrapper caches its disabled function (torch/_compile.py).
+_DYNAMO_CACHE = "__dynamo_disable"
 
 
 def check_loss(

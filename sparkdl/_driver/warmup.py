@@ -14,8 +14,8 @@ classic sessions and Spark Connect alike — moves that cost out of the first fi
   materializes the DataFrame. (With data read in place the driver's preparation is too short to
   hide it behind: the warm-up job would only run before the barrier stage instead of inside it.)
 
-The driver's own first-fit imports (torch._dynamo for its optimizer check, pyarrow.dataset, the
-launcher: about 2 s) run beside the job, on a thread of their own.
+The driver's own first-fit imports (pyarrow.dataset, the launcher) run beside the job, on a
+thread of their own. (Its optimizer check imports no torch._dynamo: sparkdl._driver.preflight.)
 
 Once per application; best effort: a failure is logged at debug level and fails nothing.
 """
@@ -104,12 +104,11 @@ def _run(spark: Any, tasks: int) -> None:
 
 
 def _import_driver_side() -> None:
-    """What the driver's first fit imports: torch._dynamo (its optimizer check builds the
-    process's first optimizer), pyarrow.dataset (inspecting the data; it imports pandas) and the
-    launcher. Once per process; a failure here fails nothing (the fit imports them again)."""
+    """What the driver's first fit imports: pyarrow.dataset (inspecting the data; it imports
+    pandas) and the launcher. Once per process; a failure here fails nothing (the fit imports
+    them again)."""
     try:
         import pyarrow.dataset  # noqa: F401
-        import torch._dynamo  # noqa: F401
 
         import sparkdl._driver.preflight  # noqa: F401
         import sparkdl._driver.stage  # noqa: F401

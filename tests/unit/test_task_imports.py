@@ -107,3 +107,27 @@ def test_after_the_warm_up_the_drivers_first_checks_import_neither_torch_dynamo_
     )
     late = [name for name in imported if name.startswith(("torch._dynamo", "pyarrow.dataset", "pandas"))]
     assert not late, f"the first fit's checks still import: {late[:10]}"
+
+
+def test_the_drivers_optimizer_check_imports_no_torch_dynamo_and_leaves_optimizers_as_they_were():
+    # Without a warm-up: the check builds the process's first optimizer (1-3 s of torch._dynamo
+    # otherwise); the next optimizer built in the process goes through torch's own wrapper again.
+    code = (
+        "import json, sys\n"
+        "import torch\n"
+        "from sparkdl._driver.preflight import check_optimizer\n"
+        "module = torch.nn.Linear(4, 2)\n"
+        "check_optimizer(lambda params: torch.optim.Adam(params, lr=1e-3), module)\n"
+        "after_check = 'torch._dynamo' in sys.modules\n"
+        "method = torch.optim.Optimizer.add_param_group.__wrapped__\n"
+        "left = getattr(method, '__dynamo_disable', None) is not None\n"
+        "torch.optim.SGD(module.parameters(), lr=0.1)\n"
+        "cached = getattr(method, '__dynamo_disable', None)\n"
+        "print(json.dumps([after_check, left, 'torch._dynamo' in sys.modules, cached is not None and cached is not method]))"
+    )
+    after_check, left, later, wrapped = json.loads(
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    )
+    assert not after_check, "the driver's optimizer check imported torch._dynamo"
+    assert not left, "the check left its cached value on Optimizer.add_param_group"
+    assert later and wrapped, "a later optimizer no longer goes through torch._disable_dynamo"

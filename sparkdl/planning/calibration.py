@@ -1,5 +1,5 @@
 """The calibration ``sparkdl plan`` predicts from, measured on the user's own cluster, model and
-data in one short barrier stage of two tasks (about half a minute):
+data in one short barrier stage of two tasks (about half a minute, and 1.5 s per strategy timed):
 
 1. **Each task's step** (the user's data and batch size, each task its half), timed on both tasks
    at once, part by part: the data path's rows/s alone; forward, backward and optimizer alone on

@@ -320,8 +320,9 @@ def test_a_signal_stops_the_whole_group_and_exits_128_plus_its_number(signum):
 
 
 def test_a_second_signal_skips_the_grace_period():
-    # The shell says when the first signal reached its group, then runs on in a new sleep.
-    runner = _runner(60.0, "echo $$; trap 'echo stopping' TERM; sleep 60 & wait; sleep 60")
+    # The shell says when the first signal reached its group, then runs on in a new sleep. Its
+    # trap is set before it prints its pid: a signal sent between the two killed it (CI, once).
+    runner = _runner(60.0, "trap 'echo stopping' TERM; echo $$; sleep 60 & wait; sleep 60")
     group = _group_of_child(runner)
     started = time.monotonic()
     runner.send_signal(signal.SIGTERM)

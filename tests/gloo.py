@@ -24,6 +24,22 @@ def join_group(rank: int, port: int, world_size: int) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
 
 
+def cpu_env(rank: int, port: int, world_size: int):
+    """The DistEnv of a spawned CPU rank that joined the parent's store with :func:`join_group`."""
+    import torch
+
+    from sparkdl.strategies.base import DistEnv
+
+    return DistEnv(
+        rank=rank,
+        world_size=world_size,
+        device=torch.device("cpu"),
+        backend="gloo",
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
+
+
 def save_results(results: Any, out_dir: str, rank: int) -> None:
     import torch
 

@@ -20,7 +20,7 @@ from sparkdl.errors import ConfigError
 from sparkdl.strategies._tensors import SyncingOptimizer
 from sparkdl.strategies.averaging import ElasticAveraging, ModelAveraging
 from sparkdl.strategies.base import DistEnv, strategy_from_name
-from tests.gloo import join_group, save_results, spawn_ranks
+from tests.gloo import cpu_env, join_group, save_results, spawn_ranks
 
 WORLD = 2
 LR = 0.05
@@ -115,14 +115,7 @@ def _misuse(env: DistEnv) -> Dict[str, str]:
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
     join_group(rank, port, WORLD)
-    env = DistEnv(
-        rank=rank,
-        world_size=WORLD,
-        device=torch.device("cpu"),
-        backend="gloo",
-        master_addr="127.0.0.1",
-        master_port=port,
-    )
+    env = cpu_env(rank, port, WORLD)
     ma = ModelAveraging(sync_every=MA["sync_every"], warmup_steps=MA["warmup_steps"])
     ea_runtime = ElasticAveraging(sync_every=EA["sync_every"]).create_runtime(env)
     results = {

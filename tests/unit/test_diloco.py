@@ -19,7 +19,7 @@ from sparkdl.checkpoint import decode_part, encode_part
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.averaging import ModelAveraging
 from sparkdl.strategies.base import DistEnv, strategy_from_name
-from tests.gloo import join_group, save_results, spawn_ranks
+from tests.gloo import cpu_env, join_group, save_results, spawn_ranks
 from tests.unit.test_averaging import _Net, _snapshot, _train
 
 WORLD = 2
@@ -149,14 +149,7 @@ def _bad_factories(env: DistEnv) -> Dict[str, str]:
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
     join_group(rank, port, WORLD)
-    env = DistEnv(
-        rank=rank,
-        world_size=WORLD,
-        device=torch.device("cpu"),
-        backend="gloo",
-        master_addr="127.0.0.1",
-        master_port=port,
-    )
+    env = cpu_env(rank, port, WORLD)
     outer = ModelAveraging(sync_every=TAU, warmup_steps=WARMUP, outer_optimizer=sparkdl.OuterSGD()).create_runtime(env)
     results = {
         "plain": _train(ModelAveraging(sync_every=TAU, warmup_steps=WARMUP).create_runtime(env), rank, STEPS),

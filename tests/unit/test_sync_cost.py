@@ -14,8 +14,7 @@ from sparkdl.planning.models import Measured, StrategyShape, predict
 from sparkdl.planning.sync_cost import sync_overheads
 from sparkdl.strategies import AllReduce, ElasticAveraging, ModelAveraging, ParameterServer, ShardedDataParallel
 from sparkdl.strategies.averaging import _ModelAveragingRuntime
-from sparkdl.strategies.base import DistEnv
-from tests.gloo import join_group, save_results, spawn_ranks
+from tests.gloo import cpu_env, join_group, save_results, spawn_ranks
 
 WORLD = 2
 #: What the slow strategy's every synchronization adds, on the rank's own time.
@@ -55,14 +54,7 @@ def _model():
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
     join_group(rank, port, WORLD)
-    env = DistEnv(
-        rank=rank,
-        world_size=WORLD,
-        device=torch.device("cpu"),
-        backend="gloo",
-        master_addr="127.0.0.1",
-        master_port=port,
-    )
+    env = cpu_env(rank, port, WORLD)
     ctx = types.SimpleNamespace(world_size=WORLD, dist_env=env, logger=logging.getLogger("test"))
     generator = torch.Generator().manual_seed(rank)
     kept = [

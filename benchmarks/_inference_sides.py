@@ -28,6 +28,12 @@ def sparkdl_transform(df: Any, workload: Workload, state: State, batch_size: int
     return _sparkdl_model(workload, state).setBatchSize(batch_size).transform(df)
 
 
+def sparkdl_transform_eager(df: Any, workload: Workload, state: State, batch_size: int) -> Any:
+    """:func:`sparkdl_transform` with ``setOptimize("off")``: the module as it is, no frozen graph
+    (what the graph adds, measured beside it)."""
+    return _sparkdl_model(workload, state).setBatchSize(batch_size).setOptimize("off").transform(df)
+
+
 def _sparkdl_model(workload: Workload, state: State) -> Any:
     import sparkdl
 
@@ -91,6 +97,7 @@ def pandas_udf_side(df: Any, workload: Workload, state: State, batch_size: int) 
 
 SPARK_SIDES: Dict[str, Callable[..., Any]] = {
     "sparkdl transform": sparkdl_transform,
+    "sparkdl transform, optimize off": sparkdl_transform_eager,
     "predict_batch_udf": predict_batch_udf_side,
     "pandas_udf": pandas_udf_side,
 }
@@ -111,6 +118,15 @@ def sparkdl_predict_parquet(
     return sparkdl.predict(model, path, out_dir, overwrite=True, batch_size=batch_size)
 
 
+def sparkdl_predict_ids(spark: Any, path: str, out_dir: str, workload: Workload, state: State, batch_size: int) -> Any:
+    """:func:`sparkdl_predict_parquet` keeping only ``id`` of the input (``keep_columns=["id"]``):
+    the feature column is read for the model but not written."""
+    import sparkdl
+
+    model = _sparkdl_model(workload, state)
+    return sparkdl.predict(model, path, out_dir, overwrite=True, keep_columns=["id"], batch_size=batch_size)
+
+
 def predict_batch_udf_parquet(
     spark: Any, path: str, out_dir: str, workload: Workload, state: State, batch_size: int
 ) -> Any:
@@ -121,15 +137,28 @@ def predict_batch_udf_parquet(
     return None
 
 
+def predict_batch_udf_ids(
+    spark: Any, path: str, out_dir: str, workload: Workload, state: State, batch_size: int
+) -> Any:
+    """:func:`predict_batch_udf_parquet` of ``select("id", "prediction")``."""
+    scored = predict_batch_udf_side(spark.read.parquet(path), workload, state, batch_size)
+    scored.select("id", "prediction").write.mode("overwrite").parquet(out_dir)
+    return None
+
+
 PARQUET_SIDES: Dict[str, Callable[..., Any]] = {
     "sparkdl predict → Parquet": sparkdl_predict_parquet,
     "predict_batch_udf → Parquet": predict_batch_udf_parquet,
+    "sparkdl predict → Parquet, id": sparkdl_predict_ids,
+    "predict_batch_udf → Parquet, id": predict_batch_udf_ids,
 }
+#: What the Parquet sides keep of the input besides ``prediction``.
+_KEPT = {side: "id" if side.endswith(", id") else "all columns" for side in PARQUET_SIDES}
 PLAIN_LOOP = "plain loop, 1 core"
 #: What each side stores: the DataFrame sides compute every row into Spark's noop sink.
 WRITES = {
     **{side: "noop" for side in SPARK_SIDES},
-    **{side: "Parquet (all columns)" for side in PARQUET_SIDES},
+    **{side: f"Parquet ({_KEPT[side]})" for side in PARQUET_SIDES},
     PLAIN_LOOP: "nothing",
 }
 

@@ -1,7 +1,7 @@
 """Batch inference side by side: sparkdl's ``TorchModel.transform`` and ``sparkdl.predict`` vs
 Spark's own ways vs a plain loop.
 
-    .venv/bin/python benchmarks/inference.py [--workload both] [--rows 400000] [--images 20000]
+    .venv/bin/python benchmarks/inference.py [--workload both] [--rows 2000000] [--images 20000]
         [--repeats 3] [--batch-size 1024] [--json PATH] [--keep-data DIR]
 
 Two workloads, each one model on one Parquet dataset (an ``id`` column and the input column,
@@ -14,11 +14,14 @@ two files, written once to a temp dir and removed at the end):
 
 Sides, all scoring the same Parquet files with the same weights (``state_dict``); 1-3 score
 ``spark.read.parquet(path)`` into Spark's noop sink, 4-5 read the files and write the predictions
-as Parquet (every input column and ``prediction``) into a directory under the data dir, removed
-before each run (untimed):
+as Parquet (every input column and ``prediction``, or only ``id`` and ``prediction``: the sides
+named "…, id") into a directory under the data dir, removed before each run (untimed):
 
 1. sparkdl transform   ``sparkdl.TorchModel.from_state(state, model=factory, feature_cols=[...] |
-                       inputs={"x": sparkdl.Image(...)}, output_shape=[10]).transform(df)``;
+                       inputs={"x": sparkdl.Image(...)}, output_shape=[10]).transform(df)``,
+                       with its default ``optimize="auto"`` (a frozen graph of the model where
+                       it is the same and faster: sparkdl.inference.frozen); "optimize off"
+                       is the same with ``setOptimize("off")``, the module as it is;
 2. predict_batch_udf   Spark's ``pyspark.ml.functions.predict_batch_udf``: ``make_predict_fn``
                        builds the model once per worker, ``batch_size=--batch-size``,
                        ``input_tensor_shapes=[[64]]`` for the tabular rows;
@@ -27,9 +30,10 @@ before each run (untimed):
 4. sparkdl predict     ``sparkdl.predict(model, path, out_dir, overwrite=True, batch_size=...)``
    → Parquet          with the model of 1: its tasks read the files' parts, score them and write
                        Parquet from Python, committing each part (no rows go back to the JVM);
-                       timed as the whole call;
+                       timed as the whole call; "…, id" with ``keep_columns=["id"]``;
 5. predict_batch_udf   2's DataFrame written by Spark, ``.write.mode("overwrite").parquet(dir)``:
-   → Parquet          the peer of 4 with the same kind of output;
+   → Parquet          the peer of 4 with the same kind of output ("…, id": of
+                       ``select("id", "prediction")``);
 6. plain loop, 1 core  the ceiling: in this (the driver's) process, ``pyarrow.parquet`` reads the
                        same files ``--batch-size`` rows at a time, the model scores them with
                        ``torch.set_num_threads(1)``. No Spark, one core.
@@ -243,7 +247,7 @@ def print_table(name: str, result: Dict, args: argparse.Namespace) -> None:
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=["tabular", "images", "both"], default="both")
-    parser.add_argument("--rows", type=int, default=400_000, help="tabular rows")
+    parser.add_argument("--rows", type=int, default=2_000_000, help="tabular rows")
     parser.add_argument("--images", type=int, default=20_000, help="JPEG images")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=1024, help="rows a model call (sparkdl: its own, 1024)")

@@ -72,6 +72,12 @@ class _TorchParams(Params):
     precision = Param(
         Params._dummy(), "precision", "autocast of the forward pass: bf16 or fp16", TypeConverters.toString
     )
+    optimize = Param(
+        Params._dummy(),
+        "optimize",
+        "auto: score with a frozen graph of the model where it is the same and faster (CPU); off: the module",
+        TypeConverters.toString,
+    )
     useGpu = Param(
         Params._dummy(),
         "useGpu",
@@ -111,6 +117,11 @@ class _TorchParams(Params):
         """``bf16`` or ``fp16``: autocast the forward pass (on a GPU, mostly)."""
         return self._set(precision=value)
 
+    def setOptimize(self, value: str) -> "_TorchParams":
+        """``auto`` (default): score with a frozen graph of the model where it computes the same
+        outputs faster; ``off``: always the module as it is (docs/inference.md)."""
+        return self._set(optimize=value)
+
     def setUseGpu(self, value: bool) -> "_TorchParams":
         """True requires the GPU Spark assigns each scoring task, False scores on the CPU; unset
         (the default) uses the GPU when Spark assigns one, as training does."""
@@ -127,6 +138,7 @@ class _TorchParams(Params):
             (self.errorCol, "error_col"),
             (self.precision, "precision"),
             (self.useGpu, "use_gpu"),
+            (self.optimize, "optimize"),
         ):
             if self.isDefined(param):
                 given[name] = self.getOrDefault(param)

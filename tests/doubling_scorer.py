@@ -40,6 +40,9 @@ class DoublingScorer:
             model_key,
         )
 
+    #: The columns the "model" reads.
+    input_columns = ("x",)
+
     def output_schema(self, input_schema: pa.Schema) -> pa.Schema:
         schema = input_schema.append(pa.field("y", pa.float64()))
         return schema.append(pa.field(self.error_column, pa.string())) if self.error_column else schema

@@ -188,4 +188,6 @@ def doubling_model(control: str, weight: float = 2.0):
     with torch.no_grad():
         module.linear.weight.fill_(weight)
     factory = functools.partial(HoldingDoubler, control)
-    return sparkdl.TorchModel.from_state(module.state_dict(), model=factory, feature_cols=["x"], output_shape=[])
+    model = sparkdl.TorchModel.from_state(module.state_dict(), model=factory, feature_cols=["x"], output_shape=[])
+    # Its forward holds in Python, which a frozen graph of it (optimize="auto") would not run.
+    return model.setOptimize("off")

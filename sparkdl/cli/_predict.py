@@ -71,7 +71,32 @@ def build_predict_parser() -> argparse.ArgumentParser:
         help="what the prediction column holds (default raw: the model's output)",
     )
     parser.add_argument("--top-k", type=int, default=None, help="classes kept by --prediction-kind top_k (default 5)")
+    parser.add_argument(
+        "--optimize",
+        choices=["auto", "off"],
+        default=None,
+        help="auto (default): score with a frozen graph of the model where it is the same and faster; off: the module",
+    )
+    parser.add_argument(
+        "--keep-columns",
+        default=None,
+        metavar="COL,COL",
+        help="input columns the predictions keep, comma-separated, e.g. id (default: all; --label's column is "
+        "kept for the evaluation)",
+    )
     return parser
+
+
+def _keep_columns(args: argparse.Namespace) -> Optional[List[str]]:
+    """``--keep-columns`` as a list, with ``--label``'s column added (the evaluation reads it)."""
+    if args.keep_columns is None:
+        return None
+    kept = [name.strip() for name in args.keep_columns.split(",") if name.strip()]
+    if not kept:
+        raise UsageError("--keep-columns names no column: give one or more, comma-separated (e.g. --keep-columns id)")
+    if args.label and args.label not in kept:
+        kept.append(args.label)
+    return kept
 
 
 def _options(args: argparse.Namespace) -> Dict[str, Any]:
@@ -81,6 +106,7 @@ def _options(args: argparse.Namespace) -> Dict[str, Any]:
         "on_error": args.on_error,
         "output": args.prediction_kind,
         "top_k": args.top_k,
+        "optimize": args.optimize,
     }
     return {name: value for name, value in given.items() if value is not None}
 
@@ -127,9 +153,7 @@ def _write_predictions(spark: Any, model: Any, args: argparse.Namespace, target:
         parts = list_parts(spark, args.data)
     except ConfigError:  # no pyarrow or fsspec filesystem here for the scheme: Spark's own reader
         return _write_with_spark(spark, model, args, target)
-    columns = part_schema(parts[0]).names
-    if args.label and args.label not in columns:
-        raise UsageError(f"--label {args.label!r} is not a column of {args.data}; its columns are: {columns}")
+    _check_columns(args, part_schema(parts[0]).names)
     try:
         result = predict_parts(
             spark,
@@ -140,6 +164,7 @@ def _write_predictions(spark: Any, model: Any, args: argparse.Namespace, target:
             overwrite=args.overwrite,
             refuse_complete=True,
             options=_options(args),
+            keep_columns=_keep_columns(args),
         )
     except OutputConflictError as exc:  # what --output holds: the user's to change
         raise UsageError(str(exc)) from exc
@@ -154,13 +179,25 @@ def _write_predictions(spark: Any, model: Any, args: argparse.Namespace, target:
 def _write_with_spark(spark: Any, model: Any, args: argparse.Namespace, target: str) -> Dict[str, Any]:
     """Spark reads and writes the whole dataset in one job (not resumable)."""
     frame = read_parquet(spark, args.data, "--data")
-    if args.label and args.label not in frame.columns:
-        raise UsageError(f"--label {args.label!r} is not a column of {args.data}; its columns are: {frame.columns}")
+    _check_columns(args, frame.columns)
     setters = {"batch_size": model.setBatchSize, "on_error": model.setOnError, "output": model.setOutput}
     for name, value in _options(args).items():
-        {**setters, "top_k": model.setTopK}[name](value)
-    write_parquet(model.transform(frame), target, args.overwrite)
+        {**setters, "top_k": model.setTopK, "optimize": model.setOptimize}[name](value)
+    scored = model.transform(frame)
+    kept = _keep_columns(args)
+    if kept is not None:
+        scored = scored.select(*kept, *[name for name in scored.columns if name not in frame.columns])
+    write_parquet(scored, target, args.overwrite)
     return {}
+
+
+def _check_columns(args: argparse.Namespace, columns: List[str]) -> None:
+    """``--label`` and ``--keep-columns`` name columns of ``--data``."""
+    if args.label and args.label not in columns:
+        raise UsageError(f"--label {args.label!r} is not a column of {args.data}; its columns are: {columns}")
+    missing = [name for name in _keep_columns(args) or [] if name not in columns]
+    if missing:
+        raise UsageError(f"--keep-columns names {missing}, not columns of {args.data}; its columns are: {columns}")
 
 
 def _evaluate(written: Any, model: Any, label: Optional[str], kind: Optional[str] = None) -> Any:

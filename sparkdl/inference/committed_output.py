@@ -84,22 +84,33 @@ def run_part(
     output_url: str,
     run_id: str,
     batch_rows: int = DEFAULT_BATCH_ROWS,
+    keep_columns: Optional[Sequence[str]] = None,
 ) -> PartOutcome:
     """Scores one part into the output and commits it, or skips it when it is committed.
 
     Args:
         part: the input part.
-        scorer: the job's Scorer (``output_schema``, ``error_column``, called on batches).
+        scorer: the job's Scorer (``output_schema``, ``error_column``, ``input_columns``, called on
+            batches).
         output_url: the output directory.
         run_id: this run of the job, recorded in the file and its marker.
         batch_rows: rows per batch read from the part.
+        keep_columns: the input columns the output keeps before the predictions (None: all);
+            only these and the scorer's ``input_columns`` are read.
     """
     started = time.monotonic()
     _, fs, root = open_url(output_url, "output")
     marker = committed(fs, root, part.part_id)
     if marker is not None:
         return PartOutcome(part.part_id, marker["rows"], marker["bad_rows"], True, time.monotonic() - started)
-    schema = scorer.output_schema(part_schema(part))
+    read = kept = None
+    if keep_columns is not None:  # read what is kept and what the model needs, in the file's order
+        wanted = {*keep_columns, *scorer.input_columns}
+        read = [name for name in part_schema(part).names if name in wanted]
+    schema = scorer.output_schema(part_schema(part) if read is None else _selected(part_schema(part), read))
+    if keep_columns is not None:
+        kept = [*keep_columns, *schema.names[len(read) :]]  # then the columns scoring adds
+        schema = _selected(schema, kept)
     metadata = {**(schema.metadata or {}), RUN_ID_KEY: run_id.encode(), PART_ID_KEY: part.part_id.encode()}
     schema = schema.with_metadata(metadata)
     staging = join(root, f"{TEMPORARY_DIR}/{run_id}")
@@ -111,8 +122,8 @@ def run_part(
         with pq.ParquetWriter(stream, schema, use_dictionary=_dictionary_columns(schema)) as writer:
             pending: List[pa.RecordBatch] = []
             held = 0
-            for batch in scorer(read_part(part, batch_rows=batch_rows)):
-                pending.append(batch)
+            for batch in scorer(read_part(part, columns=read, batch_rows=batch_rows)):
+                pending.append(batch if kept is None else batch.select(kept))
                 held += batch.num_rows
                 rows += batch.num_rows
                 if error_column is not None:
@@ -134,6 +145,10 @@ def _write(writer: pq.ParquetWriter, batches: List[pa.RecordBatch], schema: pa.S
     would cost a footer entry and a dictionary each)."""
     table = pa.Table.from_batches(batches)
     writer.write_table(table if table.schema.equals(schema) else table.cast(schema), row_group_size=ROW_GROUP_ROWS * 2)
+
+
+def _selected(schema: pa.Schema, names: Sequence[str]) -> pa.Schema:
+    return pa.schema([schema.field(name) for name in names], metadata=schema.metadata)
 
 
 def _dictionary_columns(schema: pa.Schema) -> List[str]:
@@ -175,19 +190,29 @@ class PartRunner:
         output_url: the output directory.
         run_id: this run of the job.
         batch_rows: rows per batch read from a part.
+        keep_columns: the input columns the output keeps (None: all).
     """
 
     def __init__(
-        self, tasks: Sequence[Sequence[InputPart]], scorer: Any, output_url: str, run_id: str, batch_rows: int
+        self,
+        tasks: Sequence[Sequence[InputPart]],
+        scorer: Any,
+        output_url: str,
+        run_id: str,
+        batch_rows: int,
+        keep_columns: Optional[Sequence[str]] = None,
     ) -> None:
         self.tasks = [tuple(t) for t in tasks]
         self.scorer, self.output_url, self.run_id, self.batch_rows = scorer, output_url, run_id, batch_rows
+        self.keep_columns = None if keep_columns is None else list(keep_columns)
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for batch in batches:
             for index in batch.column(0).to_pylist():
                 for part in self.tasks[index]:
-                    outcome = run_part(part, self.scorer, self.output_url, self.run_id, self.batch_rows)
+                    outcome = run_part(
+                        part, self.scorer, self.output_url, self.run_id, self.batch_rows, self.keep_columns
+                    )
                     yield pa.RecordBatch.from_pylist([dataclasses.asdict(outcome)], schema=_OUTCOME_ARROW)
 
 

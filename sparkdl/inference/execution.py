@@ -22,6 +22,7 @@ import torch
 from sparkdl._runtime.device import CUDA_VISIBLE_DEVICES, DeviceAssignment, select_device, selected
 from sparkdl.data.batching import batch_rows, call_model
 from sparkdl.errors import ConfigError
+from sparkdl.inference.frozen import model_for
 from sparkdl.inference.outputs import named_outputs
 
 logger = logging.getLogger("sparkdl.inference")
@@ -73,11 +74,24 @@ class ModelRunner:
         precision: None, ``bf16`` or ``fp16`` (autocast).
         batch_size: the most rows one call may take; lowered for good when a batch runs out
             of GPU memory.
+        key: the model's identity (its cache key), under which a frozen graph of it is kept.
+        optimize: "auto": a frozen graph of the model where it is the same and faster
+            (:mod:`sparkdl.inference.frozen`; on a CPU without ``precision``); "off": the module.
     """
 
-    def __init__(self, module: torch.nn.Module, device: torch.device, precision: Optional[str], batch_size: int):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        device: torch.device,
+        precision: Optional[str],
+        batch_size: int,
+        key: Optional[str] = None,
+        optimize: str = "auto",
+    ):
         self.module, self.device, self.precision = module, device, precision
         self.batch_size = batch_size
+        self.key = key
+        self.may_freeze = optimize == "auto" and key is not None and precision is None and device.type == "cpu"
 
     def __call__(self, inputs: Any) -> Dict[str, np.ndarray]:
         rows = batch_rows(inputs)
@@ -110,8 +124,9 @@ class ModelRunner:
             if self.precision
             else contextlib.nullcontext()
         )
+        model = model_for(self.module, self.key, self.device, tensors) if self.may_freeze else self.module
         with torch.inference_mode(), autocast:
-            out = call_model(self.module, tensors)
+            out = call_model(model, tensors)
         rows = batch_rows(inputs)
         return {
             name: value.detach().reshape(rows, -1).to("cpu", torch.float32).numpy()

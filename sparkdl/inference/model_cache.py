@@ -17,6 +17,8 @@ from typing import Callable, Tuple
 
 import torch
 
+from sparkdl.inference import frozen
+
 _DEFAULT_BUDGET_MB = 2048
 
 _models: "OrderedDict[Tuple[str, str], Tuple[torch.nn.Module, int]]" = OrderedDict()
@@ -34,6 +36,7 @@ def cached_model(key: str, device: torch.device, build: Callable[[], torch.nn.Mo
     size = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
     _models[slot] = (module, size)
     _evict(budget_bytes())
+    frozen.forget(lambda key, device: (key, device) in _models)  # their graphs go with them
     return module
 
 

@@ -17,7 +17,7 @@ import dataclasses
 import json
 import time
 import uuid
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import pyarrow.fs as pafs
 
@@ -60,7 +60,16 @@ class PredictResult:
     output: str
 
 
-def predict(model: Any, data: str, output: str, /, *, overwrite: bool = False, **options: Any) -> PredictResult:
+def predict(
+    model: Any,
+    data: str,
+    output: str,
+    /,
+    *,
+    overwrite: bool = False,
+    keep_columns: Optional[Sequence[str]] = None,
+    **options: Any,
+) -> PredictResult:
     """Writes ``model``'s predictions for a Parquet dataset to ``output``, resumable.
 
     Each input part's predictions are committed on their own, so rerunning the same call after
@@ -75,18 +84,32 @@ def predict(model: Any, data: str, output: str, /, *, overwrite: bool = False, *
         output: the output directory (path or URL): ``part-<part id>.parquet`` files with the
             input columns and the prediction column(s).
         overwrite: replace whatever is at ``output`` instead of resuming or refusing.
+        keep_columns: the input columns the output keeps, in this order, before the
+            prediction column(s) (e.g. ``["id"]``); None keeps them all. The model's own input
+            columns are read either way; the others are not read. Writing fewer columns is
+            faster: a table's wide feature columns can cost more to write than to score.
         **options: scoring options (``batch_size``, ``output``, ``top_k``, ``on_error``...:
             :class:`~sparkdl.inference.api.InferenceOptions`).
 
     Raises:
-        ConfigError: ``output`` holds another job's predictions (another model, data or
-            options) or something else, and ``overwrite`` is False; a bad option.
+        ConfigError: ``output`` holds another job's predictions (another model, data, options
+            or kept columns) or something else, and ``overwrite`` is False; a bad option; a
+            kept column the data does not have.
         DataError: the input cannot be read as Parquet (the message names the file or table).
     """
     from pyspark.sql import SparkSession
 
     spark = SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
-    return predict_parts(spark, model, list_parts(spark, data), data, output, overwrite=overwrite, options=options)
+    return predict_parts(
+        spark,
+        model,
+        list_parts(spark, data),
+        data,
+        output,
+        overwrite=overwrite,
+        options=options,
+        keep_columns=keep_columns,
+    )
 
 
 def predict_parts(
@@ -99,6 +122,7 @@ def predict_parts(
     overwrite: bool = False,
     refuse_complete: bool = False,
     options: Optional[Dict[str, Any]] = None,
+    keep_columns: Optional[Sequence[str]] = None,
 ) -> PredictResult:
     """:func:`predict` of parts already listed (``data`` names them in messages); the model's
     own scoring params (``setBatchSize``...) apply where ``options`` does not say otherwise.
@@ -117,13 +141,15 @@ def predict_parts(
     except TypeError as exc:  # a stored type Spark has no type for (e.g. an unsigned integer)
         raise DataError(f"data {data!r}: {exc}; rewrite the column with a type Spark reads") from exc
     scorer = scorer_for(model, spark, spark_schema, settings, source=f"data {data!r}")
+    kept = checked_keep_columns(keep_columns, schema.names, f"data {data!r}")
     return run_predict_job(
         spark,
         scorer,
         parts,
         output,
         overwrite=overwrite,
-        options=settings.to_json(),
+        options={**settings.to_json(), "keep_columns": kept},
+        keep_columns=kept,
         # Read in batches of at least the default: the scorer cuts them into model calls itself.
         batch_rows=max(settings.batch_size, DEFAULT_BATCH_ROWS),
         refuse_complete=refuse_complete,
@@ -140,6 +166,7 @@ def run_predict_job(
     options: Optional[Dict[str, Any]] = None,
     batch_rows: int = DEFAULT_BATCH_ROWS,
     refuse_complete: bool = False,
+    keep_columns: Optional[Sequence[str]] = None,
 ) -> PredictResult:
     """Runs (or resumes) the job of ``scorer`` over ``parts`` into ``output``.
 
@@ -154,6 +181,9 @@ def run_predict_job(
         batch_rows: rows per batch read from a part.
         refuse_complete: refuse a complete output of the same job (``sparkdl predict``) instead
             of returning its result.
+        keep_columns: the input columns the output keeps (None: all), checked by the caller;
+            ``options`` should record them (``"keep_columns"``) so that a rerun keeping others
+            is refused.
     """
     started = time.monotonic()
     url, fs, root = open_url(output, "output")
@@ -168,7 +198,7 @@ def run_predict_job(
         done = existing.get("result", {})
         return PredictResult(done.get("rows", 0), done.get("bad_rows", 0), len(parts), 0, len(parts), 0.0, url)
     tasks = pack_parts(parts, _cores(spark, len(parts)), TARGET_ROWS)
-    runner = PartRunner(tasks, scorer, url, uuid.uuid4().hex[:16], batch_rows)
+    runner = PartRunner(tasks, scorer, url, uuid.uuid4().hex[:16], batch_rows, keep_columns)
     outcomes = [
         row.asDict() for row in spark.range(0, len(tasks), 1, len(tasks)).mapInArrow(runner, OUTCOME_SCHEMA).collect()
     ]
@@ -218,7 +248,27 @@ _COMPARED = {"model": "another model", "data": "other input data", "options": "o
 
 #: Options that change what is written; the others (batch size, threads, device) may differ
 #: between a run and its resume, as after a crash on another cluster.
-_RESULT_OPTIONS = ("output", "top_k", "on_error", "error_col", "precision")
+_RESULT_OPTIONS = ("output", "top_k", "on_error", "error_col", "precision", "keep_columns")
+
+
+def checked_keep_columns(keep_columns: Any, names: Sequence[str], source: str) -> Optional[List[str]]:
+    """``keep_columns`` as a list of columns of ``source`` (None: all of them).
+
+    Raises:
+        ConfigError: not a list of column names, a name twice, or a name ``source`` lacks.
+    """
+    if keep_columns is None:
+        return None
+    if isinstance(keep_columns, str) or not all(isinstance(name, str) for name in keep_columns):
+        raise ConfigError(f"keep_columns={keep_columns!r} must be a list of column names, e.g. ['id']")
+    kept = list(keep_columns)
+    repeated = sorted({name for name in kept if kept.count(name) > 1})
+    if repeated:
+        raise ConfigError(f"keep_columns names {repeated} more than once")
+    missing = [name for name in kept if name not in names]
+    if missing:
+        raise ConfigError(f"keep_columns {missing} not in {source}; its columns are: {list(names)}")
+    return kept
 
 
 def _differs(key: str, recorded: Any, current: Any) -> bool:

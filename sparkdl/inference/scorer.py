@@ -101,6 +101,11 @@ class Scorer:
     def model_key(self) -> str:
         return self.ref.key
 
+    @property
+    def input_columns(self) -> List[str]:
+        """The columns the model reads."""
+        return list(self.plan.columns)
+
     def new_columns(self) -> List[pa.Field]:
         """The columns scoring appends: one per head, then the error column with ``on_error="null"``."""
         extra = fields(self.heads, self.options)

@@ -44,7 +44,14 @@ class ScoringTask:
         try:
             assignment = self.stack.enter_context(task_device(options.use_gpu))
             module = cached_model(self.scorer.ref.key, assignment.device, self.scorer.ref.build)
-            self.runner = ModelRunner(module, assignment.device, options.precision, options.batch_size)
+            self.runner = ModelRunner(
+                module,
+                assignment.device,
+                options.precision,
+                options.batch_size,
+                key=self.scorer.ref.key,
+                optimize=options.optimize,
+            )
             # Decoding images (Pillow and numpy release the GIL) overlaps the model; plain
             # numbers are converted inline, where a thread would only add hand-offs.
             if self.scorer.plan.expensive:

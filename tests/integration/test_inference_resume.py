@@ -214,3 +214,14 @@ def test_sparkdl_predict_with_a_torch_model_resumes_a_lost_part_and_refuses_othe
     replaced = sparkdl.predict(model, str(data), output, overwrite=True, output="top_k", top_k=3)
     assert replaced.parts_written == 2
     assert pq.read_table(output).sort_by("id").column("prediction").to_pylist()[0]["indices"][0] == expected[0]
+    with pytest.raises(sparkdl.ConfigError, match="other options than this one"):  # what it keeps differs
+        sparkdl.predict(model, str(data), output, keep_columns=["id"], output="top_k", top_k=3)
+
+    narrow = str(tmp_path / "ids")
+    with pytest.raises(
+        sparkdl.ConfigError, match=r"keep_columns \['user'\] not in data .*columns are: \['id', 'features'\]"
+    ):
+        sparkdl.predict(model, str(data), narrow, keep_columns=["user"], output="label")
+    sparkdl.predict(model, str(data), narrow, keep_columns=["id"], output="label")
+    kept = pq.read_table(narrow).sort_by("id")
+    assert kept.schema.names == ["id", "prediction"] and kept.column("prediction").to_pylist() == expected

@@ -147,6 +147,8 @@ def test_train_writes_model_and_metrics_to_s3_and_predict_reads_the_model_and_wr
             output,
             "--label",
             "label",
+            "--keep-columns",
+            "label",
         ]
     )
     assert code == 0, capsys.readouterr().err[-3000:]
@@ -158,13 +160,14 @@ def test_train_writes_model_and_metrics_to_s3_and_predict_reads_the_model_and_wr
     assert not s3.keys(BUCKET, "predictions/a/predictions/_temporary")
     _, fs, path = filesystem.open_url(filesystem.url_join(output, "predictions"), "predictions")
     table = pq.read_table(path, filesystem=fs)
-    assert table.num_rows == ROWS and set(table.column_names) == {"features", "label", "prediction"}
+    assert table.num_rows == ROWS and table.column_names == ["label", "prediction"]  # no features: not kept
     predicted = np.array(table.column("prediction").to_pylist()).argmax(1)
     accuracy = float((predicted == np.array(table.column("label").to_pylist())).mean())
     assert accuracy == pytest.approx(document["evaluation"]["accuracy"])
 
     # Written again without --overwrite: refused, and said so in metrics.json.
-    code = sparkdl_main(["predict", "--model", f"s3://{BUCKET}/runs/a/model", "--data", dataset, "--output", output])
+    again = ["--data", dataset, "--output", output, "--keep-columns", "label"]
+    code = sparkdl_main(["predict", "--model", f"s3://{BUCKET}/runs/a/model", *again])
     assert code == 2
     refused = _metrics(output)
     assert refused["error_kind"] == "usage" and "already exists: pass --overwrite" in refused["error"]

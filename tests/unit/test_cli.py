@@ -552,3 +552,21 @@ def test_the_estimator_takes_the_metric_names_the_command_line_takes():
     }
     with pytest.raises(sparkdl.ConfigError, match=r"unknown metric 'acc'; named metrics are accuracy, mae, mse"):
         sparkdl.TorchEstimator(model=make, validation=0.2, metrics=["acc"])
+
+
+def test_predict_keep_columns_are_parsed_keep_the_label_and_are_checked_against_the_data():
+    from sparkdl.cli._common import UsageError
+    from sparkdl.cli._predict import _check_columns, _keep_columns, _options, build_predict_parser
+
+    def parsed(*flags):
+        return build_predict_parser().parse_args(["--model", "m", "--data", "d", "--output", "o", *flags])
+
+    assert _keep_columns(parsed()) is None
+    assert _keep_columns(parsed("--keep-columns", "id, user")) == ["id", "user"]
+    assert _keep_columns(parsed("--keep-columns", "id", "--label", "y")) == ["id", "y"]  # the evaluation reads it
+    with pytest.raises(UsageError, match="--keep-columns names no column"):
+        _keep_columns(parsed("--keep-columns", ","))
+    with pytest.raises(UsageError, match=r"--keep-columns names \['user'\], not columns of d; its columns are"):
+        _check_columns(parsed("--keep-columns", "id,user"), ["id", "x"])
+    _check_columns(parsed("--keep-columns", "id", "--label", "x"), ["id", "x"])
+    assert _options(parsed("--optimize", "off")) == {"optimize": "off"} and _options(parsed()) == {}

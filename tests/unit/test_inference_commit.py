@@ -23,7 +23,7 @@ from sparkdl.inference.committed_output import (
     run_part,
 )
 from sparkdl.inference.parts import InputPart, list_parts
-from sparkdl.inference.predict_job import JOB_RECORD, _prepare_output
+from sparkdl.inference.predict_job import JOB_RECORD, _prepare_output, checked_keep_columns
 from tests.doubling_scorer import DoublingScorer
 
 
@@ -102,6 +102,54 @@ def test_the_runner_reports_each_part_of_its_task(tmp_path, parts):
     assert [(r["part_id"], r["rows"], r["skipped"]) for r in rows] == [(p.part_id, 20, False) for p in parts[2:]]
 
 
+class _SeeingScorer(DoublingScorer):
+    """Records the columns it is handed."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen = []
+
+    def __call__(self, batches):
+        for batch in batches:
+            self.seen.append(batch.schema.names)
+            yield from super().__call__(iter([batch]))
+
+
+def test_kept_columns_are_all_the_input_a_part_file_holds_and_the_rest_is_not_read(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    ids = list(range(30))
+    wide = pa.array([[float(i)] * 64 for i in ids], pa.list_(pa.float32()))
+    table = pa.table({"wide": wide, "x": pa.array([i - 5.0 for i in ids]), "id": pa.array(ids, pa.int64())})
+    pq.write_table(table, str(data / "a.parquet"), row_group_size=10)
+    part = list_parts(None, str(data))[0]
+    scorer, output = _SeeingScorer(error_column="y_error"), str(tmp_path / "out")
+    outcome = run_part(part, scorer, output, "run-1", batch_rows=8, keep_columns=["id"])
+    assert (outcome.rows, outcome.bad_rows) == (30, 5)
+    assert scorer.seen and all(names == ["x", "id"] for names in scorer.seen)  # the file's order; no "wide"
+    written = pq.read_table(os.path.join(output, part_file(part.part_id)))
+    assert written.schema.names == ["id", "y", "y_error"]
+    assert written.column("id").to_pylist() == ids and written.column("y").to_pylist()[5:] == [
+        2.0 * (i - 5) for i in ids[5:]
+    ]
+    assert _run_ids(os.path.join(output, part_file(part.part_id))) == ("run-1", part.part_id)
+    again = run_part(part, DoublingScorer(), str(tmp_path / "all"), "run-1", keep_columns=["x", "wide"])
+    assert again.rows == 30
+    assert pq.read_schema(os.path.join(str(tmp_path / "all"), part_file(part.part_id))).names == ["x", "wide", "y"]
+
+
+def test_kept_columns_are_checked_against_the_input():
+    names = ["id", "x"]
+    assert checked_keep_columns(None, names, "data 'd'") is None
+    assert checked_keep_columns(("x", "id"), names, "data 'd'") == ["x", "id"]
+    with pytest.raises(ConfigError, match=r"keep_columns \['user'\] not in data 'd'; its columns are: \['id', 'x'\]"):
+        checked_keep_columns(["id", "user"], names, "data 'd'")
+    with pytest.raises(ConfigError, match="must be a list of column names"):
+        checked_keep_columns("id", names, "data 'd'")
+    with pytest.raises(ConfigError, match=r"names \['id'\] more than once"):
+        checked_keep_columns(["id", "id"], names, "data 'd'")
+
+
 def test_parts_pack_into_tasks_up_to_the_target_and_big_parts_stay_alone():
     parts = [InputPart(f"{i:05d}-x", f"file:///d/{i}", (0,), rows) for i, rows in enumerate([10, 10, 10, 500, 10])]
     assert [[p.rows for p in t] for t in pack_parts(parts, min_tasks=1, target_rows=25)] == [
@@ -125,6 +173,9 @@ def test_an_existing_output_is_resumed_only_by_the_same_job(tmp_path):
         other = {**record, key: {"batch_size": 8, "output": "label"} if key == "options" else "other"}
         with pytest.raises(ConfigError, match=f"another job \\({word} than this one\\): pass --overwrite"):
             _prepare_output(fs, root, url, other, overwrite=False)
+    narrower = {**record, "options": {**record["options"], "keep_columns": ["id"]}}
+    with pytest.raises(ConfigError, match="another job \\(other options than this one\\)"):
+        _prepare_output(fs, root, url, narrower, overwrite=False)
     faster = {**record, "options": {"batch_size": 64, "output": "raw"}}  # what is written is the same
     assert _prepare_output(fs, root, url, faster, overwrite=False) == record
     assert _prepare_output(fs, root, url, {**record, "model": "m2"}, overwrite=True) is None

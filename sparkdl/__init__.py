@@ -45,6 +45,7 @@ _PUBLIC = {
     "Sequence": "sparkdl.data.inputs",
     "ShardDataset": "sparkdl._runtime.shard_dataset",
     "ShardedDataParallel": "sparkdl.strategies",
+    "ShardedEmbedding": "sparkdl.strategies.parameter_server",
     "SparkdlError": "sparkdl.errors",
     "Strategy": "sparkdl.strategies",
     "TorchEstimator": "sparkdl.estimator",
@@ -98,5 +99,6 @@ if TYPE_CHECKING:  # pragma: no cover - what type checkers and IDEs see
         ShardedDataParallel,
         Strategy,
     )
+    from sparkdl.strategies.parameter_server import ShardedEmbedding
 
 __all__ = sorted(_PUBLIC)

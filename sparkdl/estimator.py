@@ -37,6 +37,7 @@ from sparkdl.errors import ConfigError
 from sparkdl.model import TorchModel, _FixedModule, _TorchParams  # noqa: F401 - models saved by 0.1 pickled _FixedModule here
 from sparkdl.resources import Resources
 from sparkdl.strategies.base import Strategy
+from sparkdl.strategies.parameter_server.embedding import check_sharded_embeddings
 from sparkdl.tracking import Tracker, describe_callable
 from sparkdl.tracking import check_available as check_tracking
 
@@ -243,6 +244,8 @@ class TorchEstimator(Estimator, _TorchParams, MLReadable["TorchEstimator"], MLWr
         check_model = getattr(self.settings.strategy, "check_model", None)  # ShardedDataParallel.shard_modules, ...
         if check_model is not None:
             check_model(module)
+        # ShardedEmbedding tables: trained by ParameterServer only, and not checkpointed yet.
+        check_sharded_embeddings(module, self.settings.strategy.name, self.settings.checkpoint is not None)
         epochs = self.getOrDefault(self.epochs)
         checkpoint, strategy = self.settings.checkpoint, self.settings.strategy
         loop = FitLoop(

@@ -106,6 +106,7 @@ def plan(
     from sparkdl.comparison.strategies import labelled_strategies
     from sparkdl.custom_loop import run
     from sparkdl.estimator import TorchEstimator
+    from sparkdl.strategies.parameter_server.embedding import refuse_sharded_embeddings
 
     labelled = labelled_strategies(strategies) if strategies is not None else tuple(default_strategies().items())
     shapes = [shape_of(label, strategy) for label, strategy in labelled]
@@ -129,6 +130,8 @@ def plan(
     data_settings = estimator.settings.data
     # What fit checks before it launches, in the same order and words.
     module = build_checked_model(model, data_settings.plan)
+    # Its cost model prices dense parameters only: a sparse table's traffic would be missing.
+    refuse_sharded_embeddings(module, "sparkdl plan (its cost model)")
     probe = stated_bandwidth is None or stated_latency is None
     tasks = 2 if probe else 1  # two tasks time their steps together, then the link between them
     # Prepared for the calibration's tasks: a DataFrame's copy, laid out for them, is the one run() reuses.

@@ -29,12 +29,19 @@ Modules, each one concern, none importing this package's ``__init__``:
 * :mod:`~sparkdl.strategies.parameter_server.runtime` — one rank's server, clients and step;
 * :mod:`~sparkdl.strategies.parameter_server.wire` — the wire protocol and its security;
 * :mod:`~sparkdl.strategies.parameter_server.transport` — the server and client connections;
-* :mod:`~sparkdl.strategies.parameter_server.reshard` — shards re-laid out for an elastic resume.
+* :mod:`~sparkdl.strategies.parameter_server.reshard` — shards re-laid out for an elastic resume;
+* :mod:`~sparkdl.strategies.parameter_server.rows` — sparse tables' row owners, initial rows and
+  row-wise optimizers (pure);
+* :mod:`~sparkdl.strategies.parameter_server.embedding` — :class:`ShardedEmbedding`, the module
+  whose rows live on the servers;
+* :mod:`~sparkdl.strategies.parameter_server.sparse_shard` — the server side of a sparse table;
+* :mod:`~sparkdl.strategies.parameter_server.sparse_worker` — a worker's pulls and pushes of rows.
 
 Layers, each importing only the ones before it (also inside functions and under
 ``TYPE_CHECKING``)::
 
-    layout, wire < clock, transport, reshard, worker < shard < runtime < config
+    layout, wire, rows < clock, transport, reshard, worker, embedding < shard < sparse_shard
+        < sparse_worker < runtime < config
 
 The runtime reads the strategy's settings through its ``Settings`` protocol and the worker's
 optimizer wrapper calls the runtime through its ``WorkerRuntime`` protocol, so neither imports
@@ -43,6 +50,7 @@ the module above it.
 
 from sparkdl.strategies.parameter_server.clock import SSPClock
 from sparkdl.strategies.parameter_server.config import ParameterServer
+from sparkdl.strategies.parameter_server.embedding import ShardedEmbedding
 
 # Public names of the former single module that __all__ never listed; still importable from here.
 from sparkdl.strategies.parameter_server.layout import (
@@ -66,6 +74,7 @@ __all__ = [
     "ParameterServerOptimizer",
     "SSPClock",
     "Segment",
+    "ShardedEmbedding",
     "balanced_layout",
     "make_layout",
     "shard_segments",

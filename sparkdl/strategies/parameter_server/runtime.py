@@ -21,8 +21,10 @@ import torch.distributed as dist
 from sparkdl.errors import ConfigError
 from sparkdl.strategies._tensors import broadcast_from_rank0, by_device_and_dtype, flatten, nbytes, unflatten_into
 from sparkdl.strategies.base import StrategyRuntime, allreduce_bytes_sent, broadcast_bytes_sent
+from sparkdl.strategies.parameter_server.embedding import sharded_embeddings
 from sparkdl.strategies.parameter_server.layout import TableSpec, make_layout
 from sparkdl.strategies.parameter_server.shard import ServerState, Shard
+from sparkdl.strategies.parameter_server.sparse_worker import SparseTables
 from sparkdl.strategies.parameter_server.transport import ByteCounter, ShardClient, ShardServer, connect_all, listen
 from sparkdl.strategies.parameter_server.wire import (
     DTYPE_CODES,
@@ -128,6 +130,9 @@ class ParameterServerRuntime(StrategyRuntime):
             listener = None
             addresses = [(str(r["host"]), int(r["port"])) for r in replies]
             self._clients = connect_all(addresses, secret, env.rank, self.timeout_s, self._sent, encrypt=encrypt)
+            self.sparse = SparseTables(
+                env.rank, env.world_size, self.state, self._clients, self.max_staleness, self.timeout_s
+            )
         except BaseException:
             if listener is not None:
                 listener.close()
@@ -152,6 +157,9 @@ class ParameterServerRuntime(StrategyRuntime):
         # Custom loops need not seed: every replica starts from rank 0's weights, like DDP.
         self._sent.add(broadcast_bytes_sent(broadcast_from_rank0(module), self.env.world_size, is_root=True))
         self.modules.append(module)
+        # Each ShardedEmbedding becomes a sparse table whose rows the ranks own by hash.
+        specs = [self.sparse.bind(name, sub) for name, sub in sharded_embeddings(module) if sub.table is None]
+        self._check_same_on_every_rank([spec.fingerprint() for spec in specs], "different ShardedEmbedding tables")
         return module
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -247,6 +255,8 @@ class ParameterServerRuntime(StrategyRuntime):
                     dist.broadcast(flat, src=0)
                     self._sent.add(broadcast_bytes_sent(nbytes(flat), self.env.world_size, self.env.rank == 0))
                 unflatten_into(flat, group)
+        # After the buffers: rank 0's complete tables become buffers that only it has.
+        self.sparse.assemble(model)
         # No server may shut down while another rank is still pulling from it.
         dist.barrier()
         return model
@@ -258,6 +268,7 @@ class ParameterServerRuntime(StrategyRuntime):
             raise RuntimeError("ParameterServer: optimizer.step() after the strategy was closed")
         staleness = 0
         try:
+            self.sparse.push_all()
             for table in tables:
                 staleness = max(staleness, self._push_pull(table))
         except ParameterServerError as exc:
@@ -324,14 +335,18 @@ class ParameterServerRuntime(StrategyRuntime):
                 self._clients[k].receive(byte_view(table.values[low:high]), spec.table)
             table.scatter_values()
 
-    def _check_same_on_every_rank(self, fingerprints: List[str]) -> None:
+    def _check_same_on_every_rank(
+        self,
+        fingerprints: List[str],
+        what: str = "an optimizer over different parameters (shapes, dtypes or param groups)",
+    ) -> None:
         gathered: List[Any] = [None] * self.env.world_size
         dist.all_gather_object(gathered, fingerprints)
         for rank, theirs in enumerate(gathered):
             if theirs != fingerprints:
                 raise RuntimeError(
-                    f"ParameterServer: rank {rank} prepared an optimizer over different parameters (shapes, dtypes "
-                    f"or param groups) than rank {self.env.rank}; every rank must build the same model and optimizer"
+                    f"ParameterServer: rank {rank} prepared {what} than rank {self.env.rank}; every rank must "
+                    f"build the same model and optimizer"
                 )
 
     # ---- metrics and checkpoints ------------------------------------------------------------
@@ -342,12 +357,13 @@ class ParameterServerRuntime(StrategyRuntime):
         now = time.monotonic()
         seconds = now - self._window_start
         metrics = {
-            "staleness": int(self._window_staleness),
+            "staleness": int(max(self._window_staleness, self.sparse.staleness)),
             "updates_per_sec": self._window_steps / seconds if seconds > 0 else 0.0,
         }
         self._window_start = now
         self._window_steps = 0
         self._window_staleness = 0
+        self.sparse.staleness = 0
         return metrics
 
     def state_dict(self) -> Dict[str, Any]:
@@ -356,6 +372,7 @@ class ParameterServerRuntime(StrategyRuntime):
         Collective: call it on every rank at the same step. The barriers around the snapshot
         make it a consistent cut — every push made before it is in, none made after.
         """
+        self.sparse.refuse("checkpoints")
         dist.barrier()
         state = {
             "format": 1,
@@ -369,6 +386,7 @@ class ParameterServerRuntime(StrategyRuntime):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores :meth:`state_dict`'s result into this rank's shards, then pulls the restored
         parameters into the local replica. Collective, like :meth:`state_dict`."""
+        self.sparse.refuse("resuming from a checkpoint")
         if state.get("world_size") != self.env.world_size or len(state.get("tables", ())) != len(self.tables):
             raise ValueError(
                 f"ParameterServer checkpoint of {state.get('world_size')} ranks and {len(state.get('tables', ()))} tables "
@@ -395,11 +413,17 @@ class ParameterServerRuntime(StrategyRuntime):
         ``rank % N``'s (the replica is pulled from the servers by :meth:`load_state_dict`)."""
         from sparkdl.strategies.parameter_server.reshard import relayout_state
 
+        self.sparse.refuse("an elastic resume")
         tables = [(t.spec, self.state.shard(t.spec.table).optimizer) for t in self.tables]
         strategy = relayout_state(
             self.config.layout, [pair[1] for pair in old], tables, self.env.rank, self.env.world_size
         )
         return old[self.env.rank % old_world_size][0], strategy
+
+    @property
+    def sparse_wire_bytes(self) -> int:
+        """Bytes of this worker's sparse-table frames so far, both ways (requests and replies)."""
+        return self.sparse.wire_bytes.value
 
     def close(self) -> None:
         if self._closed:

@@ -25,6 +25,7 @@ from sparkdl.strategies.parameter_server.layout import Segment, TableSpec, shard
 from sparkdl.strategies.parameter_server.transport import Backend
 from sparkdl.strategies.parameter_server.wire import (
     DTYPE_CODES,
+    ROW_KINDS,
     Header,
     Kind,
     ParameterServerError,
@@ -32,7 +33,7 @@ from sparkdl.strategies.parameter_server.wire import (
     byte_view,
 )
 
-__all__ = ["ServerState", "Shard", "build_server_optimizer"]
+__all__ = ["ClockedShard", "ServerState", "Shard", "build_server_optimizer"]
 
 # Flags that choose a kernel for the user's device; the server's shard always lives on the CPU,
 # so it takes torch's CPU defaults for them instead (fused/capturable CUDA settings would fail).
@@ -84,7 +85,67 @@ def build_server_optimizer(
         ) from exc
 
 
-class Shard:
+class ClockedShard:
+    """What every shard of a rank shares: the SSP clocks of one table, the condition its
+    readers wait on, and the wait itself (:meth:`wait_readable`)."""
+
+    def __init__(self, rank: int, world_size: int, max_staleness: Optional[int], timeout_s: float) -> None:
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self.max_staleness = max_staleness
+        self.clock = SSPClock(world_size, max_staleness)
+        self.cond = threading.Condition()
+        self.closed = False
+
+    def wait_readable(self, rank: int, clock: int) -> None:
+        """Waits, holding ``self.cond``, until a reader at ``clock`` may read (SSP); ``clock``
+        -1 reads at once.
+
+        Raises:
+            ParameterServerError: the worker it waits for was lost, or the wait timed out.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        while clock >= 0 and not self.clock.can_read(clock):
+            if self.closed:
+                raise ParameterServerError(f"the parameter server on rank {self.rank} is shutting down")
+            blockers = self.clock.blockers(clock)
+            lost = [r for r in blockers if r in self.clock.lost]
+            if lost:
+                peer = lost[0]
+                raise ParameterServerError(
+                    f"rank {peer}'s worker left the parameter server on rank {self.rank} "
+                    f"({self.clock.lost[peer]}) at clock {self.clock.clocks[peer]}, while rank {rank} "
+                    f"at clock {clock} waited for it (max_staleness={self.max_staleness}); "
+                    f"rank {peer} has probably failed: see its error",
+                    peer,
+                )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                peer = blockers[0]
+                raise ParameterServerError(
+                    f"rank {rank} at clock {clock} waited {self.timeout_s:g}s on the parameter server of "
+                    f"rank {self.rank} for rank {peer}, which is stuck at clock {self.clock.clocks[peer]} "
+                    f"(max_staleness={self.max_staleness}); raise ParameterServer.timeout_s if rank "
+                    f"{peer} is just slow",
+                    peer,
+                )
+            self.cond.wait(left)
+
+    def depart(self, rank: int, clean: bool, reason: str) -> None:
+        with self.cond:
+            if clean:
+                self.clock.finish(rank)
+            else:
+                self.clock.lose(rank, reason)
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
+class Shard(ClockedShard):
     """This rank's slice of one table: values, the server optimizer, the SSP clocks."""
 
     def __init__(
@@ -97,15 +158,10 @@ class Shard:
         initial: torch.Tensor,
         template: torch.optim.Optimizer,
     ) -> None:
+        super().__init__(rank, world_size, max_staleness, timeout_s)
         self.spec = spec
-        self.rank = rank
-        self.timeout_s = timeout_s
-        self.max_staleness = max_staleness
         self.values = initial.detach().to("cpu", copy=True).contiguous()
         self.nbytes = nbytes(self.values)
-        self.clock = SSPClock(world_size, max_staleness)
-        self.cond = threading.Condition()
-        self.closed = False
         #: Updates applied (one per push, from any worker).
         self.updates = 0
         sizes, shapes = spec.sizes, spec.shapes
@@ -161,50 +217,11 @@ class Shard:
         Raises:
             ParameterServerError: the worker it waits for was lost, or the wait timed out.
         """
-        deadline = time.monotonic() + self.timeout_s
         with self.cond:
-            if clock >= 0:
-                while not self.clock.can_read(clock):
-                    if self.closed:
-                        raise ParameterServerError(f"the parameter server on rank {self.rank} is shutting down")
-                    blockers = self.clock.blockers(clock)
-                    lost = [r for r in blockers if r in self.clock.lost]
-                    if lost:
-                        peer = lost[0]
-                        raise ParameterServerError(
-                            f"rank {peer}'s worker left the parameter server on rank {self.rank} "
-                            f"({self.clock.lost[peer]}) at clock {self.clock.clocks[peer]}, while rank {rank} "
-                            f"at clock {clock} waited for it (max_staleness={self.max_staleness}); "
-                            f"rank {peer} has probably failed: see its error",
-                            peer,
-                        )
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        peer = blockers[0]
-                        raise ParameterServerError(
-                            f"rank {rank} at clock {clock} waited {self.timeout_s:g}s on the parameter server of "
-                            f"rank {self.rank} for rank {peer}, which is stuck at clock {self.clock.clocks[peer]} "
-                            f"(max_staleness={self.max_staleness}); raise ParameterServer.timeout_s if rank "
-                            f"{peer} is just slow",
-                            peer,
-                        )
-                    self.cond.wait(left)
+            self.wait_readable(rank, clock)
             staleness = self.clock.staleness(clock) if clock >= 0 else 0
             out.copy_(self.values)
             return staleness, self.clock.min_clock()
-
-    def depart(self, rank: int, clean: bool, reason: str) -> None:
-        with self.cond:
-            if clean:
-                self.clock.finish(rank)
-            else:
-                self.clock.lose(rank, reason)
-            self.cond.notify_all()
-
-    def close(self) -> None:
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
 
     def state_dict(self) -> Dict[str, Any]:
         with self.cond:
@@ -240,6 +257,8 @@ class ServerState(Backend):
         self.timeout_s = timeout_s
         self._cond = threading.Condition()
         self._shards: Dict[int, Shard] = {}
+        # Sparse tables (sparse_shard.SparseShard, which serves its own frames), numbered apart.
+        self._sparse: Dict[int, Any] = {}
         self._departed: Dict[int, Tuple[bool, str]] = {}
         self._receive: Dict[Tuple[int, int], torch.Tensor] = {}
         self._reply: Dict[Tuple[int, int], torch.Tensor] = {}
@@ -253,20 +272,36 @@ class ServerState(Backend):
             self._shards[table] = shard
             self._cond.notify_all()
 
+    def register_sparse(self, table: int, shard: ClockedShard) -> None:
+        """Registers sparse table ``table``'s shard: an object that also serves its frames
+        (``buffer_for(rank, header)`` and ``handle(rank, header)``)."""
+        with self._cond:
+            for rank, (clean, reason) in self._departed.items():
+                shard.depart(rank, clean, reason)
+            self._sparse[table] = shard
+            self._cond.notify_all()
+
     def shard(self, table: int) -> Shard:
         return self._shards[table]
 
-    def _wait_for(self, table: int, deadline: float) -> Shard:
+    def sparse(self, table: int) -> Any:
+        return self._sparse[table]
+
+    def _wait_for(self, table: int, deadline: float, sparse: bool = False) -> Any:
         # A fast worker may push before this rank's own worker has prepared the optimizer.
+        registry = self._sparse if sparse else self._shards
         with self._cond:
-            while table not in self._shards:
+            while table not in registry:
                 left = deadline - time.monotonic()
                 if self._closed or left <= 0:
-                    raise WireError(f"request for table {table}, which this rank never registered")
+                    what = "sparse table" if sparse else "table"
+                    raise WireError(f"request for {what} {table}, which this rank never registered")
                 self._cond.wait(left)
-            return self._shards[table]
+            return registry[table]
 
     def buffer_for(self, rank: int, header: Header, deadline: float) -> memoryview:
+        if header.kind in ROW_KINDS:
+            return self._wait_for(header.table, deadline, sparse=True).buffer_for(rank, header)
         shard = self._wait_for(header.table, deadline)
         if header.dtype != DTYPE_CODES[shard.spec.dtype]:
             raise WireError(f"dtype code {header.dtype} for table {header.table} of {shard.spec.dtype}")
@@ -290,6 +325,8 @@ class ServerState(Backend):
         return byte_view(buffer)
 
     def handle(self, rank: int, header: Header) -> Tuple[Header, memoryview]:
+        if header.kind in ROW_KINDS:
+            return self._sparse[header.table].handle(rank, header)
         shard = self._shards[header.table]
         key = (rank, header.table)
         if header.kind == Kind.PUSH:
@@ -314,14 +351,14 @@ class ServerState(Backend):
     def disconnected(self, rank: int, clean: bool, reason: str) -> None:
         with self._cond:
             self._departed[rank] = (clean, reason)
-            shards = list(self._shards.values())
+            shards = [*self._shards.values(), *self._sparse.values()]
         for shard in shards:
             shard.depart(rank, clean, reason)
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            shards = list(self._shards.values())
+            shards = [*self._shards.values(), *self._sparse.values()]
             self._cond.notify_all()
         for shard in shards:
             shard.close()

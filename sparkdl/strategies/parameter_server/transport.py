@@ -19,6 +19,7 @@ from sparkdl._net.server import HANDSHAKE_S, ThreadedServer, checked_secret
 from sparkdl._net.server import close_quietly as _close_quietly
 from sparkdl.strategies.parameter_server.wire import (
     MAX_ERROR_BYTES,
+    REQUEST_KINDS,
     Header,
     IntegrityError,
     Kind,
@@ -166,7 +167,7 @@ class ShardServer(ThreadedServer):
                     receive_payload(conn, keys.opener, header, memoryview(b""), time.monotonic() + self._timeout_s)
                     clean = True
                     break
-                if header.kind not in (Kind.PUSH, Kind.PULL):
+                if header.kind not in REQUEST_KINDS:
                     raise WireError(f"unexpected {Kind(header.kind).name} frame from a worker")
                 deadline = time.monotonic() + self._timeout_s
                 buffer = self._backend.buffer_for(rank, header, deadline)
@@ -296,8 +297,8 @@ class ShardClient:
             self.server_rank,
         )
 
-    def send(self, header: Header, *payload: Union[bytes, memoryview]) -> None:
-        """Sends one request.
+    def send(self, header: Header, *payload: Union[bytes, memoryview]) -> int:
+        """Sends one request; returns the bytes it put on the wire.
 
         Raises:
             ParameterServerError: the connection broke (names the server's rank).
@@ -309,12 +310,15 @@ class ShardClient:
             )
         try:
             self._sock.settimeout(self._timeout_s)
-            self.sent.add(send_frame(self._sock, self._keys.sealer, header, *payload))
+            count = send_frame(self._sock, self._keys.sealer, header, *payload)
         except OSError as exc:
             raise self._lost("sending", exc) from exc
+        self.sent.add(count)
+        return count
 
-    def receive(self, into: memoryview, table: int) -> Header:
-        """Reads the PARAMS reply to the last request into ``into`` (exactly its size).
+    def receive(self, into: memoryview, table: int, kind: Kind = Kind.PARAMS) -> Header:
+        """Reads the reply (of ``kind``: PARAMS, or ROWS for a sparse request) to the last
+        request into ``into`` (exactly its size).
 
         Raises:
             ParameterServerError: the server reported an error, broke the protocol, or went away.
@@ -334,7 +338,7 @@ class ShardClient:
                     f"parameter server on rank {self.server_rank}: {text}", header.aux if header.aux >= 0 else None
                 )
             if (
-                header.kind != Kind.PARAMS
+                header.kind != kind
                 or header.table != table
                 or header.length != len(into)
                 or header.rank != self.server_rank

@@ -47,7 +47,20 @@ PARAMS    server -> worker         the shard's values (raw tensor bytes). ``cloc
 ERROR     server -> worker         UTF-8 text (at most :data:`MAX_ERROR_BYTES`): why the request
                                    failed (a lost peer, a staleness wait that timed out).
 BYE       worker -> server         none: this worker is finished; it no longer holds others back.
+ROW_PULL  worker -> server         ``aux`` little-endian int64 row ids of a sparse table (unique,
+                                   all owned by this server). ``clock`` = the pushes this worker
+                                   made to the table: the read waits as a PULL's would (SSP).
+ROW_PUSH  worker -> server         ``aux`` int64 row ids, then ``aux`` gradient rows (raw tensor
+                                   bytes). ``clock`` as for PUSH; sent to every server each step,
+                                   with no rows where the batch touched none, so that the clocks
+                                   advance everywhere.
+ROWS      server -> worker         the pulled rows in the request's order (none for a push).
+                                   ``clock`` = the slowest worker's clock, ``aux`` = staleness.
 ========  =======================  ==============================================================
+
+For ROW_PULL and ROW_PUSH the ``table`` field counts the sparse tables (their own numbering);
+the server checks the length against ``aux`` and the table's row size before it buffers
+anything, and at most :data:`MAX_ROWS_PER_FRAME` rows travel in one frame.
 
 The header can only be checked with the tag that ends the frame, so a receiver uses it before
 that for nothing but sanity checks and choosing the buffer: the server knows each table's shard
@@ -118,6 +131,17 @@ class Kind(enum.IntEnum):
     PARAMS = 3
     ERROR = 4
     BYE = 5
+    ROW_PULL = 6
+    ROW_PUSH = 7
+    ROWS = 8
+
+
+#: Kinds a worker sends to a server.
+REQUEST_KINDS = frozenset({Kind.PUSH, Kind.PULL, Kind.ROW_PULL, Kind.ROW_PUSH})
+#: Sparse-table requests (the ``table`` field counts the sparse tables).
+ROW_KINDS = frozenset({Kind.ROW_PULL, Kind.ROW_PUSH})
+#: Most rows one ROW_PULL or ROW_PUSH frame carries (bounds the server's receive buffer).
+MAX_ROWS_PER_FRAME = 1 << 22
 
 
 _KIND_VALUES = frozenset(int(kind) for kind in Kind)

@@ -1,0 +1,186 @@
+"""The server side of a sparse table: the rows this rank owns, each with its optimizer state,
+created on first touch and updated row by row.
+
+A rank owns the rows whose id hashes to it (:func:`~sparkdl.strategies.parameter_server.rows.owners`)
+and stores only those it has seen: a row never touched is its initial value, which anyone can
+compute, so nothing of it needs to exist until a batch uses it. Reads and pushes keep the SSP
+clocks of the dense shards (:class:`~sparkdl.strategies.parameter_server.shard.ClockedShard`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Tuple
+
+import torch
+
+from sparkdl.strategies.parameter_server.rows import RowOptimizer, initial_rows, owners
+from sparkdl.strategies.parameter_server.shard import ClockedShard
+from sparkdl.strategies.parameter_server.wire import (
+    DTYPE_CODES,
+    MAX_ROWS_PER_FRAME,
+    Header,
+    Kind,
+    ParameterServerError,
+    WireError,
+    byte_view,
+)
+
+__all__ = ["SparseShard", "SparseSpec"]
+
+_ID_BYTES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseSpec:
+    """What every rank knows of one sparse table (the same on every rank)."""
+
+    table: int
+    name: str
+    num_rows: int
+    dim: int
+    dtype: torch.dtype
+    seed: int
+    init_std: float
+    optimizer: RowOptimizer
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def fingerprint(self) -> str:
+        return repr((self.table, self.name, self.num_rows, self.dim, str(self.dtype), self.seed, self.init_std))
+
+
+class SparseShard(ClockedShard):
+    """The rows of one sparse table that this rank owns, and their optimizer state."""
+
+    def __init__(self, spec: SparseSpec, rank: int, world_size: int, max_staleness, timeout_s: float) -> None:
+        super().__init__(rank, world_size, max_staleness, timeout_s)
+        self.spec = spec
+        self.world_size = world_size
+        self.slots: Dict[int, int] = {}
+        self.values = torch.empty(0, spec.dim, dtype=spec.dtype)
+        self.state = spec.optimizer.new_state(0, spec.dim, spec.dtype)
+        self._receive: Dict[int, torch.Tensor] = {}
+        self._reply: Dict[int, torch.Tensor] = {}
+
+    @property
+    def rows_held(self) -> int:
+        """Rows this rank has materialized (touched at least once)."""
+        return len(self.slots)
+
+    def _grow(self, needed: int) -> None:
+        capacity = len(self.values)
+        if needed <= capacity:
+            return
+        capacity = max(needed, 2 * capacity, 64)
+        grown = torch.empty(capacity, self.spec.dim, dtype=self.spec.dtype)
+        grown[: len(self.values)] = self.values
+        self.values = grown
+        fresh = self.spec.optimizer.new_state(capacity, self.spec.dim, self.spec.dtype)
+        for key, old in self.state.items():
+            fresh[key][: len(old)] = old
+        self.state = fresh
+
+    def _slots_for(self, ids: torch.Tensor) -> torch.Tensor:
+        """The slots of ``ids`` (unique, owned here), creating the rows not seen before."""
+        slots: List[int] = []
+        new: List[int] = []
+        for row in ids.tolist():
+            slot = self.slots.get(row)
+            if slot is None:
+                slot = self.slots[row] = len(self.slots)
+                new.append(row)
+            slots.append(slot)
+        if new:
+            self._grow(len(self.slots))
+            spec = self.spec
+            first = len(self.slots) - len(new)
+            self.values[first : len(self.slots)] = initial_rows(
+                spec.seed, spec.table, torch.tensor(new, dtype=torch.int64), spec.dim, spec.init_std, spec.dtype
+            )
+        return torch.tensor(slots, dtype=torch.int64)
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        # The worker checked the user's ids; what arrives here came from a worker of this job,
+        # so a bad id is a protocol error, not user input.
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.spec.num_rows):
+            raise WireError(f"row ids outside sparse table {self.spec.table}'s {self.spec.num_rows} rows")
+        if len(ids) and bool((owners(ids, self.world_size) != self.rank).any()):
+            raise WireError(f"row ids of sparse table {self.spec.table} that rank {self.rank} does not own")
+        if len(torch.unique(ids)) != len(ids):
+            raise WireError(f"repeated row ids for sparse table {self.spec.table}")
+
+    def pull(self, ids: torch.Tensor, rank: int, clock: int) -> Tuple[torch.Tensor, int, int]:
+        """Rows ``ids`` once a reader at ``clock`` may read (SSP); returns ``(rows, staleness,
+        slowest clock)``."""
+        self._check_ids(ids)
+        with self.cond:
+            self.wait_readable(rank, clock)
+            slots = self._slots_for(ids)  # first: it may grow (replace) self.values
+            rows = self.values[slots]
+            return rows, self.clock.staleness(clock) if clock >= 0 else 0, self.clock.min_clock()
+
+    def push(self, rank: int, clock: int, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Applies one worker's gradient rows with the row-wise optimizer (only those rows).
+
+        Raises:
+            WireError: out-of-order clock, a worker that has left, or bad ids.
+            ParameterServerError: the server is closing.
+        """
+        self._check_ids(ids)
+        with self.cond:
+            if self.closed:
+                raise ParameterServerError(f"the parameter server on rank {self.rank} is shutting down")
+            self.clock.tick(rank, clock)
+            if len(ids):
+                slots = self._slots_for(ids)
+                rows = self.values[slots]
+                state = {key: value[slots] for key, value in self.state.items()}
+                self.spec.optimizer.apply(rows, state, grads)
+                self.values[slots] = rows
+                for key, value in state.items():
+                    self.state[key][slots] = value
+            self.cond.notify_all()
+
+    def snapshot(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The rows held: ``(ids, values)``, copies taken under the lock."""
+        with self.cond:
+            ids = torch.tensor(list(self.slots), dtype=torch.int64)
+            return ids, self.values[: len(ids)].clone()
+
+    # ---- frames from other ranks (ServerState delegates ROW_PULL / ROW_PUSH here) -----------
+
+    def buffer_for(self, rank: int, header: Header) -> memoryview:
+        spec = self.spec
+        if header.dtype != DTYPE_CODES[spec.dtype]:
+            raise WireError(f"dtype code {header.dtype} for sparse table {spec.table} of {spec.dtype}")
+        count = header.aux
+        if not 0 <= count <= min(MAX_ROWS_PER_FRAME, spec.num_rows):
+            raise WireError(f"{count} rows in one frame for sparse table {spec.table}")
+        per_row = _ID_BYTES + (spec.row_bytes if header.kind == Kind.ROW_PUSH else 0)
+        if header.length != count * per_row:
+            raise WireError(f"{Kind(header.kind).name} of {header.length} bytes for {count} rows of table {spec.table}")
+        buffer = self._receive.get(rank)
+        if buffer is None or len(buffer) < header.length:
+            buffer = self._receive[rank] = torch.empty(header.length, dtype=torch.uint8)
+        return byte_view(buffer[: header.length])
+
+    def handle(self, rank: int, header: Header) -> Tuple[Header, memoryview]:
+        spec = self.spec
+        count = header.aux
+        payload = self._receive[rank][: header.length]
+        ids = payload[: _ID_BYTES * count].view(torch.int64)
+        if header.kind == Kind.ROW_PUSH:
+            grads = payload[_ID_BYTES * count :].view(spec.dtype).view(count, spec.dim)
+            self.push(rank, header.clock, ids, grads)
+            with self.cond:
+                slowest = self.clock.min_clock()
+            return Header(Kind.ROWS, header.dtype, spec.table, self.rank, slowest, 0, 0), memoryview(b"")
+        rows, staleness, slowest = self.pull(ids, rank, header.clock)
+        self._reply[rank] = rows  # kept alive until the reply is sent
+        out = Header(
+            Kind.ROWS, header.dtype, spec.table, self.rank, slowest, staleness, rows.numel() * rows.element_size()
+        )
+        return out, byte_view(rows)

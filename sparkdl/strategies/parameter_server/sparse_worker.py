@@ -1,0 +1,219 @@
+"""The worker side of the sparse tables: a forward's pull of the unique rows it needs from their
+owners, and the step's push of the gradient rows back to them.
+
+The runtime (:mod:`~sparkdl.strategies.parameter_server.runtime`) creates one
+:class:`SparseTables` per rank and binds the model's
+:class:`~sparkdl.strategies.parameter_server.embedding.ShardedEmbedding` modules to it. Rows
+owned by this rank are read and updated in its own :class:`SparseShard` directly; the others
+travel as ROW_PULL / ROW_PUSH frames (:mod:`~sparkdl.strategies.parameter_server.wire`).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from sparkdl._net.frames import TAG_BYTES
+from sparkdl.errors import ConfigError
+from sparkdl.strategies.parameter_server.embedding import ShardedEmbedding, sharded_embeddings
+from sparkdl.strategies.parameter_server.rows import initial_rows, owners
+from sparkdl.strategies.parameter_server.shard import ServerState
+from sparkdl.strategies.parameter_server.sparse_shard import SparseShard, SparseSpec
+from sparkdl.strategies.parameter_server.transport import ByteCounter, ShardClient
+from sparkdl.strategies.parameter_server.wire import (
+    DTYPE_CODES,
+    HEADER,
+    MAX_ROWS_PER_FRAME,
+    MAX_TABLE,
+    Header,
+    Kind,
+    byte_view,
+)
+
+__all__ = ["GATHER_CHUNK_ROWS", "SparseTables"]
+
+#: Rows per message when a table is assembled on rank 0 (:meth:`SparseTables.gather`).
+GATHER_CHUNK_ROWS = 1 << 18
+
+
+class SparseTables:
+    """One rank's sparse tables: their specs, this rank's shards of them, the worker's clocks."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        state: ServerState,
+        clients: Dict[int, ShardClient],
+        max_staleness: Optional[int],
+        timeout_s: float,
+    ) -> None:
+        self.rank, self.world_size = rank, world_size
+        self._state, self._clients = state, clients
+        self._max_staleness, self._timeout_s = max_staleness, timeout_s
+        self.specs: List[SparseSpec] = []
+        self.modules: List[ShardedEmbedding] = []
+        self.clocks: List[int] = []
+        #: Bytes of the sparse frames, both ways: requests sent and replies received.
+        self.wire_bytes = ByteCounter()
+        #: The largest staleness of this worker's sparse reads since the runtime last reset it.
+        self.staleness = 0
+
+    def bind(self, name: str, module: ShardedEmbedding) -> SparseSpec:
+        """Makes ``module`` the next sparse table and registers this rank's shard of it."""
+        table = len(self.specs)
+        if table > MAX_TABLE:
+            raise ValueError("ParameterServer: too many ShardedEmbedding tables")
+        spec = SparseSpec(
+            table, name, module.num_rows, module.dim, module.dtype, module.seed, module.init_std, module.row_optimizer
+        )
+        shard = SparseShard(spec, self.rank, self.world_size, self._max_staleness, self._timeout_s)
+        self._state.register_sparse(table, shard)
+        self.specs.append(spec)
+        self.modules.append(module)
+        self.clocks.append(0)
+        module.bind(table, name, self)
+        return spec
+
+    def shard(self, table: int) -> SparseShard:
+        return self._state.sparse(table)
+
+    def _by_owner(self, ids: torch.Tensor) -> List[Tuple[int, torch.Tensor]]:
+        """(rank, positions in ``ids``) of every rank that owns some of ``ids``, by rank."""
+        owner = owners(ids, self.world_size)
+        return [(k, (owner == k).nonzero().flatten()) for k in range(self.world_size) if bool((owner == k).any())]
+
+    def _remote(self, k: int, header: Header, *payload: memoryview) -> None:
+        self.wire_bytes.add(self._clients[k].send(header, *payload))
+
+    def _reply(self, k: int, into: memoryview, table: int) -> Header:
+        reply = self._clients[k].receive(into, table, Kind.ROWS)
+        self.wire_bytes.add(HEADER.size + reply.length + TAG_BYTES)
+        return reply
+
+    def pull_rows(self, table: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (unique, in range) of ``table``, each from its owner, with the SSP wait
+        of this worker's clock for the table."""
+        spec = self.specs[table]
+        if len(ids) > MAX_ROWS_PER_FRAME:
+            raise ValueError(f"ShardedEmbedding {spec.name!r}: more than {MAX_ROWS_PER_FRAME} unique ids in one lookup")
+        out = torch.empty(len(ids), spec.dim, dtype=spec.dtype)
+        clock, code = self.clocks[table], DTYPE_CODES[spec.dtype]
+        parts = self._by_owner(ids)
+        remote = [(k, where, ids[where].contiguous()) for k, where in parts if k != self.rank]
+        for k, _, part in remote:
+            self._remote(
+                k, Header(Kind.ROW_PULL, code, table, self.rank, clock, len(part), 8 * len(part)), byte_view(part)
+            )
+        for k, where in parts:
+            if k == self.rank:
+                rows, staleness, _ = self.shard(table).pull(ids[where], self.rank, clock)
+                out[where] = rows
+                self.staleness = max(self.staleness, staleness)
+        for k, where, part in remote:
+            received = torch.empty(len(part), spec.dim, dtype=spec.dtype)
+            self.staleness = max(self.staleness, self._reply(k, byte_view(received), table).aux)
+            out[where] = received
+        return out
+
+    def push_all(self) -> None:
+        """Pushes every table's gradient rows since the last push to their owners (every rank
+        gets a push, empty where the batch touched none of its rows, so its clocks advance)."""
+        for table, module in enumerate(self.modules):
+            ids, grads = self._coalesce(table, module)
+            self._push(table, ids, grads)
+            self.clocks[table] += 1
+
+    def _coalesce(self, table: int, module: ShardedEmbedding) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The pending lookups' gradients summed per row id (a row used twice gets one push)."""
+        spec = self.specs[table]
+        pending, module.pending = module.pending, []
+        pairs = [(ids, rows.grad) for ids, rows in pending if rows.grad is not None]
+        if not pairs:
+            return torch.empty(0, dtype=torch.int64), torch.empty(0, spec.dim, dtype=spec.dtype)
+        all_ids = torch.cat([ids for ids, _ in pairs])
+        all_grads = torch.cat([grad.to("cpu", spec.dtype) for _, grad in pairs])
+        if len(pairs) == 1:
+            return all_ids, all_grads
+        unique, inverse = torch.unique(all_ids, sorted=True, return_inverse=True)
+        summed = torch.zeros(len(unique), spec.dim, dtype=spec.dtype).index_add_(0, inverse, all_grads)
+        return unique, summed
+
+    def _push(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        spec = self.specs[table]
+        clock, code = self.clocks[table], DTYPE_CODES[spec.dtype]
+        owner = owners(ids, self.world_size)
+        local: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        sent = []
+        for k in range(self.world_size):
+            mine = owner == k
+            part_ids, part_grads = ids[mine].contiguous(), grads[mine].contiguous()
+            if k == self.rank:
+                local = (part_ids, part_grads)
+                continue
+            if len(part_ids) > MAX_ROWS_PER_FRAME:
+                raise ValueError(
+                    f"ShardedEmbedding {spec.name!r}: the step touched more than {MAX_ROWS_PER_FRAME} rows of rank {k}; "
+                    f"step the optimizer more often"
+                )
+            length = len(part_ids) * (8 + spec.row_bytes)
+            header = Header(Kind.ROW_PUSH, code, table, self.rank, clock, len(part_ids), length)
+            self._remote(k, header, byte_view(part_ids), byte_view(part_grads))
+            sent.append(k)
+        if local is not None:
+            self.shard(table).push(self.rank, clock, *local)
+        for k in sent:
+            self._reply(k, memoryview(bytearray(0)), table)
+
+    def gather(self, table: int) -> Optional[torch.Tensor]:
+        """The complete table on rank 0 (None elsewhere). Collective; call it once every push
+        is in. Rank 0 starts from the initial rows (computed, never stored anywhere), and each
+        rank streams the rows it holds to rank 0 in chunks of :data:`GATHER_CHUNK_ROWS` rows
+        (``torch.distributed`` point-to-point), so no rank but 0 ever holds more than its
+        shard plus one chunk."""
+        spec = self.specs[table]
+        ids, values = self.shard(table).snapshot()
+        counts: List[Optional[int]] = [None] * self.world_size
+        dist.all_gather_object(counts, len(ids))
+        if self.rank != 0:
+            for start in range(0, len(ids), GATHER_CHUNK_ROWS):
+                dist.send(ids[start : start + GATHER_CHUNK_ROWS].contiguous(), dst=0)
+                dist.send(values[start : start + GATHER_CHUNK_ROWS].contiguous(), dst=0)
+            return None
+        full = torch.empty(spec.num_rows, spec.dim, dtype=spec.dtype)
+        for start in range(0, spec.num_rows, GATHER_CHUNK_ROWS):
+            chunk = torch.arange(start, min(start + GATHER_CHUNK_ROWS, spec.num_rows))
+            full[chunk] = initial_rows(spec.seed, spec.table, chunk, spec.dim, spec.init_std, spec.dtype)
+        full[ids] = values
+        for k in range(1, self.world_size):
+            for start in range(0, int(counts[k]), GATHER_CHUNK_ROWS):
+                size = min(GATHER_CHUNK_ROWS, int(counts[k]) - start)
+                part_ids = torch.empty(size, dtype=torch.int64)
+                part = torch.empty(size, spec.dim, dtype=spec.dtype)
+                dist.recv(part_ids, src=k)
+                dist.recv(part, src=k)
+                full[part_ids] = part
+        return full
+
+    def assemble(self, model: torch.nn.Module) -> None:
+        """Rank 0's ShardedEmbeddings of ``model`` become complete tables (the fitted model's,
+        :meth:`ShardedEmbedding.materialize`), streamed from every shard by :meth:`gather`; the
+        other ranks only send. Collective."""
+        for _, module in sharded_embeddings(model):
+            table = module.table
+            if table is None or table >= len(self.modules) or self.modules[table] is not module:
+                continue
+            full = self.gather(table)
+            if full is not None:
+                module.materialize(full)
+
+    def refuse(self, what: str) -> None:
+        """Raises ConfigError when there are sparse tables: ``what`` does not cover them yet."""
+        if self.specs:
+            names = ", ".join(repr(spec.name) for spec in self.specs)
+            raise ConfigError(
+                f"ParameterServer does not support {what} of ShardedEmbedding tables yet ({names}); "
+                f"train without checkpoint= (see docs/embeddings.md)"
+            )

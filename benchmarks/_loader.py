@@ -2,11 +2,12 @@
 
 What one task's data path delivers with nothing training: the Arrow reader over the check's
 ``list<float>`` Parquet, the shuffle buffer, the batches and the conversion to host tensors (a
-prefetch thread pinning them on CUDA, as in training), for 1, 2, ... decode workers
-(``DataSpec.decode_threads``: row groups read and decoded at once). For each count it reports the
-first epoch (every row group read and decoded from Parquet) and the later epochs (served from the
-shard cache, when ``--cache`` is on): rows/s, MB/s, CPU-µs per row (the process's CPU time, every
-thread's, over the rows) and rows/s per worker, and the scaling against one worker.
+prefetch thread writing them into its ring of pinned buffers on CUDA, as in training), for 1, 2,
+... decode workers (``DataSpec.decode_threads``: row groups read and decoded at once). For each
+count it reports the first epoch (every row group read and decoded from Parquet) and the later
+epochs (served from the shard cache, when ``--cache`` is on): rows/s, MB/s, CPU-µs per row (the
+process's CPU time, every thread's, over the rows) and rows/s per worker, and the scaling against
+one worker.
 
 Runs without Spark and without a GPU (``--device cpu``).
 """
@@ -62,13 +63,16 @@ def epoch_rates(
     )
     source = batches(reader_from_name(reader_name), dataset, spec, 0, 1, epoch_steps=steps)
     feed = Prefetcher(source, pin=True, device=device) if device.type == "cuda" else InlineBatches(source)
+    pinned = device.type == "cuda"
     row_bytes = None
     out = []
     try:
         for _ in range(epochs):
             wall, cpu = time.perf_counter(), time.process_time()
             for _ in range(steps):
-                features, _labels = feed.next()
+                features, _labels = batch = feed.next()
+                if pinned:  # nothing copies it: its pinned ring buffer is free again at once
+                    feed.release(batch)
                 row_bytes = row_bytes or features[0].numel() * features.element_size() + 8
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
             rows = steps * batch_size

@@ -1,8 +1,9 @@
 """Does one sparkdl task keep its GPU busy? A device check without Spark or Java.
 
 Runs what one barrier task runs — the Arrow reader streaming a Parquet shard, the prefetch thread
-(pinned memory), the copy of the next batch on a side CUDA stream, ``FitLoop`` with the
-``AllReduce`` strategy on a one-rank process group — on one GPU, for each precision, and reports:
+(batches written into a ring of pinned buffers), the copy of the next batch on a side CUDA
+stream, ``FitLoop`` with the ``AllReduce`` strategy on a one-rank process group — on one GPU, for
+each precision, and reports:
 
 * **samples/s** of the training loop (steady state, after warm-up steps);
 * **GPU busy fraction**: per step, CUDA events at the forward pass's start and after the
@@ -13,6 +14,9 @@ Runs what one barrier task runs — the Arrow reader streaming a Parquet shard, 
   (pinned batches, nothing trains), next to the **pinned and pageable host-to-device copy
   bandwidth** measured on the same GPU, and the MB/s training actually consumed;
 * **bf16 vs fp32** (and fp16 on GPUs): the same loop per precision;
+* **host batches**: per precision, how many training batches came from the pinned ring
+  (``sparkdl._runtime.pinned_ring``), how many were pageable, and how often the prefetch thread
+  waited for a copy to free a buffer;
 * **inference**: sparkdl's scorer (what ``TorchModel.transform`` and ``sparkdl.predict`` run in
   a task) over the same Parquet with the same model, rows/s per precision, and the feed alone
   (read + model inputs) beside it (``benchmarks/_gpu_inference.py``).
@@ -213,19 +217,23 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> Dict
 
 
 def loader_rate(
-    dataset: Any, spec: DataSpec, reader_name: str, device: torch.device, seconds: float = 2.0
+    dataset: Any, spec: DataSpec, reader_name: str, device: torch.device, seconds: float = 2.0, ring: bool = True
 ) -> Dict[str, float]:
     """What the reader plus the prefetch thread deliver with nothing training (pinned on CUDA),
-    read for at least ``seconds`` (the stream cycles over the data forever)."""
+    read for at least ``seconds`` (the stream cycles over the data forever). ``ring=False`` on
+    CUDA: each batch pinned with ``pin_memory()`` instead, the path before the pinned ring."""
     source = batches(reader_from_name(reader_name), dataset, spec, 0, 1)
-    prefetcher = Prefetcher(source, pin=device.type == "cuda", device=device)
+    pin = device.type == "cuda"
+    # device=None makes no ring (the ring is a CUDA device's); pin_memory() then pins on the
+    # current GPU, the check's device.
+    prefetcher = Prefetcher(source, pin=pin, device=device if ring or not pin else None)
     try:
         features, _ = prefetcher.next()  # start-up (first row groups) is not the steady rate
         row_bytes = features[0].numel() * features.element_size() + 8
         started = time.perf_counter()
         count = 0
         while count < 20 or time.perf_counter() - started < seconds:
-            prefetcher.next()
+            prefetcher.release(prefetcher.next())  # nothing copies it: its ring buffer is free at once
             count += 1
         elapsed = time.perf_counter() - started
     finally:
@@ -274,6 +282,7 @@ def train(
         with UtilizationSampler(device) as sampler:
             result = loop(ctx)
             timing = timer.summary()
+        ring = feed_ring_stats(ctx)
     finally:
         ctx.close()
         runtime.close()
@@ -288,8 +297,26 @@ def train(
         "step_ms": 1000 * timing["busy_s"] / max(1, timing["steps"] - timing["skipped"]),
         "nvml_utilization": sampler.mean,
         "loss": result["history"][-1]["loss"],
+        "pinned_ring": ring,
         **timing,
     }
+
+
+def feed_ring_stats(ctx: TrainContext) -> Optional[Dict[str, Any]]:
+    """Where the training batches' host memory came from: the prefetch thread's pinned ring
+    counters (batches written into it, served pageable, waits for a copy), None on the CPU."""
+    feed = ctx._rank.feed  # the epoch's DeviceFeed, still open until ctx.close()
+    return feed.ring_stats() if feed is not None else None
+
+
+def describe_ring(ring: Optional[Dict[str, Any]]) -> str:
+    if ring is None:
+        return "none (CPU: batches share the reader's arrays)"
+    total = ring["filled_batches"] + ring["pageable_batches"]
+    return (
+        f"{ring['filled_batches']}/{total} batches from the {ring['memory']} ring ({ring['buffers']} buffers, "
+        f"{ring['held_bytes'] / 1e6:,.1f} MB), {ring['pageable_batches']} pageable, {ring['waits']} waits for a copy"
+    )
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
@@ -337,6 +364,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     batch_bytes = sizes["batch_size"] * (sizes["features"] * 4 + 8)
     bandwidth = copy_bandwidth(device, max(batch_bytes, 64 << 20))
     loader = loader_rate(dataset, spec, args.reader, device, seconds=0.5 if args.tiny else 3.0)
+    if device.type == "cuda":  # the same feed pinned per batch, as before the ring: an A/B on this GPU
+        loader["pin_memory_samples_per_s"] = loader_rate(
+            dataset, spec, args.reader, device, seconds=0.5 if args.tiny else 3.0, ring=False
+        )["samples_per_s"]
     runs = [train(dataset, spec, args.reader, device, p, sizes, args.seed) for p in precisions]
     autocasts = [None, "bf16"] + (["fp16"] if device.type == "cuda" else [])
     scoring = score_runs(data_dir, make_model, sizes, device, autocasts)
@@ -403,6 +434,12 @@ def print_report(report: Dict[str, Any]) -> None:
     print(
         f"loader alone (reader + prefetch thread{', pinned' if h2d['pinned_gbps'] else ''}): {loader['samples_per_s']:,.0f} samples/s = {loader['mb_per_s']:,.1f} MB/s"
     )
+    if loader.get("pin_memory_samples_per_s"):
+        print(
+            f"loader alone with pin_memory() per batch instead of the pinned ring: "
+            f"{loader['pin_memory_samples_per_s']:,.0f} samples/s "
+            f"(ring {loader['samples_per_s'] / loader['pin_memory_samples_per_s']:.2f}x)"
+        )
     print()
     print(
         "| precision | samples/s | busy fraction | busy ms/step | NVML util % | consumed MB/s | loader headroom | copy share of step | loss |"
@@ -423,6 +460,8 @@ def print_report(report: Dict[str, Any]) -> None:
             f"| {label} | {run['samples_per_s']:,.0f} | {run['busy_fraction']:.2f} | {run['step_ms']:.2f} | {util} | "
             f"{consumed:,.1f} | {headroom:.1f}x | {copy_share} | {run['loss']:.4f} |"
         )
+    for run in report["runs"]:
+        print(f"{run['precision']} host batches: {describe_ring(run['pinned_ring'])}")
     fp32 = next((r for r in report["runs"] if r["precision"] == "32"), None)
     for run in report["runs"]:
         if fp32 is not None and run is not fp32:

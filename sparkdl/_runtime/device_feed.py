@@ -1,15 +1,16 @@
 """Keeping the GPU fed: batches moved to the training device, the next one copied while the
 current one trains.
 
-On CUDA a prefetch thread pins host batches (in a thread made to use the task's GPU,
-:func:`pin_thread_to`; :mod:`sparkdl._runtime.host_batches`), and :class:`DeviceFeed` starts each next
+On CUDA a prefetch thread writes host batches into a ring of pinned buffers (in a thread made to
+use the task's GPU, :func:`pin_thread_to`; :mod:`sparkdl._runtime.host_batches`,
+:mod:`sparkdl._runtime.pinned_ring`), and :class:`DeviceFeed` starts each next
 batch's copy on a side stream (:class:`CudaCopier`) so it overlaps the current step's kernels. On
 the CPU it passes the host batches through. Which device a task trains on is :mod:`sparkdl._runtime.device`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional, Protocol, Tuple
+from typing import Any, Dict, Iterator, Optional, Protocol, Tuple
 
 import torch
 
@@ -45,6 +46,9 @@ class HostBatches(Protocol):
     def poll(self) -> Optional[Batch]: ...
 
     def close(self) -> None: ...
+
+    # Optional: ``release(batch, signal)``, told after each batch's copy started, with the
+    # copy's token (its CUDA event), by host batches that lend reusable buffers (a pinned ring).
 
 
 class Copier(Protocol):
@@ -100,19 +104,33 @@ class DeviceFeed:
         self._source = source
         self._copier = copier if copier is not None else (CudaCopier(device) if device.type == "cuda" else None)
         self._ahead: Optional[Tuple[Batch, Any]] = None
+        self._release = getattr(source, "release", None)
 
     def next(self) -> Batch:
         if self._copier is None:
             return self._source.next()
         if self._ahead is None:
-            self._ahead = self._copier.start(self._source.next())
+            self._ahead = self._start(self._source.next())
         batch, token = self._ahead
         self._ahead = None
         self._copier.finish(batch, token)
         following = self._source.poll()
         if following is not None:
-            self._ahead = self._copier.start(following)
+            self._ahead = self._start(following)
         return batch
+
+    def _start(self, host: Batch) -> Tuple[Batch, Any]:
+        """Starts ``host``'s copy; its host memory is free again once the copy's token is done."""
+        started = self._copier.start(host)  # type: ignore[union-attr]
+        if self._release is not None:
+            self._release(host, started[1])
+        return started
+
+    def ring_stats(self) -> Optional[Dict[str, Any]]:
+        """The host batches' pinned ring counters (batches written into it, served pageable,
+        waits, buffers, bytes), None when they come from no ring."""
+        stats = getattr(self._source, "ring_stats", None)
+        return stats() if stats is not None else None
 
     def close(self) -> None:
         self._ahead = None

@@ -15,18 +15,25 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 
 from sparkdl._runtime.device_feed import Batch, HostBatches, pin_thread_to
+from sparkdl._runtime.pinned_ring import BatchRing, cuda_ring
 from sparkdl.data.batching import to_tensors
+
+#: Buffers a pinned ring keeps beyond the queue's depth: the batch the prefetch thread fills
+#: while the queue is full, and the two whose copies may still read them (the one copied
+#: ahead, the current one); with more, a fill waits for the oldest copy's event.
+_RING_BEYOND_DEPTH = 3
 
 
 def host_batches(source: Iterator, device: torch.device, pin: bool = True) -> HostBatches:
     """The host-batch stream for a rank training on ``device``: a :class:`Prefetcher` on CUDA
-    (pinning, unless ``pin`` is False: a framework that moves batches itself), batches
-    converted when they are taken (:class:`InlineBatches`) on the CPU."""
+    (writing batches into a ring of pinned buffers, unless ``pin`` is False: a framework that
+    moves batches itself), batches converted when they are taken (:class:`InlineBatches`) on
+    the CPU."""
     if device.type == "cuda":
         return Prefetcher(source, pin=pin, device=device)
     return InlineBatches(source)
@@ -49,6 +56,12 @@ class InlineBatches:
         """The next batch: taking it is what makes it ready, so this is ``next``."""
         return self.next()
 
+    def release(self, batch: Batch, signal: Any = None) -> None:
+        """Nothing to do: the batch's tensors share the reader's arrays, no buffer is lent."""
+
+    def ring_stats(self) -> Optional[Dict[str, Any]]:
+        return None
+
     def close(self) -> None:
         self._source.close()
 
@@ -57,13 +70,26 @@ class Prefetcher:
     """Converts batches to tensors on a background thread so reading overlaps compute.
 
     The queue is bounded (a few batches), so memory stays bounded; an error in the reader
-    re-raises in the training thread at the next ``next()``.
+    re-raises in the training thread at the next ``next()``. Pinning on CUDA writes each batch
+    into a :class:`~sparkdl._runtime.pinned_ring.BatchRing` of pinned buffers (``ring``: another
+    one, e.g. a test's); whoever takes a batch passes it to :meth:`release` once its copy
+    started.
     """
 
-    def __init__(self, source: Iterator, pin: bool, depth: int = 4, device: Optional[torch.device] = None) -> None:
+    def __init__(
+        self,
+        source: Iterator,
+        pin: bool,
+        depth: int = 4,
+        device: Optional[torch.device] = None,
+        ring: Optional[BatchRing] = None,
+    ) -> None:
         self._source = source
         self._pin = pin
         self._device = device
+        if ring is None and pin and device is not None and device.type == "cuda":
+            ring = cuda_ring(depth + _RING_BEYOND_DEPTH)
+        self._ring = ring
         self._queue: "queue.Queue[Any]" = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._fill, name="sparkdl-prefetch", daemon=True)
@@ -74,7 +100,8 @@ class Prefetcher:
             if self._pin:
                 pin_thread_to(self._device)  # else pinning puts a CUDA context on GPU 0
             for batch in self._source:
-                if not self._put(to_tensors(batch, self._pin)):
+                tensors = self._ring.fill(batch) if self._ring is not None else to_tensors(batch, self._pin)
+                if not self._put(tensors):
                     return
             self._put(StopIteration("the data stream ended"))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer thread
@@ -113,6 +140,16 @@ class Prefetcher:
         if isinstance(item, BaseException):
             raise item
         return item
+
+    def release(self, batch: Batch, signal: Any = None) -> None:
+        """``batch``'s host memory is read by nothing but ``signal`` (the copy's CUDA event; None:
+        by nothing): its ring buffer may be written again once the signal is done."""
+        if self._ring is not None:
+            self._ring.release(batch, signal)
+
+    def ring_stats(self) -> Optional[Dict[str, Any]]:
+        """The ring's counters (:meth:`BatchRing.stats`), None without one."""
+        return self._ring.stats() if self._ring is not None else None
 
     def close(self) -> None:
         self._stop.set()

@@ -342,6 +342,7 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_without_pyspark(tmp_path):
         assert 0 < run["busy_fraction"] <= 1 and run["samples_per_s"] > 0 and math.isfinite(run["loss"])
     assert report["loader"]["samples_per_s"] > 0 and report["h2d"]["pinned_gbps"] is None
     assert "| bf16-mixed |" in done.stdout and "verdict:" in done.stdout
+    assert all(run["pinned_ring"] is None for run in report["runs"])  # the CPU pins nothing
     # The inference part: sparkdl's scorer over every row, per autocast, and the feed alone.
     scoring = report["scoring"]
     assert [run["precision"] for run in scoring["runs"]] == ["fp32", "bf16"]

@@ -56,6 +56,10 @@ class ResizeMethods:
         grouped ``accumulation_steps`` at a time. Multiply each loss by ``loss_scale`` (1/(the
         micro-batches of its step), so the accumulated gradient is their mean) and step the
         optimizer after each ``last``; an epoch's last step may take fewer micro-batches."""
+        if self.accumulation_steps == 1:  # every batch its own step: no windows to count (one generator less per step)
+            for inputs, labels in self.epoch_batches(skip):  # type: ignore[attr-defined]
+                yield inputs, labels, 1.0, True
+            return
         position = self._rank.position
         remainder = position.remainder
         count = remainder.steps - remainder.taken if remainder is not None else (self._rank.steps_per_epoch or 0) - skip

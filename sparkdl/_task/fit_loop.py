@@ -156,14 +156,14 @@ class FitLoop:
                 with ctx.autocast():  # the run's precision: a no-op for "32"
                     output = call_model(model, features)  # model(**inputs) with inputs=
                     loss = self.loss(output, labels)
-                watch.add(epoch, state.step + 1, loss)
+                detached = watch.add(epoch, state.step + 1, loss)
                 scaled = loss if scale == 1.0 else loss * scale
                 if last:
                     ctx.backward_and_step(scaled, optimizer)  # through the grad scaler for "16-mixed"
                 else:
                     ctx.backward(scaled)
             rows = batch_rows(features)
-            loss_sum.add_(loss.detach(), alpha=rows)  # one op: the float64 sum takes the loss as it is
+            loss_sum.add_(detached, alpha=rows)  # one op: the float64 sum takes the loss as it is
             state.samples += rows
             state.step += 1
             if state.output_shape is None:
@@ -325,17 +325,24 @@ class LossWatch:
         self._every = every
         self._pending: List[Any] = []  # (epoch, step, detached loss)
 
-    def add(self, epoch: int, step: int, loss: torch.Tensor) -> None:
-        self._pending.append((epoch, step, loss.detach()))
+    def add(self, epoch: int, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """Keeps the step's loss for the next check; returns it detached (the loop sums that one)."""
+        detached = loss.detach()
+        self._pending.append((epoch, step, detached))
         if len(self._pending) >= self._every:
             self.check()
+        return detached
 
     def check(self) -> None:
         """Raises NonFiniteLossError for the first non-finite pending loss (one host sync)."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        finite = torch.isfinite(torch.stack([loss.float().reshape(-1)[0] for _, _, loss in pending]))
+        # A scalar loss is stacked as it is (stack promotes mixed dtypes): a third of the ops, and
+        # of the check's cost, of taking every loss's first element as float32.
+        finite = torch.isfinite(
+            torch.stack([loss if loss.dim() == 0 else loss.reshape(-1)[0] for _, _, loss in pending])
+        )
         if bool(finite.all()):
             return
         epoch, step, loss = pending[int((~finite).nonzero()[0, 0])]

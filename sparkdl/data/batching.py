@@ -93,6 +93,7 @@ def batches(
     the caller knows them (else counted from the footers as the driver does: :func:`epoch_rows`).
     """
     plan = dataset.plan
+    augments = plan.augments  # asked once, not per batch
     rows = epoch_rows(dataset, spec, world_size, epoch_steps) if spec.shuffle else None
     source = reader.chunks(
         dataset, dataclasses.replace(spec, pass_marks=True) if spec.shuffle else spec, rank, world_size
@@ -101,7 +102,7 @@ def batches(
     def finish(index: int, arrays: Chunk) -> Batch:
         # Augmented training batches are seeded by their place in the stream; plans without
         # augmentation build no generator per step.
-        augment = np.random.default_rng([spec.seed, rank, index]) if plan.augments else None
+        augment = np.random.default_rng([spec.seed, rank, index]) if augments else None
         return finish_batch(plan, arrays, augment, spec.transform_fn, dataset.locate)
 
     cuts = cut_stream(source, spec, rank, rows)

@@ -49,3 +49,14 @@ def test_check_flushes_what_is_pending_and_finite_losses_pass():
     with pytest.raises(NonFiniteLossError, match="loss is -inf at epoch 3, step 10"):
         watch.check()
     watch.check()  # nothing pending any more
+
+
+def test_add_returns_the_loss_detached_and_mixed_dtypes_are_checked_together():
+    rank = _Rank()
+    watch = LossWatch(rank, every=3)
+    loss = torch.tensor(2.0, requires_grad=True) * 1.5
+    kept = watch.add(2, 1, loss)
+    assert not kept.requires_grad and kept.item() == 3.0  # the value the loop sums
+    watch.add(2, 2, torch.tensor(1.0, dtype=torch.bfloat16))  # a bf16-mixed loss beside float32 ones
+    with pytest.raises(NonFiniteLossError, match="loss is nan at epoch 2, step 3 on rank 1"):
+        watch.add(2, 3, torch.tensor(float("nan"), dtype=torch.float64))

@@ -103,11 +103,12 @@ def run_part(
     marker = committed(fs, root, part.part_id)
     if marker is not None:
         return PartOutcome(part.part_id, marker["rows"], marker["bad_rows"], True, time.monotonic() - started)
+    source = part_schema(part)
     read = kept = None
     if keep_columns is not None:  # read what is kept and what the model needs, in the file's order
         wanted = {*keep_columns, *scorer.input_columns}
-        read = [name for name in part_schema(part).names if name in wanted]
-    schema = scorer.output_schema(part_schema(part) if read is None else _selected(part_schema(part), read))
+        read = [name for name in source.names if name in wanted]
+    schema = scorer.output_schema(source if read is None else _selected(source, read))
     if keep_columns is not None:
         kept = [*keep_columns, *schema.names[len(read) :]]  # then the columns scoring adds
         schema = _selected(schema, kept)

@@ -244,8 +244,8 @@ class TorchEstimator(Estimator, _TorchParams, MLReadable["TorchEstimator"], MLWr
         check_model = getattr(self.settings.strategy, "check_model", None)  # ShardedDataParallel.shard_modules, ...
         if check_model is not None:
             check_model(module)
-        # ShardedEmbedding tables: trained by ParameterServer only, and not checkpointed yet.
-        check_sharded_embeddings(module, self.settings.strategy.name, self.settings.checkpoint is not None)
+        # ShardedEmbedding tables: trained by ParameterServer only.
+        check_sharded_embeddings(module, self.settings.strategy.name)
         epochs = self.getOrDefault(self.epochs)
         checkpoint, strategy = self.settings.checkpoint, self.settings.strategy
         loop = FitLoop(

@@ -1,7 +1,7 @@
 """ShardedEmbedding through Spark, on the shared local-cluster session: a TorchEstimator fit whose
 table lives on two ranks' parameter servers and comes back whole in the fitted TorchModel (whose
 transform uses it), and a bad id that fails the run on the driver naming the table, the id, the
-rank and its host."""
+rank and its host; a checkpoint of two workers resumed on one (the rows re-sharded)."""
 
 from __future__ import annotations
 
@@ -82,3 +82,44 @@ def test_an_out_of_range_id_fails_the_run_naming_the_table_the_id_the_rank_and_i
         info.value
     )
     assert failure.host.split(" ")[0] in str(info.value)  # the driver's message names where it ran
+
+
+def test_a_checkpoint_of_two_workers_resumes_on_one_with_every_trained_row(spark, tmp_path):
+    saved_rows = str(tmp_path / "rows.pt")
+
+    def loop(ctx):
+        model = ctx.prepare_model(_model_factory()())
+        optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+        if ctx.load_checkpoint() is not None:
+            return {"rows": model.items.rows(torch.arange(ROWS)), "resumed_from": ctx.resumed_from}
+        generator = torch.Generator().manual_seed(ctx.rank)
+        for _ in range(4):
+            ids = torch.randint(0, ROWS // 4, (16,), generator=generator)
+            optimizer.zero_grad()
+            (model(ids) - 1.0).pow(2).mean().backward()
+            optimizer.step()
+        ctx.save_checkpoint({"steps": 4}, step=4)
+        rows = model.items.rows(torch.arange(ROWS))
+        if ctx.rank == 0:
+            torch.save(rows, saved_rows)
+        torch.distributed.barrier()  # no server stops while the other rank still reads from it
+        raise RuntimeError("stopped after the checkpoint, to resume it on one worker")
+
+    def run(num_workers):
+        return sparkdl.run(
+            loop,
+            num_workers=num_workers,
+            strategy=sparkdl.ParameterServer(max_staleness=0),
+            spark=spark,
+            progress=False,
+            checkpoint_dir=str(tmp_path / "ckpt"),
+            checkpoint_async=False,
+        )
+
+    with pytest.raises(sparkdl.TrainingError, match="stopped after the checkpoint"):
+        run(2)
+    rows = torch.load(saved_rows)
+    assert bool((rows[: ROWS // 4] != 0).any())  # init_std=0: the touched rows moved
+    resumed = run(1)
+    assert resumed["resumed_from"] == 2
+    assert torch.equal(resumed["rows"], rows)  # every row, trained or not, exactly

@@ -81,11 +81,9 @@ def _model_with_a_table() -> torch.nn.Module:
 def test_what_this_slice_does_not_cover_is_refused_before_launch():
     model = _model_with_a_table()
     with pytest.raises(ConfigError, match=r"ShardedEmbedding tables \('0'\).*use strategy=sparkdl.ParameterServer"):
-        check_sharded_embeddings(model, "allreduce", checkpointing=False)
-    with pytest.raises(ConfigError, match=r"checkpoint= .*does not support ShardedEmbedding tables yet \('0'"):
-        check_sharded_embeddings(model, "parameter_server", checkpointing=True)
-    check_sharded_embeddings(model, "parameter_server", checkpointing=False)
-    check_sharded_embeddings(torch.nn.Linear(2, 1), "allreduce", checkpointing=True)  # dense models: as before
+        check_sharded_embeddings(model, "allreduce")
+    check_sharded_embeddings(model, "parameter_server")  # checkpoints too: test_sparse_checkpoint.py
+    check_sharded_embeddings(torch.nn.Linear(2, 1), "allreduce")  # dense models: as before
     # sparkdl plan's cost model prices dense parameters only: refused before it reads data or launches.
     with pytest.raises(ConfigError, match=r"sparkdl plan \(its cost model\) does not support ShardedEmbedding"):
         sparkdl.plan(

@@ -244,9 +244,10 @@ def refuse_sharded_embeddings(module: torch.nn.Module, what: str) -> None:
         )
 
 
-def check_sharded_embeddings(module: torch.nn.Module, strategy_name: str, checkpointing: bool) -> None:
+def check_sharded_embeddings(module: torch.nn.Module, strategy_name: str) -> None:
     """On the driver, before a fit launches: a model with ShardedEmbeddings trains only under
-    ParameterServer, and not with checkpoints yet (ConfigError naming the setting)."""
+    ParameterServer (ConfigError naming the setting); checkpoints and (elastic) resumes cover
+    its tables (:mod:`~sparkdl.strategies.parameter_server.sparse_checkpoint`)."""
     names = [name for name, _ in sharded_embeddings(module)]
     if not names:
         return
@@ -255,5 +256,3 @@ def check_sharded_embeddings(module: torch.nn.Module, strategy_name: str, checkp
             f"{type(module).__name__} holds ShardedEmbedding tables ({', '.join(map(repr, names[:5]))}), whose rows "
             f"live on the parameter servers: use strategy=sparkdl.ParameterServer(...), not {strategy_name!r}"
         )
-    if checkpointing:
-        refuse_sharded_embeddings(module, "checkpoint= (checkpoints and resumes of sparse tables)")

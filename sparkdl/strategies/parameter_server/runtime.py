@@ -367,12 +367,13 @@ class ParameterServerRuntime(StrategyRuntime):
         return metrics
 
     def state_dict(self) -> Dict[str, Any]:
-        """This rank's shards (values, server optimizer state, clocks) and its worker clocks.
+        """This rank's shards (values, server optimizer state, clocks) and its worker clocks;
+        with ShardedEmbeddings, under ``"sparse"``, the rows this rank owns and their row
+        optimizer state.
 
         Collective: call it on every rank at the same step. The barriers around the snapshot
         make it a consistent cut — every push made before it is in, none made after.
         """
-        self.sparse.refuse("checkpoints")
         dist.barrier()
         state = {
             "format": 1,
@@ -380,13 +381,14 @@ class ParameterServerRuntime(StrategyRuntime):
             "world_size": self.env.world_size,
             "tables": [{**self.state.shard(t.spec.table).state_dict(), "worker_clock": t.clock} for t in self.tables],
         }
+        if self.sparse.specs:  # only then: a checkpoint without sparse tables is as before
+            state["sparse"] = self.sparse.state_dict()  # the rows this rank owns, never a whole table
         dist.barrier()
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores :meth:`state_dict`'s result into this rank's shards, then pulls the restored
         parameters into the local replica. Collective, like :meth:`state_dict`."""
-        self.sparse.refuse("resuming from a checkpoint")
         if state.get("world_size") != self.env.world_size or len(state.get("tables", ())) != len(self.tables):
             raise ValueError(
                 f"ParameterServer checkpoint of {state.get('world_size')} ranks and {len(state.get('tables', ()))} tables "
@@ -395,12 +397,19 @@ class ParameterServerRuntime(StrategyRuntime):
         for table, saved in zip(self.tables, state["tables"]):
             if saved["fingerprint"] != table.spec.fingerprint():
                 raise ValueError(f"ParameterServer checkpoint of table {table.spec.table} holds different parameters")
+        sparse = state.get("sparse", [])
+        if len(sparse) != len(self.sparse.specs):
+            raise ValueError(
+                f"ParameterServer checkpoint of {len(sparse)} sparse tables cannot restore a run of "
+                f"{len(self.sparse.specs)} ShardedEmbeddings"
+            )
         # No shard is rewound while a worker still pushes or waits on it: a read waiting for the
         # staleness bound would wait for clocks the rewind took back, and never return.
         dist.barrier()
         for table, saved in zip(self.tables, state["tables"]):
             self.state.shard(table.spec.table).load_state_dict(saved)
             table.clock = int(saved["worker_clock"])
+        self.sparse.load_state_dict(sparse)
         dist.barrier()
         self._pull_all()
         dist.barrier()
@@ -409,15 +418,19 @@ class ParameterServerRuntime(StrategyRuntime):
         self, old: Sequence[Tuple[Dict[str, Any], Dict[str, Any]]], old_world_size: int
     ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         """Elastic resume: the old shards re-laid out for this run's ranks
-        (:mod:`~sparkdl.strategies.parameter_server.reshard`); the user state is old rank
+        (:mod:`~sparkdl.strategies.parameter_server.reshard`), and the sparse tables' rows taken
+        by their owners under the new hashing
+        (:mod:`~sparkdl.strategies.parameter_server.sparse_checkpoint`); the user state is old rank
         ``rank % N``'s (the replica is pulled from the servers by :meth:`load_state_dict`)."""
         from sparkdl.strategies.parameter_server.reshard import relayout_state
 
-        self.sparse.refuse("an elastic resume")
         tables = [(t.spec, self.state.shard(t.spec.table).optimizer) for t in self.tables]
         strategy = relayout_state(
             self.config.layout, [pair[1] for pair in old], tables, self.env.rank, self.env.world_size
         )
+        if self.sparse.specs:
+            # Part by part, keeping only the rows this rank owns under the new hashing.
+            strategy["sparse"] = self.sparse.resharded(pair[1].get("sparse", []) for pair in old)
         return old[self.env.rank % old_world_size][0], strategy
 
     @property

@@ -10,7 +10,7 @@ clocks of the dense shards (:class:`~sparkdl.strategies.parameter_server.shard.C
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -149,6 +149,45 @@ class SparseShard(ClockedShard):
         with self.cond:
             ids = torch.tensor(list(self.slots), dtype=torch.int64)
             return ids, self.values[: len(ids)].clone()
+
+    def state_dict(self, worker_clock: int) -> Dict[str, Any]:
+        """The rows this rank holds, their optimizer state and the clocks, copies taken under the
+        lock (:mod:`~sparkdl.strategies.parameter_server.sparse_checkpoint`); ``worker_clock`` is
+        this rank's worker's clock for the table."""
+        with self.cond:
+            count = len(self.slots)
+            return {
+                "fingerprint": self.spec.fingerprint(),
+                "optimizer": self.spec.optimizer.name,
+                "ids": torch.tensor(list(self.slots), dtype=torch.int64),
+                "values": self.values[:count].clone(),
+                "state": {key: value[:count].clone() for key, value in self.state.items()},
+                "clocks": list(self.clock.clocks),
+                "worker_clock": int(worker_clock),
+            }
+
+    def load_state_dict(self, saved: Dict[str, Any]) -> None:
+        """Replaces the rows held by ``saved``'s (checked by the caller, see
+        :func:`~sparkdl.strategies.parameter_server.sparse_checkpoint.check_table_state`).
+
+        Raises:
+            ValueError: rows that this rank does not own, or a clock per rank of another run.
+        """
+        ids = saved["ids"]
+        if len(ids) and bool((owners(ids, self.world_size) != self.rank).any()):
+            raise ValueError(f"checkpointed rows of sparse table {self.spec.table} that rank {self.rank} does not own")
+        if len(saved["clocks"]) != self.world_size:
+            raise ValueError(f"checkpointed clocks of {len(saved['clocks'])} ranks for {self.world_size}")
+        with self.cond:
+            self.slots = {row: slot for slot, row in enumerate(ids.tolist())}
+            self.values = torch.empty(0, self.spec.dim, dtype=self.spec.dtype)
+            self.state = self.spec.optimizer.new_state(0, self.spec.dim, self.spec.dtype)
+            self._grow(len(ids))
+            self.values[: len(ids)] = saved["values"]
+            for key, value in saved["state"].items():
+                self.state[key][: len(ids)] = value
+            self.clock.clocks = [int(c) for c in saved["clocks"]]
+            self.cond.notify_all()
 
     # ---- frames from other ranks (ServerState delegates ROW_PULL / ROW_PUSH here) -----------
 

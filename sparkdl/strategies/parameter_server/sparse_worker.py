@@ -10,16 +10,16 @@ travel as ROW_PULL / ROW_PUSH frames (:mod:`~sparkdl.strategies.parameter_server
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from sparkdl._net.frames import TAG_BYTES
-from sparkdl.errors import ConfigError
 from sparkdl.strategies.parameter_server.embedding import ShardedEmbedding, sharded_embeddings
 from sparkdl.strategies.parameter_server.rows import initial_rows, owners
 from sparkdl.strategies.parameter_server.shard import ServerState
+from sparkdl.strategies.parameter_server.sparse_checkpoint import check_table_state, reshard_tables
 from sparkdl.strategies.parameter_server.sparse_shard import SparseShard, SparseSpec
 from sparkdl.strategies.parameter_server.transport import ByteCounter, ShardClient
 from sparkdl.strategies.parameter_server.wire import (
@@ -209,11 +209,29 @@ class SparseTables:
             if full is not None:
                 module.materialize(full)
 
-    def refuse(self, what: str) -> None:
-        """Raises ConfigError when there are sparse tables: ``what`` does not cover them yet."""
-        if self.specs:
-            names = ", ".join(repr(spec.name) for spec in self.specs)
-            raise ConfigError(
-                f"ParameterServer does not support {what} of ShardedEmbedding tables yet ({names}); "
-                f"train without checkpoint= (see docs/embeddings.md)"
+    def state_dict(self) -> List[Dict[str, Any]]:
+        """Every table's rows held by this rank, with their optimizer state and clocks (one
+        checkpoint part's share; call it between the runtime's checkpoint barriers)."""
+        return [self.shard(table).state_dict(clock) for table, clock in enumerate(self.clocks)]
+
+    def load_state_dict(self, saved: List[Dict[str, Any]]) -> None:
+        """Restores :meth:`state_dict`'s result, or :func:`reshard_tables`'s for this rank.
+
+        Raises:
+            ValueError: the checkpoint's sparse tables are not this run's.
+        """
+        if len(saved) != len(self.specs):
+            raise ValueError(
+                f"ParameterServer checkpoint holds {len(saved)} sparse tables, this run has {len(self.specs)} "
+                f"ShardedEmbeddings"
             )
+        for spec, table in zip(self.specs, saved):
+            check_table_state(spec, table)
+        for spec, table in zip(self.specs, saved):
+            self.shard(spec.table).load_state_dict(table)
+            self.clocks[spec.table] = int(table["worker_clock"])
+
+    def resharded(self, old_parts: Iterable[List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
+        """This rank's :meth:`load_state_dict` argument from the old ranks' :meth:`state_dict`
+        results, in rank order, on another number of ranks (:func:`reshard_tables`)."""
+        return reshard_tables(self.specs, old_parts, self.rank, self.world_size)

@@ -76,13 +76,15 @@ def _held(runtime: ParameterServerRuntime) -> List[Dict[int, Dict[str, torch.Ten
     tables: List[Dict[int, Dict[str, torch.Tensor]]] = []
     for table in range(len(runtime.sparse.specs)):
         shard = runtime.sparse.shard(table)
-        with shard.cond:  # the other ranks may pull (create rows) already
+        with shard.cond:
             tables.append(
                 {
                     row: {"value": shard.values[slot].clone(), **{k: v[slot].clone() for k, v in shard.state.items()}}
                     for row, slot in shard.slots.items()
                 }
             )
+    # Every rank has read before any trains on: a peer's next pull would create rows here (CI, once).
+    dist.barrier()
     return tables
 
 

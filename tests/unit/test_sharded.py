@@ -12,8 +12,7 @@ import torch
 
 import sparkdl
 from sparkdl.errors import ConfigError
-from sparkdl.strategies.base import DistEnv
-from tests.gloo import join_group, save_results, spawn_ranks
+from tests.gloo import cpu_env, join_group, save_results, spawn_ranks
 
 WORLD = 2
 STEPS = 6
@@ -37,20 +36,9 @@ def _batches() -> List[List[torch.Tensor]]:
     ]
 
 
-def _env(rank: int, port: int) -> DistEnv:
-    return DistEnv(
-        rank=rank,
-        world_size=WORLD,
-        device=torch.device("cpu"),
-        backend="gloo",
-        master_addr="127.0.0.1",
-        master_port=port,
-    )
-
-
 def _prepared(rank: int, port: int, config: sparkdl.ShardedDataParallel = CONFIG, seed: int = 0):
     torch.manual_seed(seed)
-    runtime = config.create_runtime(_env(rank, port))
+    runtime = config.create_runtime(cpu_env(rank, port, WORLD))
     model = runtime.prepare_model(_mlp())
     optimizer = runtime.prepare_optimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
     return runtime, model, optimizer
@@ -147,7 +135,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     )
 
     def prepare(module, config=CONFIG):
-        return lambda: config.create_runtime(_env(rank, port)).prepare_model(module)
+        return lambda: config.create_runtime(cpu_env(rank, port, WORLD)).prepare_model(module)
 
     out["error_shard_modules"] = _error(prepare(_mlp(), sparkdl.ShardedDataParallel(shard_modules=("encoder",))))
     out["error_container"] = _error(
@@ -164,7 +152,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     out["error_sharded_twice"] = _error(prepare(model))  # the sharded model trained above
     # Named by class name: every Linear becomes a unit.
     by_class = (
-        sparkdl.ShardedDataParallel(shard_modules=("Linear",)).create_runtime(_env(rank, port)).prepare_model(_mlp())
+        sparkdl.ShardedDataParallel(shard_modules=("Linear",))
+        .create_runtime(cpu_env(rank, port, WORLD))
+        .prepare_model(_mlp())
     )
     out["units_by_class"] = sorted(
         name for name, sub in by_class.named_modules() if type(sub).__name__.startswith("FSDP")
@@ -312,7 +302,7 @@ def test_registered_frozen_and_a_string_is_one_module():
     assert sparkdl.ShardedDataParallel(shard_modules="Block").shard_modules == ("Block",)
     with pytest.raises(dataclasses.FrozenInstanceError):
         sparkdl.ShardedDataParallel().min_params = 5  # type: ignore[misc]
-    assert not sparkdl.ShardedDataParallel().create_runtime(_env(0, 1)).replicas_identical
+    assert not sparkdl.ShardedDataParallel().create_runtime(cpu_env(0, 1, WORLD)).replicas_identical
 
 
 def test_auto_policy_makes_units_of_large_enough_subtrees_never_of_containers():
@@ -346,7 +336,7 @@ def test_auto_policy_makes_units_of_large_enough_subtrees_never_of_containers():
 
 
 def test_an_elastic_resume_on_another_num_workers_fails_naming_it():
-    runtime = sparkdl.ShardedDataParallel().create_runtime(_env(1, 1))
+    runtime = sparkdl.ShardedDataParallel().create_runtime(cpu_env(1, 1, WORLD))
     with pytest.raises(ConfigError, match=r"rank 1: .*written by 3 workers.*num_workers=2.*use num_workers=3"):
         runtime.reshard_state([({}, {})] * 3, 3)
 

@@ -16,7 +16,7 @@ from sparkdl._runtime.accumulation import ResizeMethods
 from sparkdl._runtime.checkpoint_writer import CheckpointWriteError, CheckpointWriter, capture
 from sparkdl._runtime.device import DeviceAssignment
 from sparkdl._runtime.device_feed import DeviceFeed, move_batch
-from sparkdl._runtime.host_batches import host_batches
+from sparkdl._runtime.host_batches import batch_ring, host_batches
 from sparkdl._runtime.liveness import COMPUTE, LOAD, Liveness
 from sparkdl._runtime.precision import Precision, PrecisionRuntime
 from sparkdl._runtime.rank import Rank
@@ -196,6 +196,7 @@ class TrainContext(ResizeMethods):
         if rank.feed is None:
             # Resuming: replay the seeded stream up to the checkpoint's position (cut, not
             # decoded). Reading is far cheaper than training, and replay makes resumed batches exact.
+            ring = batch_ring(self.device)  # pinned buffers the batches are gathered or written into
             source = batches(
                 rank.reader,
                 rank.dataset,
@@ -204,11 +205,12 @@ class TrainContext(ResizeMethods):
                 self.world_size,
                 skip=position.batches_taken,
                 epoch_steps=self.steps_per_epoch,
+                gather_into=ring.gather_arrays if ring is not None else None,
             )
             # On CUDA a prefetch thread pins batches and DeviceFeed copies the next one to the
             # GPU on a side stream while the current one trains; on the CPU this thread converts
             # each batch when it takes it (sparkdl._runtime.host_batches says why).
-            rank.feed = DeviceFeed(host_batches(source, self.device), self.device)
+            rank.feed = DeviceFeed(host_batches(source, self.device, ring=ring), self.device)
         non_blocking = self.device.type == "cuda"
         for step in range(skip, self.steps_per_epoch):
             rank.liveness.advance(f"loading data (step {step + 1})", LOAD)

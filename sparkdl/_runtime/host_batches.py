@@ -29,13 +29,26 @@ from sparkdl.data.batching import to_tensors
 _RING_BEYOND_DEPTH = 3
 
 
-def host_batches(source: Iterator, device: torch.device, pin: bool = True) -> HostBatches:
+#: Batches the prefetch thread's queue holds.
+PREFETCH_DEPTH = 4
+
+
+def batch_ring(device: torch.device) -> Optional[BatchRing]:
+    """The ring of pinned buffers a CUDA task's batches are written (or gathered) into; None on
+    the CPU. Give it to :func:`host_batches`, and its ``gather_arrays`` to the stream
+    (:func:`sparkdl.data.batching.batches`) so shuffled batches are gathered straight into it."""
+    return cuda_ring(PREFETCH_DEPTH + _RING_BEYOND_DEPTH) if device.type == "cuda" else None
+
+
+def host_batches(
+    source: Iterator, device: torch.device, pin: bool = True, ring: Optional[BatchRing] = None
+) -> HostBatches:
     """The host-batch stream for a rank training on ``device``: a :class:`Prefetcher` on CUDA
-    (writing batches into a ring of pinned buffers, unless ``pin`` is False: a framework that
-    moves batches itself), batches converted when they are taken (:class:`InlineBatches`) on
-    the CPU."""
+    (writing batches into a ring of pinned buffers, ``ring`` or a new one, unless ``pin`` is
+    False: a framework that moves batches itself), batches converted when they are taken
+    (:class:`InlineBatches`) on the CPU."""
     if device.type == "cuda":
-        return Prefetcher(source, pin=pin, device=device)
+        return Prefetcher(source, pin=pin, device=device, ring=ring if pin else None)
     return InlineBatches(source)
 
 
@@ -80,7 +93,7 @@ class Prefetcher:
         self,
         source: Iterator,
         pin: bool,
-        depth: int = 4,
+        depth: int = PREFETCH_DEPTH,
         device: Optional[torch.device] = None,
         ring: Optional[BatchRing] = None,
     ) -> None:

@@ -9,6 +9,12 @@ be reading) and writes each finished batch straight into a free one: one copy in
 GPU copy reads as it is, the same count as ``pin_memory()``, without the per-tensor allocation,
 and with a hard bound on the page-locked bytes a task holds (:data:`PINNED_BYTES_LIMIT`).
 
+A shuffled stream whose input plan hands the gathered rows on as they are (dense features and
+plain columns: :func:`sparkdl.data.batching.batches`) saves that copy too: its shuffle buffer
+gathers each batch's rows straight into a buffer the ring gives it (:meth:`BatchRing.gather_arrays`),
+and :meth:`BatchRing.fill` then hands those out as they are. A batch from the shard cache then
+costs one gather into pinned memory, nothing else.
+
 A buffer is reused only after whoever took its batch *released* it with a signal, and that
 signal reports done: on CUDA the copy's CUDA event (the copy read the buffer), so a buffer is
 never overwritten while a copy still reads it. A batch taken and never released keeps its
@@ -28,7 +34,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -42,6 +48,7 @@ PINNED_BYTES_LIMIT = 4 << 30
 #: Where each tensor starts in a buffer: a multiple of any element size, and of a cache line.
 _ALIGN = 64
 
+_TORCH_DTYPES: Dict[np.dtype, torch.dtype] = {}
 #: (inputs, labels) of numpy arrays; inputs a dict of named arrays or one array.
 HostBatch = Tuple[Any, Optional[np.ndarray]]
 
@@ -54,13 +61,13 @@ class _Buffer:
         self.signal: Any = None
         self._typed: Dict[torch.dtype, torch.Tensor] = {}
 
-    def carve(self, offset: int, like: torch.Tensor, strides: Tuple[int, ...]) -> torch.Tensor:
-        """A tensor of ``like``'s dtype and shape with ``strides``, from byte ``offset`` on
-        (a multiple of the element size: :data:`_ALIGN`)."""
-        typed = self._typed.get(like.dtype)
+    def carve(self, offset: int, dtype: torch.dtype, shape: Sequence[int], strides: Tuple[int, ...]) -> torch.Tensor:
+        """A tensor of ``dtype`` and ``shape`` with ``strides``, from byte ``offset`` on (a
+        multiple of the element size: :data:`_ALIGN`)."""
+        typed = self._typed.get(dtype)
         if typed is None:  # the whole buffer as that dtype, once: its size is a multiple of _ALIGN
-            typed = self._typed[like.dtype] = self.data.view(like.dtype)
-        return typed.as_strided(like.shape, strides, offset // like.element_size())
+            typed = self._typed[dtype] = self.data.view(dtype)
+        return typed.as_strided(tuple(shape), strides, offset // typed.element_size())
 
     @property
     def key(self) -> int:
@@ -104,33 +111,101 @@ class BatchRing:
         self._said_pageable = False
         self.held_bytes = 0
         self.filled = 0  # batches written into a ring buffer
+        self.gathered = 0  # of those, gathered there by the shuffle buffer (no copy)
+        # The buffer of the batch gather_arrays last gave arrays for, and those arrays (by id)
+        # with their tensors, until fill hands them out (or drops them: the batch never came).
+        self._gathering: Optional[Tuple[_Buffer, Dict[int, Tuple[np.ndarray, torch.Tensor]]]] = None
         self.pageable = 0  # batches served pageable (no buffer could be had)
         self.waits = 0  # fills that waited for a copy to finish reading a buffer
 
+    def gather_arrays(self, shapes: Mapping[str, Tuple[Tuple[int, ...], np.dtype]]) -> Optional[Dict[str, np.ndarray]]:
+        """Empty arrays of these shapes and dtypes, side by side in one free buffer, for a
+        batch's rows to be gathered into (:data:`sparkdl.data.selection.GatherInto`); None when
+        no buffer can be had or a dtype has no tensor (the rows are then gathered pageable).
+
+        The next :meth:`fill` hands out a batch made of exactly these arrays without a copy;
+        any other batch it gets means this one was dropped (a resume's skipped batches), and so
+        does asking again first: the buffer is free again. So one thread gathers and fills,
+        one batch at a time, and the finished batch holds the arrays themselves or none of them.
+        """
+        self._drop_gathering()
+        try:
+            dtypes = [_torch_dtype(np.dtype(dtype)) for _, dtype in shapes.values()]
+        except TypeError:  # an object (or other tensorless) dtype: no tensor to hand out
+            return None
+        sizes = [(dtype, tuple(shape)) for dtype, (shape, _) in zip(dtypes, shapes.values())]
+        layout, nbytes = _layout_of(sizes)
+        buffer = self._take(nbytes)
+        if buffer is None:
+            return None
+        arrays, handed = {}, {}
+        for key, (dtype, shape), (offset, strides) in zip(shapes, sizes, layout):
+            tensor = buffer.carve(offset, dtype, shape, strides)
+            arrays[key] = tensor.numpy()
+            handed[id(arrays[key])] = (arrays[key], tensor)
+        with self._lock:
+            self._gathering = (buffer, handed)
+        return arrays
+
     def fill(self, batch: HostBatch) -> Tuple[Any, Optional[torch.Tensor]]:
         """The batch as tensors written into a free buffer (the same values, shapes, dtypes and
-        strides), or, when no buffer can be had, as pageable tensors sharing its arrays."""
+        strides), or, when no buffer can be had, as pageable tensors sharing its arrays. A batch
+        of the arrays :meth:`gather_arrays` gave is handed out from its buffer as it is."""
         inputs, labels = batch
         names = list(inputs) if isinstance(inputs, dict) else [None]
         arrays = [inputs[name] for name in names] if isinstance(inputs, dict) else [inputs]
         if labels is not None:
             arrays.append(labels)
+        tensors = self._gathered(arrays)
+        if tensors is None:
+            self._drop_gathering()
+            tensors = self._copied(arrays)
+            if tensors is None:
+                return to_tensors(batch)
+        out_labels = tensors.pop() if labels is not None else None
+        out_inputs = dict(zip(names, tensors)) if isinstance(inputs, dict) else tensors[0]
+        return out_inputs, out_labels
+
+    def _gathered(self, arrays: List[np.ndarray]) -> Optional[List[torch.Tensor]]:
+        """The tensors of ``arrays`` when they are exactly those :meth:`gather_arrays` last gave
+        (their buffer is then lent with them), else None."""
+        with self._lock:
+            if self._gathering is None:
+                return None
+            buffer, handed = self._gathering
+            if len(arrays) != len(handed) or not all(id(array) in handed for array in arrays):
+                return None
+            self._gathering = None
+            self._lent[buffer.key] = buffer
+            self.filled += 1
+            self.gathered += 1
+            return [handed[id(array)][1] for array in arrays]
+
+    def _copied(self, arrays: List[np.ndarray]) -> Optional[List[torch.Tensor]]:
+        """``arrays`` copied into a free buffer (lent with them), or None when none can be had."""
         sources = [torch.from_numpy(array) for array in arrays]
         layout, nbytes = _layout(sources)
         buffer = self._take(nbytes)
         if buffer is None:
-            return to_tensors(batch)
+            with self._lock:
+                self.pageable += 1
+            return None
         tensors = []
         for source, (offset, strides) in zip(sources, layout):
-            view = buffer.carve(offset, source, strides)
+            view = buffer.carve(offset, source.dtype, source.shape, strides)
             view.copy_(source)
             tensors.append(view)
         with self._lock:
             self._lent[buffer.key] = buffer
             self.filled += 1
-        out_labels = tensors.pop() if labels is not None else None
-        out_inputs = dict(zip(names, tensors)) if isinstance(inputs, dict) else tensors[0]
-        return out_inputs, out_labels
+        return tensors
+
+    def _drop_gathering(self) -> None:
+        """The arrays gather_arrays gave last will not be filled: their buffer is free again."""
+        with self._lock:
+            if self._gathering is not None:
+                self._free.append(self._gathering[0])
+                self._gathering = None
 
     def release(self, batch: Tuple[Any, Optional[torch.Tensor]], signal: Any = None) -> None:
         """Nothing but ``signal``'s reader uses ``batch``'s memory any more: its buffer is free
@@ -149,9 +224,10 @@ class BatchRing:
             return {
                 "memory": self._what,
                 "filled_batches": self.filled,
+                "gathered_batches": self.gathered,
                 "pageable_batches": self.pageable,
                 "waits": self.waits,
-                "buffers": len(self._free) + len(self._lent) + len(self._reading),
+                "buffers": len(self._free) + len(self._lent) + len(self._reading) + (self._gathering is not None),
                 "held_bytes": self.held_bytes,
             }
 
@@ -216,7 +292,6 @@ class BatchRing:
         return _Buffer(data)
 
     def _go_pageable(self, why: str) -> None:
-        self.pageable += 1
         if not self._said_pageable:
             self._said_pageable = True
             logger.warning(
@@ -225,6 +300,25 @@ class BatchRing:
                 self._what,
                 why,
             )
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """The tensor dtype of numpy's ``dtype``; TypeError when there is none (object, strings)."""
+    found = _TORCH_DTYPES.get(dtype)
+    if found is None:
+        found = _TORCH_DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype)).dtype
+    return found
+
+
+def _layout_of(sizes: List[Tuple[torch.dtype, Tuple[int, ...]]]) -> Tuple[List[Tuple[int, Tuple[int, ...]]], int]:
+    """Where contiguous tensors of these dtypes and shapes go in one buffer (as :func:`_layout`)."""
+    places = []
+    offset = 0
+    for dtype, shape in sizes:
+        places.append((offset, _contiguous_strides(shape)))
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return places, max(offset, _ALIGN)
 
 
 def _layout(sources: List[torch.Tensor]) -> Tuple[List[Tuple[int, Tuple[int, ...]]], int]:
@@ -252,7 +346,7 @@ def _dense(tensor: torch.Tensor) -> bool:
     return True
 
 
-def _contiguous_strides(shape: torch.Size) -> Tuple[int, ...]:
+def _contiguous_strides(shape: Sequence[int]) -> Tuple[int, ...]:
     strides = []
     step = 1
     for size in reversed(shape):

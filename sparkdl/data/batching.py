@@ -50,9 +50,10 @@ from typing import Any, Callable, Deque, Iterator, List, Mapping, Optional, Tupl
 import numpy as np
 
 from sparkdl.data.dataset import DatasetInfo
+from sparkdl.data.inputs import InputSpec
 from sparkdl.data.plan import InputPlan
 from sparkdl.data.readers.base import Chunk, DataReader, chunk_rows
-from sparkdl.data.selection import EpochPasses, shard_rows, shuffled_batches
+from sparkdl.data.selection import EpochPasses, GatherInto, shard_rows, shuffled_batches
 from sparkdl.data.spec import DataSpec, Inputs, TransformFn
 from sparkdl.errors import ConfigError, DataError
 
@@ -85,12 +86,17 @@ def batches(
     world_size: int,
     skip: int = 0,
     epoch_steps: Optional[int] = None,
+    gather_into: Optional[GatherInto] = None,
 ) -> Iterator[Batch]:
     """Endless finished batches of exactly ``spec.batch_size`` rows from this rank's shard.
 
     The first ``skip`` batches are cut but not finished (a resumed run's replay to its
     checkpoint's position costs reading, not decoding). ``epoch_steps``: steps per epoch, when
     the caller knows them (else counted from the footers as the driver does: :func:`epoch_rows`).
+    ``gather_into``: where the shuffle buffer may gather a batch's rows (a pinned ring's
+    buffers, :meth:`~sparkdl._runtime.pinned_ring.BatchRing.gather_arrays`); used only when
+    finishing a batch hands those arrays on as they are, inline (dense inputs and plain
+    columns, no ``transform_fn``), so the finished batch is the gathered arrays themselves.
     """
     plan = dataset.plan
     augments = plan.augments  # asked once, not per batch
@@ -105,11 +111,13 @@ def batches(
         augment = np.random.default_rng([spec.seed, rank, index]) if augments else None
         return finish_batch(plan, arrays, augment, spec.transform_fn, dataset.locate)
 
-    cuts = cut_stream(source, spec, rank, rows)
+    threads = _threads_for(plan, spec)
+    passes_through = threads == 0 and _finish_hands_on(plan)
+    cuts = cut_stream(source, spec, rank, rows, gather_into if passes_through else None)
     try:
         for _ in range(skip):
             next(cuts)
-        yield from finish_in_order(cuts, finish, skip, _threads_for(plan, spec))
+        yield from finish_in_order(cuts, finish, skip, threads)
     finally:
         cuts.close()
         source.close()
@@ -126,11 +134,17 @@ def epoch_rows(dataset: DatasetInfo, spec: DataSpec, world_size: int, steps: Opt
     return steps * spec.batch_size
 
 
-def cut_stream(source: Iterator[Chunk], spec: DataSpec, rank: int, epoch_rows: Optional[int] = None) -> Iterator[Chunk]:
+def cut_stream(
+    source: Iterator[Chunk],
+    spec: DataSpec,
+    rank: int,
+    epoch_rows: Optional[int] = None,
+    gather_into: Optional[GatherInto] = None,
+) -> Iterator[Chunk]:
     """The training stream's unfinished batches cut from ``source``'s chunks: shuffled in a
     buffer seeded ``spec.seed + rank``. The shuffle depends only on the chunks' row counts and
     positions, so a source of position-only chunks gives each batch's positions
-    (:mod:`sparkdl.data.reshard`).
+    (:mod:`sparkdl.data.reshard`). ``gather_into``: where shuffled batches may be gathered.
 
     ``PASS_END`` in ``source`` ends a pass. With shuffling, rows of two passes never mix, and
     with ``epoch_rows`` an epoch is one pass, remainder rule aside
@@ -140,7 +154,8 @@ def cut_stream(source: Iterator[Chunk], spec: DataSpec, rank: int, epoch_rows: O
     if spec.shuffle:
         passes = EpochPasses(epoch_rows) if epoch_rows else None
         rng = np.random.default_rng(spec.seed + rank)
-        return shuffled_batches(source, spec.batch_size, spec.batch_size * spec.shuffle_buffer_batches, rng, passes)
+        rows = spec.batch_size * spec.shuffle_buffer_batches
+        return shuffled_batches(source, spec.batch_size, rows, rng, passes, gather_into)
     # Also copies a lone chunk: readers may hand out read-only views of Arrow buffers.
     return _cut_batches(
         (chunk for chunk in source if chunk), spec.batch_size, spec.batch_size, _concatenate, keep_rest=False
@@ -203,6 +218,12 @@ def finish_batch(
         inputs, labels = apply_transform(transform_fn, inputs, labels, plan)
     check_tensorable(inputs, plan)
     return inputs, labels
+
+
+def _finish_hands_on(plan: InputPlan) -> bool:
+    """Whether finishing a batch hands its arrays on as they are (no spec makes new ones)."""
+    specs = [spec for _, spec in plan.inputs] + ([plan.label] if plan.label is not None else [])
+    return all(type(spec).finish is InputSpec.finish for spec in specs)
 
 
 def _threads_for(plan: InputPlan, spec: DataSpec) -> int:

@@ -25,7 +25,7 @@
 from __future__ import annotations
 
 import random
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -37,6 +37,9 @@ from sparkdl.errors import ConfigError, DataError
 
 #: Row-aligned arrays of some rows (:data:`sparkdl.data.readers.base.Chunk`).
 Chunk = Dict[str, np.ndarray]
+#: Where a batch's rows may be gathered: given each key's (shape, dtype), empty arrays of those
+#: to write them into (views of a pinned buffer: :mod:`sparkdl._runtime.pinned_ring`), or None.
+GatherInto = Callable[[Dict[str, Tuple[Tuple[int, ...], np.dtype]]], Optional[Chunk]]
 #: Added to positions before hashing, so the split is not the one other tools derive from
 #: hashing plain row numbers.
 _SALT = np.uint64(0x9E3779B97F4A7C15)
@@ -264,14 +267,22 @@ def _without(chunk: Chunk, positions: np.ndarray, dropped: np.ndarray) -> Chunk:
 
 
 def shuffled_batches(
-    source: Iterator[Chunk], batch_size: int, buffer_rows: int, rng: np.random.Generator, passes: Optional[EpochPasses]
+    source: Iterator[Chunk],
+    batch_size: int,
+    buffer_rows: int,
+    rng: np.random.Generator,
+    passes: Optional[EpochPasses],
+    gather_into: Optional[GatherInto] = None,
 ) -> Iterator[Chunk]:
     """Batches of ``batch_size`` rows of ``source``'s chunks, shuffled in a bounded buffer:
     whenever ``buffer_rows`` rows are pending they are permuted, full batches are cut and the
     rest stays pending. An empty chunk (``PASS_END``) ends a pass: the pending rows are permuted
     and cut then, and the last of them (fewer than a batch, ``lead``) open the next batch ahead
     of the next pass's rows, so rows of two passes never mix. ``passes`` (positions in the
-    chunks) also keeps each epoch one pass (:class:`EpochPasses`)."""
+    chunks) also keeps each epoch one pass (:class:`EpochPasses`).
+
+    Each full batch's rows are gathered when it is cut (:class:`ShuffledRows`), into the arrays
+    ``gather_into`` gives when it gives some (a pinned buffer), else into new ones."""
     pending: List[Chunk] = []
     pending_rows = 0
     lead: Optional[Chunk] = None  # rows a pass left, fewer than a batch: they open the next one
@@ -284,36 +295,33 @@ def shuffled_batches(
             pending_rows += _rows(chunk)
             if pending_rows < buffer_rows:
                 continue
-        merged: Optional[Chunk] = None
+        shuffled: Optional[ShuffledRows] = None
         if pending:
-            order = rng.permutation(pending_rows)
-            merged = (
-                {key: values[order] for key, values in pending[0].items()}
-                if len(pending) == 1
-                else _shuffled_concatenation(pending, order)
-            )
+            shuffled = ShuffledRows(pending, rng.permutation(pending_rows))
             pending, pending_rows = [], 0
-        if merged is not None and lead is not None:
+        start = 0  # the first of the shuffled rows not in a batch yet
+        if shuffled is not None and lead is not None:
             need = batch_size - _rows(lead)
-            head = {key: np.concatenate([lead[key], values[:need]]) for key, values in merged.items()}
-            if _rows(merged) < need:  # a pass shorter than the batch still needed (only at its end)
-                lead, earlier, merged = head, _rows(lead), None
+            taken = shuffled.take(0, min(need, shuffled.rows))
+            head = {key: np.concatenate([lead[key], values]) for key, values in taken.items()}
+            if shuffled.rows < need:  # a pass shorter than the batch still needed (only at its end)
+                lead, earlier, shuffled = head, _rows(lead), None
             else:
                 _served(passes, head, _rows(lead))
                 yield head
-                lead, merged = None, {key: values[need:] for key, values in merged.items()}
+                lead, start = None, need
         rest = None
-        if merged is not None:
-            full = _rows(merged) - _rows(merged) % batch_size
-            for start in range(0, full, batch_size):
-                batch = {key: values[start : start + batch_size] for key, values in merged.items()}
+        if shuffled is not None:
+            full = shuffled.rows - (shuffled.rows - start) % batch_size
+            for begin in range(start, full, batch_size):
+                batch = shuffled.take(begin, begin + batch_size, gather_into)
                 _served(passes, batch, 0)
                 yield batch
-            rest = {key: values[full:] for key, values in merged.items()} if full < _rows(merged) else None
+            rest = shuffled.take(full, shuffled.rows) if full < shuffled.rows else None
         if chunk:  # the buffer was full: the rest stays in it
             pending, pending_rows = ([rest], _rows(rest)) if rest is not None else ([], 0)
             continue
-        if merged is not None:
+        if shuffled is not None:
             lead, earlier = rest, 0
         elif lead is not None:  # the pass gave no row
             earlier = _rows(lead)
@@ -331,23 +339,65 @@ def _rows(chunk: Chunk) -> int:
     return len(next(iter(chunk.values()))) if chunk else 0
 
 
-def _shuffled_concatenation(chunks: List[Chunk], order: np.ndarray) -> Chunk:
-    """The chunks concatenated, then rows ``order`` taken, in one copy: each chunk's rows are
-    written straight to their places. A row group's chunk arrives with the rows left from the
-    last one; concatenating them first would copy the whole row group twice (measured: 3-9 ms
-    for 75,000 rows of 256 bytes, beside the permutation's 3.5 ms)."""
-    places = np.empty_like(order)
-    places[order] = np.arange(len(order))
-    merged: Chunk = {}
-    for key in chunks[0]:
-        parts = [chunk[key] for chunk in chunks]
-        values = np.empty((len(order),) + parts[0].shape[1:], dtype=np.result_type(*parts))
-        start = 0
-        for part in parts:
-            values[places[start : start + len(part)]] = part
-            start += len(part)
-        merged[key] = values
-    return merged
+class ShuffledRows:
+    """The rows of some chunks, concatenated then permuted by ``order``, gathered a batch at a
+    time: rows ``order[start:stop]`` of the concatenation are what rows ``start:stop`` of it,
+    permuted as a whole, would be, without that copy of the whole buffer (a row group; its
+    fresh pages and cache misses cost more than the batch's own gather) or the concatenation.
+
+    A row group's chunk arrives behind the few rows the last one left, so a batch's rows come
+    from one chunk mostly (one ``numpy.take``), from several when it holds some of those.
+    """
+
+    def __init__(self, chunks: List[Chunk], order: np.ndarray) -> None:
+        self._chunks = chunks
+        self.rows = len(order)
+        self._dtypes = {key: np.result_type(*[chunk[key] for chunk in chunks]) for key in chunks[0]}
+        if len(chunks) == 1:
+            self._source, self._local = None, order
+        else:
+            sizes = np.array([_rows(chunk) for chunk in chunks], dtype=np.int64)
+            ends = np.cumsum(sizes)
+            self._source = np.searchsorted(ends, order, side="right")  # each row's chunk
+            self._local = order - (ends - sizes)[self._source]  # and its row in that chunk
+
+    def take(self, start: int, stop: int, gather_into: Optional[GatherInto] = None) -> Chunk:
+        """Rows ``start:stop`` of the permuted rows, as new arrays, or in the arrays
+        ``gather_into`` gives (positions never: :class:`EpochPasses` keeps them)."""
+        local = self._local[start:stop]
+        source = self._source[start:stop] if self._source is not None else None
+        if source is not None and len(source) and (source == source[0]).all():
+            source, chunk = None, self._chunks[int(source[0])]
+        else:
+            chunk = self._chunks[0]
+        shapes = {
+            key: ((stop - start,) + values.shape[1:], self._dtypes[key])
+            for key, values in chunk.items()
+            if key != POSITION_KEY
+        }
+        given = gather_into(shapes) if gather_into is not None else None
+        out: Chunk = {}
+        for key, values in chunk.items():
+            target = given.get(key) if given is not None else None
+            if source is None:  # every row from ``chunk``
+                if target is None and values.dtype == self._dtypes[key]:
+                    out[key] = np.take(values, local, axis=0)
+                    continue
+                if target is None:
+                    target = np.empty((stop - start,) + values.shape[1:], self._dtypes[key])
+                if values.dtype == target.dtype:
+                    # mode="clip": the rows are valid; "raise" would gather into a temporary first.
+                    np.take(values, local, axis=0, out=target, mode="clip")
+                else:
+                    target[...] = values[local]
+            else:
+                if target is None:
+                    target = np.empty((stop - start,) + values.shape[1:], self._dtypes[key])
+                for index in np.unique(source):
+                    mine = source == index
+                    target[mine] = self._chunks[int(index)][key][local[mine]]
+            out[key] = target
+        return out
 
 
 def shard_rows(

@@ -10,6 +10,7 @@ import collections
 import itertools
 import logging
 import threading
+import tracemalloc
 from typing import Any, Deque, Dict, List, Optional
 
 import numpy as np
@@ -21,7 +22,10 @@ from sparkdl._runtime.host_batches import InlineBatches, Prefetcher, host_batche
 from sparkdl._runtime.pinned_ring import BatchRing
 from sparkdl.data.batching import batches, to_tensors
 from sparkdl.data.dataset import inspect_dataset
+from sparkdl.data.inputs import LABEL_KEY
+from sparkdl.data.plan import InputPlan
 from sparkdl.data.readers.arrow import ArrowReader
+from sparkdl.data.selection import shuffled_batches
 from sparkdl.data.spec import DataSpec
 from tests.models import png_bytes
 from tests.unit.test_arrow_reader import write_ids
@@ -245,37 +249,147 @@ def test_through_the_device_feed_every_batch_reaches_its_copy_intact_and_no_buff
     assert stats["waits"] > 0 and 1 <= stats["buffers"] <= 7  # buffers were reused, each after its copy
 
 
-@pytest.mark.parametrize("data", ["images", "dense"])
-def test_later_epochs_from_the_shard_cache_reach_the_copy_exactly_as_the_cpu_path_hands_them_out(data, pngs, id_rows):
+@pytest.mark.parametrize("skip", [0, 7], ids=["from-the-start", "resumed"])
+@pytest.mark.parametrize("data", ["images", "dense", "positional"])
+def test_later_epochs_from_the_shard_cache_reach_the_copy_exactly_as_the_cpu_path_hands_them_out(
+    data, skip, pngs, id_rows
+):
     """The real pipeline (Arrow reader, shard cache, shuffle buffer, decode threads, crops and
-    flips): three passes through the ring and a late copier equal the CPU path's batches."""
+    flips), wired as a CUDA task is (the stream gathers into the ring): three passes through
+    the ring and a late copier equal the CPU path's batches. Dense batches are gathered
+    straight into the ring's buffers (all but the one each pass's lead opens); decoded images
+    are made by finishing, and copied in. A resume's skipped batches give their buffers back."""
     if data == "images":
         info = image_info(pngs, random_crop=2, random_flip=True, mean=0.5, std=0.25)
         spec, count = DataSpec(batch_size=8, seed=9, shuffle_buffer_batches=2, decode_threads=2), 3 * 64 // 8
     else:
-        info = inspect_dataset(id_rows, {"id": ["id"], "vec": "vec"}, "label")
+        named = InputPlan.from_inputs({"id": ["id"], "vec": "vec"}, "label")  # two inputs: a dict
+        info = inspect_dataset(id_rows, named) if data == "dense" else inspect_dataset(id_rows, ["id", "vec"], "label")
         spec, count = DataSpec(batch_size=32, seed=5, shuffle_buffer_batches=3), 3 * 590 // 32
     spec = with_cache(spec)
-    inline = InlineBatches(batches(ArrowReader(), info, spec, 0, 1))
+    inline = InlineBatches(batches(ArrowReader(), info, spec, 0, 1, skip=skip))
     try:
         expected = [inline.next() for _ in range(count)]
     finally:
         inline.close()
     copier = LateCopier()
     ring = BatchRing(Allocations(), lambda s: s is None or s.done, copier.complete, buffers=7)
-    feed = DeviceFeed(
-        Prefetcher(batches(ArrowReader(), info, spec, 0, 1), pin=False, ring=ring),
-        torch.device("cuda", 0),
-        copier=copier,
-    )
+    stream = batches(ArrowReader(), info, spec, 0, 1, skip=skip, gather_into=ring.gather_arrays)
+    feed = DeviceFeed(Prefetcher(stream, pin=False, ring=ring), torch.device("cuda", 0), copier=copier)
     try:
         moved = [feed.next() for _ in range(count)]
+        stats = feed.ring_stats()
     finally:
         feed.close()
     copier.drain()
     for got, wanted in zip(moved, expected):
         assert _same((got["inputs"], got["labels"]), wanted)
-    assert ring.stats()["pageable_batches"] == 0 and ring.stats()["filled_batches"] >= count
+    assert stats["pageable_batches"] == 0 and stats["filled_batches"] >= count and stats["buffers"] <= 7
+    if data == "images":
+        assert stats["gathered_batches"] == 0
+    else:  # the first pass's batches too: the pipeline gathers from the reader's chunks alike
+        assert stats["gathered_batches"] >= stats["filled_batches"] - 4
+
+
+def _chunk(rows: int, start: int = 0) -> Dict[str, np.ndarray]:
+    """A chunk as a shard cache holds one: float features, uint8 NHWC pixels (images kept
+    decoded), int64 labels; every value tells its row."""
+    ids = np.arange(start, start + rows)
+    return {
+        "features": (ids[:, None] * np.ones((1, 784))).astype(np.float32),
+        "pixels": (ids[:, None, None, None] + np.arange(48).reshape(1, 4, 4, 3)).astype(np.uint8),
+        LABEL_KEY: ids % 10,
+    }
+
+
+def _finished(arrays: Dict[str, np.ndarray]):
+    """What finishing does to a plan of plain columns: hands the arrays on as they are."""
+    return {"features": arrays["features"], "pixels": arrays["pixels"]}, arrays[LABEL_KEY]
+
+
+def _shuffled(chunks, gather_into=None):
+    return shuffled_batches(iter(chunks), 64, 256, np.random.default_rng(11), None, gather_into)
+
+
+def test_a_batch_gathered_into_the_ring_is_handed_out_from_its_buffer_as_gathered():
+    allocate = Allocations()
+    ring = _ring(buffers=3, allocate=allocate)
+    chunks = [_chunk(300), _chunk(500, 300)]
+    expected = [to_tensors(_finished(arrays)) for arrays in _shuffled(chunks)]
+    count = 0
+    for arrays, wanted in zip(_shuffled(chunks, ring.gather_arrays), expected):
+        filled = ring.fill(_finished(arrays))
+        assert _same(filled, wanted)
+        # The tensors are the gathered arrays, in a ring buffer (whose start releasing finds).
+        assert all(np.shares_memory(filled[0][name].numpy(), arrays[name]) for name in ("features", "pixels"))
+        assert np.shares_memory(filled[1].numpy(), arrays[LABEL_KEY])
+        assert {t.untyped_storage().data_ptr() for t in (*filled[0].values(), filled[1])} == {_key(filled)}
+        ring.release(filled)
+        count += 1
+    assert count == len(expected) == 800 // 64
+    stats = ring.stats()
+    assert stats["gathered_batches"] == stats["filled_batches"] == count and stats["pageable_batches"] == 0
+    assert len(allocate.sizes) == 1  # one buffer, reused
+
+
+def test_gathering_into_the_ring_makes_no_pageable_batch_on_the_way():
+    """numpy's allocations, traced: the pageable path makes the batch (about 200 KB) in new
+    memory, the ring path none (the rows go straight into the ring's buffer)."""
+    chunks = [_chunk(1000)]
+    ring = _ring(buffers=2)
+
+    def peak(batches) -> int:
+        ring.release(ring.fill(_finished(next(batches))))  # the ring's buffer exists by now
+        tracemalloc.start()
+        try:
+            ring.release(ring.fill(_finished(next(batches))))
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    batch_bytes = 64 * (784 * 4 + 48 + 8)
+    assert peak(_shuffled(chunks)) >= batch_bytes
+    assert peak(_shuffled(chunks, ring.gather_arrays)) < batch_bytes // 20
+    assert ring.stats()["gathered_batches"] == 2
+
+
+@pytest.mark.parametrize("fallback", ["pinning-fails", "byte-limit", "all-buffers-held"])
+def test_when_the_ring_has_no_buffer_the_rows_are_gathered_pageable_and_hand_out_the_same_batches(fallback, caplog):
+    ring = {
+        "pinning-fails": lambda: _ring(buffers=3, allocate=Allocations(fail=True)),
+        "byte-limit": lambda: _ring(buffers=3, max_bytes=4096),
+        "all-buffers-held": lambda: _ring(buffers=1),
+    }[fallback]()
+    chunks = [_chunk(200), _chunk(300, 200)]
+    expected = [to_tensors(_finished(arrays)) for arrays in _shuffled(chunks)]
+    kept = []
+    with caplog.at_level(logging.WARNING, logger="sparkdl.train"):
+        for arrays, wanted in zip(_shuffled(chunks, ring.gather_arrays), expected):
+            filled = ring.fill(_finished(arrays))
+            assert _same(filled, wanted)
+            kept.append(filled)  # never released: a held buffer is never written again
+            if fallback != "all-buffers-held":
+                ring.release(filled)
+    for filled, wanted in zip(kept, expected):
+        assert _same(filled, wanted)
+    stats = ring.stats()
+    pageable = len(expected) - (1 if fallback == "all-buffers-held" else 0)
+    assert stats["pageable_batches"] == pageable and stats["gathered_batches"] == len(expected) - pageable
+    assert caplog.text.count("pageable") == 1
+
+
+def test_arrays_gathered_for_a_batch_that_never_comes_give_their_buffer_back():
+    ring = _ring(buffers=1)
+    shapes = {"x": ((4, 3), np.dtype(np.float32)), "y": ((4,), np.dtype(np.int64))}
+    first = ring.gather_arrays(shapes)
+    second = ring.gather_arrays(shapes)  # the first batch was dropped (a resume skips it)
+    assert first is not None and second is not None and np.shares_memory(first["x"], second["x"])
+    other = ({"x": np.ones((4, 3), np.float32)}, np.zeros(4, np.int64))
+    filled = ring.fill(other)  # not the gathered arrays: copied, into the same (only) buffer
+    assert _same(filled, to_tensors(other)) and np.shares_memory(filled[0]["x"].numpy(), second["x"])
+    assert ring.gather_arrays({"s": ((4,), np.dtype(object))}) is None  # strings have no tensor
+    stats = ring.stats()
+    assert (stats["filled_batches"], stats["gathered_batches"], stats["buffers"]) == (1, 0, 1)
 
 
 def test_cpu_tasks_get_no_ring_and_cuda_prefetchers_one_that_allocates_nothing_until_a_batch():
@@ -290,6 +404,7 @@ def test_cpu_tasks_get_no_ring_and_cuda_prefetchers_one_that_allocates_nothing_u
         assert pinned.ring_stats() == {
             "memory": "pinned",
             "filled_batches": 0,
+            "gathered_batches": 0,
             "pageable_batches": 0,
             "waits": 0,
             "buffers": 0,

@@ -77,12 +77,14 @@ def _held(runtime: ParameterServerRuntime) -> List[Dict[int, Dict[str, torch.Ten
     for table in range(len(runtime.sparse.specs)):
         shard = runtime.sparse.shard(table)
         with shard.cond:
-            tables.append(
-                {
-                    row: {"value": shard.values[slot].clone(), **{k: v[slot].clone() for k, v in shard.state.items()}}
-                    for row, slot in shard.slots.items()
-                }
-            )
+            held = shard.store.export()
+        state = {key[len("state.") :]: value for key, value in held.items() if key.startswith("state.")}
+        tables.append(
+            {
+                row: {"value": held["values"][slot], **{k: v[slot] for k, v in state.items()}}
+                for slot, row in enumerate(held["ids"].tolist())
+            }
+        )
     # Every rank has read before any trains on: a peer's next pull would create rows here (CI, once).
     dist.barrier()
     return tables

@@ -334,7 +334,7 @@ def _converge_scenario(rank: int, port: int) -> Dict[str, Any]:
             optimizer.step()
             losses.append(loss.item())
         dist.barrier()  # both ranks' pushes are in
-        owned = sorted(runtime.sparse.shard(0).slots)
+        owned = sorted(runtime.sparse.shard(0).held_ids().tolist())
         final = table.rows(pool).squeeze(1)
         runtime.final_module(net)  # rank 0's table becomes the complete one, streamed from both shards
         return {

@@ -18,7 +18,7 @@ import torch
 
 from sparkdl.errors import ConfigError
 
-__all__ = ["ROW_OPTIMIZERS", "RowOptimizer", "initial_rows", "owners"]
+__all__ = ["ROW_OPTIMIZERS", "RowOptimizer", "initial_rows", "mix64", "owners"]
 
 #: The row-wise optimizers a server applies, by name.
 ROW_OPTIMIZERS = ("sgd", "adagrad", "adam")
@@ -33,6 +33,10 @@ def _mix(x: np.ndarray) -> np.ndarray:
     x = x ^ (x >> np.uint64(27))
     x = x * np.uint64(0x94D049BB133111EB)
     return x ^ (x >> np.uint64(31))
+
+
+#: SplitMix64's finalizer, for other hashes of row ids (the row store's buckets).
+mix64 = _mix
 
 
 def owners(ids: torch.Tensor, world_size: int) -> torch.Tensor:

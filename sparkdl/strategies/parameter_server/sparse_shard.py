@@ -3,17 +3,20 @@ created on first touch and updated row by row.
 
 A rank owns the rows whose id hashes to it (:func:`~sparkdl.strategies.parameter_server.rows.owners`)
 and stores only those it has seen: a row never touched is its initial value, which anyone can
-compute, so nothing of it needs to exist until a batch uses it. Reads and pushes keep the SSP
+compute, so nothing of it needs to exist until a batch uses it. The rows held live in a
+:class:`~sparkdl.strategies.parameter_server.row_store.RowStore` (flat arrays, 16-24 bytes a row
+beyond the values and the optimizer state). Reads and pushes keep the SSP
 clocks of the dense shards (:class:`~sparkdl.strategies.parameter_server.shard.ClockedShard`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 
+from sparkdl.strategies.parameter_server.row_store import RowStore
 from sparkdl.strategies.parameter_server.rows import RowOptimizer, initial_rows, owners
 from sparkdl.strategies.parameter_server.shard import ClockedShard
 from sparkdl.strategies.parameter_server.wire import (
@@ -59,48 +62,23 @@ class SparseShard(ClockedShard):
         super().__init__(rank, world_size, max_staleness, timeout_s)
         self.spec = spec
         self.world_size = world_size
-        self.slots: Dict[int, int] = {}
-        self.values = torch.empty(0, spec.dim, dtype=spec.dtype)
-        self.state = spec.optimizer.new_state(0, spec.dim, spec.dtype)
+        self.store = RowStore(spec.dim, spec.dtype, spec.optimizer)
         self._receive: Dict[int, torch.Tensor] = {}
         self._reply: Dict[int, torch.Tensor] = {}
 
     @property
     def rows_held(self) -> int:
         """Rows this rank has materialized (touched at least once)."""
-        return len(self.slots)
+        return self.store.count
 
-    def _grow(self, needed: int) -> None:
-        capacity = len(self.values)
-        if needed <= capacity:
-            return
-        capacity = max(needed, 2 * capacity, 64)
-        grown = torch.empty(capacity, self.spec.dim, dtype=self.spec.dtype)
-        grown[: len(self.values)] = self.values
-        self.values = grown
-        fresh = self.spec.optimizer.new_state(capacity, self.spec.dim, self.spec.dtype)
-        for key, old in self.state.items():
-            fresh[key][: len(old)] = old
-        self.state = fresh
+    def held_ids(self) -> torch.Tensor:
+        """The ids of the rows held, in the order they were created (a copy)."""
+        with self.cond:
+            return self.store.ids()
 
-    def _slots_for(self, ids: torch.Tensor) -> torch.Tensor:
-        """The slots of ``ids`` (unique, owned here), creating the rows not seen before."""
-        slots: List[int] = []
-        new: List[int] = []
-        for row in ids.tolist():
-            slot = self.slots.get(row)
-            if slot is None:
-                slot = self.slots[row] = len(self.slots)
-                new.append(row)
-            slots.append(slot)
-        if new:
-            self._grow(len(self.slots))
-            spec = self.spec
-            first = len(self.slots) - len(new)
-            self.values[first : len(self.slots)] = initial_rows(
-                spec.seed, spec.table, torch.tensor(new, dtype=torch.int64), spec.dim, spec.init_std, spec.dtype
-            )
-        return torch.tensor(slots, dtype=torch.int64)
+    def _initial(self, ids: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        return initial_rows(spec.seed, spec.table, ids, spec.dim, spec.init_std, spec.dtype)
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         # The worker checked the user's ids; what arrives here came from a worker of this job,
@@ -118,8 +96,7 @@ class SparseShard(ClockedShard):
         self._check_ids(ids)
         with self.cond:
             self.wait_readable(rank, clock)
-            slots = self._slots_for(ids)  # first: it may grow (replace) self.values
-            rows = self.values[slots]
+            rows = self.store.rows(self.store.slots_for(ids, self._initial))
             return rows, self.clock.staleness(clock) if clock >= 0 else 0, self.clock.min_clock()
 
     def push(self, rank: int, clock: int, ids: torch.Tensor, grads: torch.Tensor) -> None:
@@ -135,36 +112,31 @@ class SparseShard(ClockedShard):
                 raise ParameterServerError(f"the parameter server on rank {self.rank} is shutting down")
             self.clock.tick(rank, clock)
             if len(ids):
-                slots = self._slots_for(ids)
-                rows = self.values[slots]
-                state = {key: value[slots] for key, value in self.state.items()}
-                self.spec.optimizer.apply(rows, state, grads)
-                self.values[slots] = rows
-                for key, value in state.items():
-                    self.state[key][slots] = value
+                self.store.update(self.store.slots_for(ids, self._initial), grads)
             self.cond.notify_all()
 
     def snapshot(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """The rows held: ``(ids, values)``, copies taken under the lock."""
         with self.cond:
-            ids = torch.tensor(list(self.slots), dtype=torch.int64)
-            return ids, self.values[: len(ids)].clone()
+            held = self.store.export()
+        return held["ids"], held["values"]
 
     def state_dict(self, worker_clock: int) -> Dict[str, Any]:
         """The rows this rank holds, their optimizer state and the clocks, copies taken under the
         lock (:mod:`~sparkdl.strategies.parameter_server.sparse_checkpoint`); ``worker_clock`` is
         this rank's worker's clock for the table."""
         with self.cond:
-            count = len(self.slots)
-            return {
-                "fingerprint": self.spec.fingerprint(),
-                "optimizer": self.spec.optimizer.name,
-                "ids": torch.tensor(list(self.slots), dtype=torch.int64),
-                "values": self.values[:count].clone(),
-                "state": {key: value[:count].clone() for key, value in self.state.items()},
-                "clocks": list(self.clock.clocks),
-                "worker_clock": int(worker_clock),
-            }
+            held = self.store.export()
+            clocks = list(self.clock.clocks)
+        return {
+            "fingerprint": self.spec.fingerprint(),
+            "optimizer": self.spec.optimizer.name,
+            "ids": held.pop("ids"),
+            "values": held.pop("values"),
+            "state": {key[len("state.") :]: value for key, value in held.items()},
+            "clocks": clocks,
+            "worker_clock": int(worker_clock),
+        }
 
     def load_state_dict(self, saved: Dict[str, Any]) -> None:
         """Replaces the rows held by ``saved``'s (checked by the caller, see
@@ -179,13 +151,7 @@ class SparseShard(ClockedShard):
         if len(saved["clocks"]) != self.world_size:
             raise ValueError(f"checkpointed clocks of {len(saved['clocks'])} ranks for {self.world_size}")
         with self.cond:
-            self.slots = {row: slot for slot, row in enumerate(ids.tolist())}
-            self.values = torch.empty(0, self.spec.dim, dtype=self.spec.dtype)
-            self.state = self.spec.optimizer.new_state(0, self.spec.dim, self.spec.dtype)
-            self._grow(len(ids))
-            self.values[: len(ids)] = saved["values"]
-            for key, value in saved["state"].items():
-                self.state[key][: len(ids)] = value
+            self.store.load(ids, saved["values"], saved["state"])
             self.clock.clocks = [int(c) for c in saved["clocks"]]
             self.cond.notify_all()
 

@@ -4,8 +4,9 @@ one-minute calibration on the user's own cluster, model and data.
 * :mod:`.calibration` — the short stage that times two tasks' steps and data paths together, the model's
   bytes and the link between two executors;
 * :mod:`.models` — the cost models (ring allreduce, averaging every τ, parameter-server load,
-  FSDP's gathers), no Spark;
-* :mod:`.units` — ``10Gbit``, ``50us``;
+  FSDP's gathers), no Spark; :mod:`.sparse_cost` — a sparse table's bytes per step and memory per
+  rank, from the unique rows per step that :mod:`.sparse_calibration` counts on the user's batches;
+* :mod:`.units` — ``10Gbit``, ``50us``, ``4g``;
 * :mod:`.report` — :class:`Plan`: the table, ``plan.json``, the plot.
 """
 
@@ -20,7 +21,8 @@ from sparkdl.errors import ConfigError
 from sparkdl.planning.calibration import NetworkCalibration, measure_task, slowest
 from sparkdl.planning.models import KINDS, Measured, StrategyShape, sweep
 from sparkdl.planning.report import Plan
-from sparkdl.planning.units import bandwidth_bytes, latency_seconds
+from sparkdl.planning.sparse_cost import SparseTable
+from sparkdl.planning.units import bandwidth_bytes, latency_seconds, memory_bytes
 from sparkdl.strategies import (
     AllReduce,
     ElasticAveraging,
@@ -81,6 +83,7 @@ def plan(
     inputs: Optional[Dict[str, Any]] = None,
     spark: Any = None,
     progress: bool = False,
+    memory_budget: Union[str, int, None] = None,
 ) -> Plan:
     """Calibrates on this cluster (about a minute) and predicts each strategy on ``workers``.
 
@@ -96,6 +99,14 @@ def plan(
         bandwidth: the link between hosts (``"10Gbit"``) instead of the measured one; needed
             when the calibration's two tasks share a host (loopback is not a network).
         latency: one message's cost (``"50us"``) instead of the measured one.
+        memory_budget: the memory one rank may use (``"4g"`` or bytes); default: a task's share
+            of ``spark.executor.pyspark.memory`` when the session sets it, else none (no
+            prediction is checked against memory). A prediction over it says "does not fit".
+
+    A model with ``ShardedEmbedding`` tables is predicted under ParameterServer only (the only
+    strategy that trains them; the others are left out with a note): its tables' bytes per step
+    are those of the unique rows the calibration's batches touched, its memory the rank's share
+    of each table (docs/planning.md).
 
     Returns:
         :class:`Plan`: ``print(plan.table())``, ``plan.save(dir)`` writes plan.json and plan.png.
@@ -106,12 +117,13 @@ def plan(
     from sparkdl.comparison.strategies import labelled_strategies
     from sparkdl.custom_loop import run
     from sparkdl.estimator import TorchEstimator
-    from sparkdl.strategies.parameter_server.embedding import refuse_sharded_embeddings
+    from sparkdl.strategies.parameter_server.embedding import sharded_embeddings
 
     labelled = labelled_strategies(strategies) if strategies is not None else tuple(default_strategies().items())
     shapes = [shape_of(label, strategy) for label, strategy in labelled]
     counts = _worker_counts(workers)
     stated_bandwidth, stated_latency = bandwidth_bytes(bandwidth), latency_seconds(latency)
+    stated_budget = memory_bytes(memory_budget)
     optimizer = optimizer or default_optimizer  # fit's default: Adam, lr=1e-3
     loss = loss or torch.nn.functional.cross_entropy
     # The estimator's own checks, before anything launches: the model builds, the data reads.
@@ -130,8 +142,18 @@ def plan(
     data_settings = estimator.settings.data
     # What fit checks before it launches, in the same order and words.
     module = build_checked_model(model, data_settings.plan)
-    # Its cost model prices dense parameters only: a sparse table's traffic would be missing.
-    refuse_sharded_embeddings(module, "sparkdl plan (its cost model)")
+    notes = []
+    if sharded_embeddings(module):
+        labelled, shapes, refused = _sparse_capable(labelled, shapes)
+        if refused:
+            notes.append(
+                f"not predicted: {', '.join(refused)} (ShardedEmbedding tables train under ParameterServer only)"
+            )
+        if not shapes:
+            raise ConfigError(
+                f"{type(module).__name__} holds ShardedEmbedding tables, which train under ParameterServer only: "
+                f"plan it with strategies=[sparkdl.ParameterServer()], not {', '.join(refused)}"
+            )
     probe = stated_bandwidth is None or stated_latency is None
     tasks = 2 if probe else 1  # two tasks time their steps together, then the link between them
     # Prepared for the calibration's tasks: a DataFrame's copy, laid out for them, is the one run() reuses.
@@ -153,7 +175,9 @@ def plan(
     )
     task = slowest(calibrated["tasks"])
     network = None
-    notes = []
+    budget, budget_source = _memory_budget(stated_budget, spark)
+    if budget is not None:
+        notes.append(f"memory budget per rank: {budget / 2**20:,.0f} MiB ({budget_source})")
     if probe:
         network = NetworkCalibration(**calibrated["network"])
         if network.loopback and stated_bandwidth is None:
@@ -177,6 +201,8 @@ def plan(
         latency_s=stated_latency if stated_latency is not None else network.latency_s,
         backend="nccl" if task.device.startswith("cuda") else "gloo",
         sync_overhead_s=dict(task.sync_overhead_s),
+        sparse_tables=tuple(SparseTable(**table) for table in task.sparse_tables),
+        memory_budget_bytes=budget,
     )
     if stated_bandwidth is not None:
         notes.append(f"bandwidth stated: {stated_bandwidth * 8 / 1e9:.3g} Gbit/s per link")
@@ -188,6 +214,39 @@ def plan(
         "network": None if network is None else {**vars(network)},
     }
     return Plan(measured, sweep(measured, shapes, counts), calibration, notes)
+
+
+def _sparse_capable(labelled: Sequence, shapes: Sequence[StrategyShape]) -> tuple:
+    """The strategies that train sparse tables (the parameter server's cost model), and the
+    labels of the others."""
+    keep = [i for i, shape in enumerate(shapes) if shape.kind == "parameter_server"]
+    refused = [shape.label for shape in shapes if shape.kind != "parameter_server"]
+    return [labelled[i] for i in keep], [shapes[i] for i in keep], refused
+
+
+def _memory_budget(stated: Optional[int], spark: Any) -> tuple:
+    """(bytes, where from) of one rank's memory budget: the stated one, else a task's share of
+    ``spark.executor.pyspark.memory`` (Spark's limit on the Python workers) when set, else
+    (None, None): the JVM's ``spark.executor.memory`` does not bound the training process."""
+    if stated is not None:
+        return stated, "stated"
+    from pyspark.sql import SparkSession
+
+    from sparkdl.data.shard_cache import task_memory_bytes
+
+    session = spark or SparkSession.getActiveSession()
+    if session is None:
+        return None, None
+
+    def conf(key: str) -> Optional[str]:
+        try:
+            return session.conf.get(key, None)
+        except Exception:  # noqa: BLE001 -- a key Spark Connect refuses to read: not set, as far as we know
+            return None
+
+    if not conf("spark.executor.pyspark.memory"):
+        return None, None
+    return task_memory_bytes(conf)
 
 
 def _worker_counts(workers: Sequence[int]) -> Sequence[int]:

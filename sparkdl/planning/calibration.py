@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from sparkdl.planning.models import Measured, StrategyShape
+from sparkdl.planning.sparse_calibration import bind_counting, measured_tables
 from sparkdl.planning.sync_cost import sync_overheads
 
 logger = logging.getLogger("sparkdl")
@@ -52,6 +53,9 @@ class TaskCalibration:
     host: str
     #: Seconds one synchronization costs beyond the link model's transfer, by strategy label.
     sync_overhead_s: Dict[str, float] = dataclasses.field(default_factory=dict)
+    #: The model's sparse tables with the unique rows per step of this task's batches
+    #: (:class:`~sparkdl.planning.sparse_cost.SparseTable` fields).
+    sparse_tables: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +104,8 @@ def measure_task(
 
         model = model_fn().to(ctx.device)
         optimizer = optimizer_fn(model.parameters())
+        # Sparse tables serve initial rows here and count the unique rows each step looks up.
+        tables = bind_counting(model)
 
         on_gpu = torch.device(ctx.device).type == "cuda"
 
@@ -113,6 +119,8 @@ def measure_task(
 
         def step(features: Any, labels: Any) -> None:
             train_step(model, optimizer, features, labels)
+            for table in tables:
+                table.end_step()
 
         def passes(compute: bool, most: Optional[int] = None) -> tuple:
             """Passes over the shard as the fit loop makes them (a pass's start included, as an
@@ -187,6 +195,7 @@ def measure_task(
             "device": str(ctx.device),
             "threads": torch.get_num_threads(),
             "host": socket.gethostname(),
+            "sparse_tables": measured_tables(tables),
         }
         if not together:
             return {"tasks": [mine], "network": None}
@@ -229,6 +238,11 @@ def slowest(tasks: Sequence[Dict[str, Any]]) -> TaskCalibration:
                 label: max(task.get("sync_overhead_s", {}).get(label, 0.0) for task in tasks)
                 for label in sorted(labels)
             },
+            # Each table's busiest task: the most rows a step of any task touched.
+            "sparse_tables": [
+                {**same[0], **{key: max(t[key] for t in same) for key in ("pulled_rows", "pushed_rows", "lookups")}}
+                for same in zip(*(task.get("sparse_tables", []) for task in tasks))
+            ],
         }
     )
 

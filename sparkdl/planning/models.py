@@ -31,13 +31,21 @@ their assumptions in docs/planning.md.
   allreduce (2(N−1)/N·S). On CPU ranks with gloo the collectives run in the training thread's
   turn, so the step is compute + communication (prefetching would hide some of it on GPUs:
   the model is conservative there).
+* **Sparse tables** (``sparkdl.ShardedEmbedding``, parameter server only): each step's bytes are
+  those of the unique rows its batches touch, not of the table, and each rank holds its 1/N
+  share of the rows (:mod:`.sparse_cost`); their traffic is added to the dense parameters' (the
+  step waits for both), their shards to the memory.
+* **Memory budget**: where one is known (``memory_budget_bytes``), a prediction whose memory per
+  rank exceeds it ``fits=False``: the plan says it does not fit.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from sparkdl.planning.sparse_cost import SparseTable
 
 #: DDP's gradient bucket (``bucket_cap_mb=25``): one allreduce, one set of 2(N−1) messages each.
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -63,6 +71,9 @@ class Measured:
         backend: ``"gloo"`` or ``"nccl"`` (what the ranks' collectives run on).
         sync_overhead_s: by strategy label, what one synchronization costs a rank beyond the
             link model's transfer (γ); a strategy not in it is charged its transfer alone.
+        sparse_tables: the model's sparse tables, with their unique rows per step measured on
+            the user's batches (:mod:`.sparse_cost`).
+        memory_budget_bytes: the memory one rank may use (None: unknown, nothing is checked).
     """
 
     batch_size: int
@@ -77,6 +88,8 @@ class Measured:
     latency_s: float
     backend: str = "gloo"
     sync_overhead_s: Dict[str, float] = dataclasses.field(default_factory=dict)
+    sparse_tables: Tuple[SparseTable, ...] = ()
+    memory_budget_bytes: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +124,8 @@ class Prediction:
     #: What the communication is bound by (bandwidth | latency | server): what costs the
     #: efficiency as workers are added.
     comm_bound: str = "bandwidth"
+    #: Whether ``memory_per_rank_bytes`` is within the rank's memory budget (None: no budget known).
+    fits: Optional[bool] = None
 
     def to_json(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -157,9 +172,15 @@ def predict(measured: Measured, shape: StrategyShape, workers: int) -> Predictio
         per_worker = 2 * share * measured.grad_bytes
         host_load = per_worker * (n / shards)
         messages = 2 * (n - 1) * alpha if n > 1 else 0.0
-        comm = host_load / bandwidth + messages
-        step, wire, memory = local + comm, int(per_worker), state + measured.param_bytes // max(1, shards)
-        comm_bound = "server" if shards < n else "bandwidth" if host_load / bandwidth >= messages else "latency"
+        # Sparse tables: their rows hash over all N ranks, whatever ``shards`` the dense part uses.
+        sparse_wire = sum(table.wire_bytes(n) for table in measured.sparse_tables)
+        messages += sum(table.messages_per_step(n) for table in measured.sparse_tables) * 2 * alpha
+        comm = (host_load + sparse_wire) / bandwidth + messages
+        step, wire = local + comm, int(per_worker + sparse_wire)
+        memory = state + measured.param_bytes // max(1, shards)
+        memory += sum(table.memory_bytes(n) for table in measured.sparse_tables)
+        transfer_s = (host_load + sparse_wire) / bandwidth
+        comm_bound = "server" if shards < n else "bandwidth" if transfer_s >= messages else "latency"
     else:  # sharded
         reduce_scatter = share if measured.backend == "nccl" else 2 * share
         volume = (2 * share + reduce_scatter) * measured.param_bytes
@@ -182,6 +203,7 @@ def predict(measured: Measured, shape: StrategyShape, workers: int) -> Predictio
         memory_per_rank_bytes=int(memory),
         bound=bound,
         comm_bound=comm_bound,
+        fits=None if measured.memory_budget_bytes is None else int(memory) <= measured.memory_budget_bytes,
     )
 
 

@@ -100,6 +100,14 @@ class Plan:
                     f"{strategy} stops scaling at {stop.workers} workers: {stop.efficiency:.0%} efficiency "
                     f"({stop.samples_per_s:,.0f} samples/s), its communication {stop.comm_bound}-bound"
                 )
+            over = [p for p in self.of(strategy) if p.fits is False]
+            if over:
+                budget = self.measured.memory_budget_bytes or 0
+                lines.append(
+                    f"{strategy} does not fit the memory budget ({budget / 1e6:,.0f} MB per rank) on "
+                    f"{', '.join(str(p.workers) for p in over)} workers ({over[0].memory_per_rank_bytes / 1e6:,.0f} MB "
+                    f"per rank on {over[0].workers})"
+                )
         return lines
 
     def table(self, workers: Optional[Sequence[int]] = None) -> str:
@@ -130,7 +138,7 @@ class Plan:
                 rows.append(
                     f"{strategy:<34} {p.workers:>7} {p.step_s * 1e3:>9.2f} {p.samples_per_s:>12,.0f} "
                     f"{p.efficiency:>10.0%} {p.wire_bytes_per_step / 1e6:>12.3f} {p.memory_per_rank_bytes / 1e6:>9.1f}  "
-                    f"{p.bound}"
+                    f"{p.bound}{'; does not fit' if p.fits is False else ''}"
                 )
         tail = ["", *self.summary(), *(f"note: {n}" for n in [*self.notes, STATISTICAL_EFFICIENCY])]
         return "\n".join([*head, *rows, *tail])

@@ -1,5 +1,5 @@
-"""Link speeds and latencies as people write them: ``10Gbit``, ``100mbit``, ``1.25GB/s``;
-``50us``, ``0.2ms``, ``1e-4`` (seconds)."""
+"""Link speeds, latencies and memory as people write them: ``10Gbit``, ``100mbit``, ``1.25GB/s``;
+``50us``, ``0.2ms``, ``1e-4`` (seconds); ``4g``, ``512m`` (as Spark's memory settings)."""
 
 from __future__ import annotations
 
@@ -44,3 +44,21 @@ def latency_seconds(value: Union[str, float, None], name: str = "latency") -> Op
         if match:
             return float(match.group(1)) * _SECONDS[match.group(2) or "s"]
     raise ConfigError(f"{name}={value!r}: give a latency such as '50us' or '0.2ms'")
+
+
+_MEMORY = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def memory_bytes(value: Union[str, int, None], name: str = "memory_budget") -> Optional[int]:
+    """Bytes in ``4g``, ``512m``, ``4GB``, ``2048k`` (binary units, as Spark reads its memory
+    settings), or a number of bytes."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value > 0:
+            return int(value)
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(value).lower())
+        if match and float(match.group(1)) > 0:
+            return int(float(match.group(1)) * _MEMORY[match.group(2)])
+    raise ConfigError(f"{name}={value!r}: give a size such as '4g', '512m' or a number of bytes")

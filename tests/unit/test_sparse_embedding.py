@@ -84,10 +84,16 @@ def test_what_this_slice_does_not_cover_is_refused_before_launch():
         check_sharded_embeddings(model, "allreduce")
     check_sharded_embeddings(model, "parameter_server")  # checkpoints too: test_sparse_checkpoint.py
     check_sharded_embeddings(torch.nn.Linear(2, 1), "allreduce")  # dense models: as before
-    # sparkdl plan's cost model prices dense parameters only: refused before it reads data or launches.
-    with pytest.raises(ConfigError, match=r"sparkdl plan \(its cost model\) does not support ShardedEmbedding"):
+    # sparkdl plan predicts such a model under ParameterServer only: asked for others alone, it
+    # refuses before it reads data or launches (test_planning_sparse.py covers its sparse model).
+    with pytest.raises(ConfigError, match=r"train under ParameterServer only: plan it with strategies="):
         sparkdl.plan(
-            _model_with_a_table, "/nonexistent/data.parquet", feature_cols=["x"], bandwidth="1Gbit", latency="50us"
+            _model_with_a_table,
+            "/nonexistent/data.parquet",
+            strategies="allreduce",
+            feature_cols=["x"],
+            bandwidth="1Gbit",
+            latency="50us",
         )
 
 

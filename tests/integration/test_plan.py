@@ -97,3 +97,56 @@ def test_a_model_that_cannot_be_built_and_data_that_cannot_be_read_fail_as_fit_d
             sparkdl.TorchEstimator(model=model, progress=False).fit(data)
         assert type(planned.value) is type(fitted.value) and str(planned.value) == str(fitted.value)
         assert isinstance(planned.value, (sparkdl.ConfigError, DataError, RuntimeError))
+
+
+TABLE_ROWS = 2_000_000
+
+
+def _items_model():
+    """A model class built in a function, so that Spark ships it by value: a table of 2M rows of
+    dim 4 with Adagrad (56 MB with its sums and index on one rank) and a linear head."""
+
+    class Items(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.items = sparkdl.ShardedEmbedding(TABLE_ROWS, 4, optimizer="adagrad")
+            self.head = torch.nn.Linear(4, 1)
+
+        def forward(self, item: torch.Tensor) -> torch.Tensor:
+            return self.head(self.items(item)).squeeze(-1)
+
+    return Items
+
+
+def test_a_plan_of_a_sparse_table_counts_its_rows_per_step_and_checks_the_budget(spark):
+    import numpy as np
+
+    items = np.minimum(np.random.default_rng(0).zipf(1.3, size=4000) - 1, TABLE_ROWS - 1)  # skewed ids
+    df = spark.createDataFrame([(int(i), float(i % 7)) for i in items], "item long, label double")
+    plan = sparkdl.plan(
+        model=_items_model(),
+        data=df,
+        batch_size=64,
+        loss=torch.nn.functional.mse_loss,
+        inputs={"item": "item"},
+        label_col="label",
+        workers=[1, 2, 8],
+        bandwidth="1Gbit",
+        latency="50us",
+        memory_budget="64m",
+        spark=spark,
+    )
+    # Only the parameter server trains the table: the other default strategies are left out, said so.
+    assert plan.strategies == ["ParameterServer"]
+    assert any(note.startswith("not predicted: AllReduce") for note in plan.notes), plan.notes
+    (table,) = plan.measured.sparse_tables
+    assert (table.num_rows, table.dim, table.lookups) == (TABLE_ROWS, 4, 1)
+    # Zipf ids repeat within a batch: fewer unique rows than samples, the same pulled as pushed.
+    assert 1 <= table.pushed_rows == table.pulled_rows < 64
+    one, two, eight = plan.of("ParameterServer")
+    assert one.wire_bytes_per_step == 0 and two.wire_bytes_per_step == pytest.approx(
+        2 * (2 - 1) / 2 * plan.measured.grad_bytes + table.wire_bytes(2), abs=1
+    )
+    # 2M rows x (16 values + 16 sums + 24 index) bytes: 112 MB on one rank, 56 on two: a 64 MiB budget.
+    assert [p.fits for p in (one, two, eight)] == [False, True, True]
+    assert "does not fit" in plan.table() and plan.to_json()["measured"]["sparse_tables"][0]["num_rows"] == TABLE_ROWS

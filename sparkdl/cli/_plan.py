@@ -55,6 +55,12 @@ def build_plan_parser() -> argparse.ArgumentParser:
         "calibration's two tasks share a host)",
     )
     parser.add_argument("--latency", default=None, help="one message's cost, e.g. 50us, instead of the measured one")
+    parser.add_argument(
+        "--memory-budget",
+        default=None,
+        help="the memory one rank may use, e.g. 4g: a prediction over it says 'does not fit' (default: a task's "
+        "share of spark.executor.pyspark.memory when set)",
+    )
     parser.add_argument("--output", required=True, help="directory (path or URL) for plan.json and plan.png")
     parser.add_argument("--no-plot", dest="plot", action="store_false", help="do not draw plan.png")
     parser.set_defaults(metrics=[], validation=None)  # train's options a plan has no use for
@@ -67,7 +73,7 @@ def plan_main(argv: Optional[List[str]] = None) -> int:
     from sparkdl.comparison.strategies import labelled_strategies
     from sparkdl.errors import ConfigError, DataError
     from sparkdl.planning import DEFAULT_WORKERS, plan
-    from sparkdl.planning.units import bandwidth_bytes, latency_seconds
+    from sparkdl.planning.units import bandwidth_bytes, latency_seconds, memory_bytes
 
     args = build_plan_parser().parse_args(argv)
     try:
@@ -79,6 +85,7 @@ def plan_main(argv: Optional[List[str]] = None) -> int:
                 raise UsageError(f"--workers {args.workers!r}: comma-separated whole numbers such as 2,4,8") from None
         bandwidth_bytes(args.bandwidth, "--bandwidth")
         latency_seconds(args.latency, "--latency")
+        memory_bytes(args.memory_budget, "--memory-budget")
         if args.strategies is not None:  # a misspelt name is named before a JVM starts
             labelled_strategies(args.strategies)
         feature_cols, inputs = model_inputs(args)
@@ -98,6 +105,7 @@ def plan_main(argv: Optional[List[str]] = None) -> int:
             workers=workers,
             bandwidth=args.bandwidth,
             latency=args.latency,
+            memory_budget=args.memory_budget,
             optimizer=_optimizer_factory(args.optimizer, args.lr, args.momentum),
             loss=LOSSES[args.loss],
             feature_cols=feature_cols,

@@ -171,3 +171,14 @@ def test_the_calibration_counts_each_step_of_a_table_and_its_optimizer_state():
     pulled = sum(len(torch.unique(ids[:, 0])) + len(torch.unique(ids[:, 1])) for ids in batches) / STEPS
     pushed = sum(len(torch.unique(ids)) for ids in batches) / STEPS
     assert (table.pulled_rows, table.pushed_rows) == (pytest.approx(pulled), pytest.approx(pushed))
+
+
+def test_a_memory_budget_is_read_as_spark_reads_sizes_and_a_bad_one_fails_before_spark(tmp_path, capsys):
+    from sparkdl.cli._plan import plan_main
+    from sparkdl.planning.units import memory_bytes
+
+    assert [memory_bytes(v) for v in ("4g", "512m", "4GB", 1000, None)] == [4 << 30, 512 << 20, 4 << 30, 1000, None]
+    argv = ["--model", "torch.nn:Linear", "--data", str(tmp_path / "none.parquet"), "--features", "x"]
+    argv += ["--label", "y", "--output", str(tmp_path / "out"), "--memory-budget", "lots"]
+    assert plan_main(argv) == 2
+    assert "--memory-budget='lots': give a size such as '4g'" in capsys.readouterr().err

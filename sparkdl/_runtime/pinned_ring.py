@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -48,7 +49,6 @@ PINNED_BYTES_LIMIT = 4 << 30
 #: Where each tensor starts in a buffer: a multiple of any element size, and of a cache line.
 _ALIGN = 64
 
-_TORCH_DTYPES: Dict[np.dtype, torch.dtype] = {}
 #: (inputs, labels) of numpy arrays; inputs a dict of named arrays or one array.
 HostBatch = Tuple[Any, Optional[np.ndarray]]
 
@@ -115,6 +115,10 @@ class BatchRing:
         # The buffer of the batch gather_arrays last gave arrays for, and those arrays (by id)
         # with their tensors, until fill hands them out (or drops them: the batch never came).
         self._gathering: Optional[Tuple[_Buffer, Dict[int, Tuple[np.ndarray, torch.Tensor]]]] = None
+        self._gather_shapes: Tuple[Any, ...] = ()  # the shapes gather_arrays was last asked for
+        self._gather_layout: Optional[Tuple[List[Tuple[int, torch.dtype, Tuple[int, ...], Tuple[int, ...]]], int]] = (
+            None
+        )
         self.pageable = 0  # batches served pageable (no buffer could be had)
         self.waits = 0  # fills that waited for a copy to finish reading a buffer
 
@@ -129,17 +133,17 @@ class BatchRing:
         one batch at a time, and the finished batch holds the arrays themselves or none of them.
         """
         self._drop_gathering()
-        try:
-            dtypes = [_torch_dtype(np.dtype(dtype)) for _, dtype in shapes.values()]
-        except TypeError:  # an object (or other tensorless) dtype: no tensor to hand out
+        wanted = tuple(shapes.items())
+        if wanted != self._gather_shapes:  # every batch of a stream has the same: laid out once
+            self._gather_shapes, self._gather_layout = wanted, _gather_layout(shapes)
+        if self._gather_layout is None:
             return None
-        sizes = [(dtype, tuple(shape)) for dtype, (shape, _) in zip(dtypes, shapes.values())]
-        layout, nbytes = _layout_of(sizes)
+        places, nbytes = self._gather_layout
         buffer = self._take(nbytes)
         if buffer is None:
             return None
         arrays, handed = {}, {}
-        for key, (dtype, shape), (offset, strides) in zip(shapes, sizes, layout):
+        for key, (offset, dtype, shape, strides) in zip(shapes, places):
             tensor = buffer.carve(offset, dtype, shape, strides)
             arrays[key] = tensor.numpy()
             handed[id(arrays[key])] = (arrays[key], tensor)
@@ -302,22 +306,22 @@ class BatchRing:
             )
 
 
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    """The tensor dtype of numpy's ``dtype``; TypeError when there is none (object, strings)."""
-    found = _TORCH_DTYPES.get(dtype)
-    if found is None:
-        found = _TORCH_DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype)).dtype
-    return found
-
-
-def _layout_of(sizes: List[Tuple[torch.dtype, Tuple[int, ...]]]) -> Tuple[List[Tuple[int, Tuple[int, ...]]], int]:
-    """Where contiguous tensors of these dtypes and shapes go in one buffer (as :func:`_layout`)."""
+def _gather_layout(
+    shapes: Mapping[str, Tuple[Tuple[int, ...], np.dtype]],
+) -> Optional[Tuple[List[Tuple[int, torch.dtype, Tuple[int, ...], Tuple[int, ...]]], int]]:
+    """Where contiguous arrays of these shapes and dtypes go in one buffer (byte offset, tensor
+    dtype, shape, element strides, as :func:`_layout` places them) and the bytes in all; None
+    when a dtype has no tensor (objects, strings)."""
     places = []
     offset = 0
-    for dtype, shape in sizes:
-        places.append((offset, _contiguous_strides(shape)))
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        offset += -(-nbytes // _ALIGN) * _ALIGN
+    for shape, dtype in shapes.values():
+        try:
+            tensor_dtype = torch.from_numpy(np.empty(0, dtype)).dtype
+        except TypeError:
+            return None
+        shape = tuple(shape)
+        places.append((offset, tensor_dtype, shape, _contiguous_strides(shape)))
+        offset += -(-math.prod(shape) * tensor_dtype.itemsize // _ALIGN) * _ALIGN
     return places, max(offset, _ALIGN)
 
 

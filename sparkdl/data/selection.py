@@ -25,7 +25,7 @@
 from __future__ import annotations
 
 import random
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -33,13 +33,11 @@ import pyarrow as pa
 from sparkdl.data.dataset import DatasetInfo, to_expression
 from sparkdl.data.inputs import POSITION_KEY
 from sparkdl.data.open_files import OpenFiles
+from sparkdl.data.shuffled_rows import GatherInto, ShuffledRows
 from sparkdl.errors import ConfigError, DataError
 
 #: Row-aligned arrays of some rows (:data:`sparkdl.data.readers.base.Chunk`).
 Chunk = Dict[str, np.ndarray]
-#: Where a batch's rows may be gathered: given each key's (shape, dtype), empty arrays of those
-#: to write them into (views of a pinned buffer: :mod:`sparkdl._runtime.pinned_ring`), or None.
-GatherInto = Callable[[Dict[str, Tuple[Tuple[int, ...], np.dtype]]], Optional[Chunk]]
 #: Added to positions before hashing, so the split is not the one other tools derive from
 #: hashing plain row numbers.
 _SALT = np.uint64(0x9E3779B97F4A7C15)
@@ -281,8 +279,8 @@ def shuffled_batches(
     of the next pass's rows, so rows of two passes never mix. ``passes`` (positions in the
     chunks) also keeps each epoch one pass (:class:`EpochPasses`).
 
-    Each full batch's rows are gathered when it is cut (:class:`ShuffledRows`), into the arrays
-    ``gather_into`` gives when it gives some (a pinned buffer), else into new ones."""
+    With ``gather_into``, each full batch's rows are gathered when it is cut, into the arrays
+    it gives when it gives some (a pinned buffer: :class:`~sparkdl.data.shuffled_rows.ShuffledRows`)."""
     pending: List[Chunk] = []
     pending_rows = 0
     lead: Optional[Chunk] = None  # rows a pass left, fewer than a batch: they open the next one
@@ -297,7 +295,7 @@ def shuffled_batches(
                 continue
         shuffled: Optional[ShuffledRows] = None
         if pending:
-            shuffled = ShuffledRows(pending, rng.permutation(pending_rows))
+            shuffled = ShuffledRows(pending, rng.permutation(pending_rows), gather_into)
             pending, pending_rows = [], 0
         start = 0  # the first of the shuffled rows not in a batch yet
         if shuffled is not None and lead is not None:
@@ -314,7 +312,7 @@ def shuffled_batches(
         if shuffled is not None:
             full = shuffled.rows - (shuffled.rows - start) % batch_size
             for begin in range(start, full, batch_size):
-                batch = shuffled.take(begin, begin + batch_size, gather_into)
+                batch = shuffled.take(begin, begin + batch_size, into=True)
                 _served(passes, batch, 0)
                 yield batch
             rest = shuffled.take(full, shuffled.rows) if full < shuffled.rows else None
@@ -337,67 +335,6 @@ def _served(passes: Optional[EpochPasses], batch: Chunk, earlier: int) -> None:
 
 def _rows(chunk: Chunk) -> int:
     return len(next(iter(chunk.values()))) if chunk else 0
-
-
-class ShuffledRows:
-    """The rows of some chunks, concatenated then permuted by ``order``, gathered a batch at a
-    time: rows ``order[start:stop]`` of the concatenation are what rows ``start:stop`` of it,
-    permuted as a whole, would be, without that copy of the whole buffer (a row group; its
-    fresh pages and cache misses cost more than the batch's own gather) or the concatenation.
-
-    A row group's chunk arrives behind the few rows the last one left, so a batch's rows come
-    from one chunk mostly (one ``numpy.take``), from several when it holds some of those.
-    """
-
-    def __init__(self, chunks: List[Chunk], order: np.ndarray) -> None:
-        self._chunks = chunks
-        self.rows = len(order)
-        self._dtypes = {key: np.result_type(*[chunk[key] for chunk in chunks]) for key in chunks[0]}
-        if len(chunks) == 1:
-            self._source, self._local = None, order
-        else:
-            sizes = np.array([_rows(chunk) for chunk in chunks], dtype=np.int64)
-            ends = np.cumsum(sizes)
-            self._source = np.searchsorted(ends, order, side="right")  # each row's chunk
-            self._local = order - (ends - sizes)[self._source]  # and its row in that chunk
-
-    def take(self, start: int, stop: int, gather_into: Optional[GatherInto] = None) -> Chunk:
-        """Rows ``start:stop`` of the permuted rows, as new arrays, or in the arrays
-        ``gather_into`` gives (positions never: :class:`EpochPasses` keeps them)."""
-        local = self._local[start:stop]
-        source = self._source[start:stop] if self._source is not None else None
-        if source is not None and len(source) and (source == source[0]).all():
-            source, chunk = None, self._chunks[int(source[0])]
-        else:
-            chunk = self._chunks[0]
-        shapes = {
-            key: ((stop - start,) + values.shape[1:], self._dtypes[key])
-            for key, values in chunk.items()
-            if key != POSITION_KEY
-        }
-        given = gather_into(shapes) if gather_into is not None else None
-        out: Chunk = {}
-        for key, values in chunk.items():
-            target = given.get(key) if given is not None else None
-            if source is None:  # every row from ``chunk``
-                if target is None and values.dtype == self._dtypes[key]:
-                    out[key] = np.take(values, local, axis=0)
-                    continue
-                if target is None:
-                    target = np.empty((stop - start,) + values.shape[1:], self._dtypes[key])
-                if values.dtype == target.dtype:
-                    # mode="clip": the rows are valid; "raise" would gather into a temporary first.
-                    np.take(values, local, axis=0, out=target, mode="clip")
-                else:
-                    target[...] = values[local]
-            else:
-                if target is None:
-                    target = np.empty((stop - start,) + values.shape[1:], self._dtypes[key])
-                for index in np.unique(source):
-                    mine = source == index
-                    target[mine] = self._chunks[int(index)][key][local[mine]]
-            out[key] = target
-        return out
 
 
 def shard_rows(

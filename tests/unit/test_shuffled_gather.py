@@ -1,9 +1,10 @@
-"""The shuffle buffer gathers each batch's rows when it cuts the batch
-(sparkdl.data.selection.ShuffledRows), instead of permuting the whole buffer up front: the
-batches must be exactly the ones the whole-buffer permutation gave for the same seed (the
-previous implementation, kept below as the reference), for every dtype and shape a chunk
-carries, with passes, leads and leave-outs; and a batch gathered into the arrays a
-destination gives (a pinned ring's buffer) is those arrays, with the same values."""
+"""A stream that gathers into pinned buffers has the shuffle buffer gather each batch's rows
+when it cuts the batch (sparkdl.data.shuffled_rows.ShuffledRows) instead of permuting the
+whole buffer up front: the batches must be exactly the ones the whole-buffer permutation gives
+for the same seed (the implementation before the per-batch gather, kept below as the
+reference), for every dtype and shape a chunk carries, with passes, leads and leave-outs,
+whether the destination gives arrays or not; and a batch gathered into the arrays a destination
+gives (a pinned ring's buffer) is those arrays."""
 
 from __future__ import annotations
 
@@ -127,6 +128,23 @@ def _same(got: Chunk, want: Chunk) -> None:
         assert np.array_equal(got[key], want[key]), key
 
 
+class Destination:
+    """Hands out fresh arrays to gather into (as a pinned ring's buffer would), recording them;
+    ``refuse`` answers None (no buffer: the rows are gathered into new arrays)."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.given: List[Chunk] = []
+        self.refuse = refuse
+
+    def __call__(self, shapes) -> Optional[Chunk]:
+        assert POSITION_KEY not in shapes  # positions stay the stream's own (EpochPasses keeps them)
+        if self.refuse:
+            return None
+        arrays = {key: np.full(shape, 77, dtype) for key, (shape, dtype) in shapes.items()}
+        self.given.append(arrays)
+        return arrays
+
+
 CASES = {
     # groups of rows, batch size, buffer rows (a multiple of the batch), epoch rows
     "groups-beyond-the-buffer": ([300, 40, 17, 5, 100, 64, 64], 32, 96, 512),
@@ -136,11 +154,17 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("gather", ["whole-buffer", "per-batch", "per-batch-into-given-arrays"])
 @pytest.mark.parametrize("mixed_ids", [False, True], ids=["one-dtype", "int32-and-int64-ids"])
 @pytest.mark.parametrize("with_passes", [True, False], ids=["epoch-passes", "no-passes"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_batches_are_those_of_the_whole_buffer_permuted_at_once(case, with_passes, mixed_ids):
+def test_batches_are_those_of_the_whole_buffer_permuted_at_once(case, with_passes, mixed_ids, gather):
     groups, batch, buffer_rows, epoch_rows = CASES[case]
+    destination = {
+        "whole-buffer": None,
+        "per-batch": Destination(refuse=True),
+        "per-batch-into-given-arrays": Destination(),
+    }[gather]
     for seed in (0, 1, 7):
         want = list(
             _eager_shuffled_batches(
@@ -158,28 +182,12 @@ def test_batches_are_those_of_the_whole_buffer_permuted_at_once(case, with_passe
                 buffer_rows,
                 np.random.default_rng(seed),
                 EpochPasses(epoch_rows) if with_passes else None,
+                destination,
             )
         )
         assert len(got) == len(want) >= max(1, 2 * sum(groups) // batch)
         for got_batch, want_batch in zip(got, want):
             _same(got_batch, want_batch)
-
-
-class Destination:
-    """Hands out fresh arrays to gather into (as a pinned ring's buffer would), recording them;
-    ``refuse`` answers None (no buffer: the rows are gathered into new arrays)."""
-
-    def __init__(self, refuse: bool = False) -> None:
-        self.given: List[Chunk] = []
-        self.refuse = refuse
-
-    def __call__(self, shapes) -> Optional[Chunk]:
-        assert POSITION_KEY not in shapes  # positions stay the stream's own (EpochPasses keeps them)
-        if self.refuse:
-            return None
-        arrays = {key: np.full(shape, 77, dtype) for key, (shape, dtype) in shapes.items()}
-        self.given.append(arrays)
-        return arrays
 
 
 @pytest.mark.parametrize("refuse", [False, True], ids=["given-arrays", "refused"])

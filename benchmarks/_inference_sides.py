@@ -22,6 +22,11 @@ from _inference_workloads import Workload
 State = Mapping[str, torch.Tensor]
 
 
+#: The rows per call of the hand-tuned predict_batch_udf side: among the smallest sparkdl tries,
+#: and where the small CNN scores fastest per row on one thread here.
+SMALL_CALL_ROWS = 32
+
+
 def sparkdl_transform(df: Any, workload: Workload, state: State, batch_size: int) -> Any:
     """``TorchModel.from_state(...).setBatchSize(batch_size).transform(df)``: over a plain Parquet
     scan, its tasks read the files themselves (sparkdl.inference.file_scoring)."""
@@ -70,6 +75,13 @@ def predict_batch_udf_side(df: Any, workload: Workload, state: State, batch_size
     return df.withColumn("prediction", udf(workload.column))
 
 
+def predict_batch_udf_small_calls(df: Any, workload: Workload, state: State, batch_size: int) -> Any:
+    """2 with calls of :data:`SMALL_CALL_ROWS` rows, whatever ``--batch-size`` says: the peer of
+    sparkdl's own choice of rows per call (:mod:`sparkdl.inference.call_rows`), for a user who
+    tuned it by hand."""
+    return predict_batch_udf_side(df, workload, state, SMALL_CALL_ROWS)
+
+
 def pandas_udf_side(df: Any, workload: Workload, state: State, batch_size: int) -> Any:
     """A hand-written iterator ``pandas_udf``: the ``state_dict`` in a broadcast, the model built
     once per task, ``batch_size`` rows a call."""
@@ -99,6 +111,7 @@ SPARK_SIDES: Dict[str, Callable[..., Any]] = {
     "sparkdl transform": sparkdl_transform,
     "sparkdl transform, optimize off": sparkdl_transform_eager,
     "predict_batch_udf": predict_batch_udf_side,
+    f"predict_batch_udf, batch {SMALL_CALL_ROWS}": predict_batch_udf_small_calls,
     "pandas_udf": pandas_udf_side,
 }
 

@@ -20,9 +20,10 @@ import numpy as np
 import torch
 
 from sparkdl._runtime.device import CUDA_VISIBLE_DEVICES, DeviceAssignment, select_device, selected
-from sparkdl.data.batching import batch_rows, call_model
+from sparkdl.data.batching import batch_rows
 from sparkdl.errors import ConfigError
-from sparkdl.inference.frozen import model_for
+from sparkdl.inference.call_rows import chunked_call
+from sparkdl.inference.frozen import call_rows_for, model_for
 from sparkdl.inference.outputs import named_outputs
 
 logger = logging.getLogger("sparkdl.inference")
@@ -124,9 +125,12 @@ class ModelRunner:
             if self.precision
             else contextlib.nullcontext()
         )
-        model = model_for(self.module, self.key, self.device, tensors) if self.may_freeze else self.module
+        model, call_rows = self.module, None
+        if self.may_freeze:
+            model = model_for(self.module, self.key, self.device, tensors)
+            call_rows = call_rows_for(self.key, self.device, tensors)
         with torch.inference_mode(), autocast:
-            out = call_model(model, tensors)
+            out = chunked_call(model, tensors, call_rows)
         rows = batch_rows(inputs)
         return {
             name: value.detach().reshape(rows, -1).to("cpu", torch.float32).numpy()

@@ -34,7 +34,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from sparkdl.data.batching import batch_rows, call_model
-from sparkdl.inference.outputs import named_outputs
+from sparkdl.inference.call_rows import fastest_call_rows
+from sparkdl.inference.outputs import same_outputs
 
 logger = logging.getLogger("sparkdl.inference")
 
@@ -46,6 +47,8 @@ _FASTER = 0.8
 
 #: (model key, device, input signature) -> the graph, or None for the eager module.
 _decisions: Dict[Tuple[str, str, Tuple], Optional[torch.nn.Module]] = {}
+#: The same slots -> the rows per call that model scores fastest in (None: whole batches).
+_call_rows: Dict[Tuple[str, str, Tuple], Optional[int]] = {}
 
 
 def model_for(module: torch.nn.Module, key: str, device: torch.device, inputs: Any) -> Callable[[Any], Any]:
@@ -59,13 +62,23 @@ def model_for(module: torch.nn.Module, key: str, device: torch.device, inputs: A
         if graph is None:
             logger.info("scoring with the eager module: %s", reason)
         _decisions[slot] = graph
+        _call_rows[slot] = fastest_call_rows(graph or module, inputs)
+        if _call_rows[slot] is not None:
+            logger.info("scoring in calls of %d rows: faster than whole batches", _call_rows[slot])
     return _decisions[slot] or module
+
+
+def call_rows_for(key: str, device: torch.device, inputs: Any) -> Optional[int]:
+    """The rows per call decided with :func:`model_for`'s model for these inputs (None: whole
+    batches, or not decided yet): :mod:`sparkdl.inference.call_rows`."""
+    return _call_rows.get((key, str(device), _signature(inputs)))
 
 
 def forget(keep: Callable[[str, str], bool]) -> None:
     """Drops the decisions of models the worker's cache no longer holds (``keep(key, device)``)."""
     for slot in [slot for slot in _decisions if not keep(slot[0], slot[1])]:
         del _decisions[slot]
+        _call_rows.pop(slot, None)
 
 
 def _signature(inputs: Any) -> Tuple:
@@ -96,7 +109,7 @@ def _checked_graph(module: torch.nn.Module, inputs: Any) -> Tuple[Optional[torch
     with torch.inference_mode():
         for piece, want in zip((sample, other), expected):
             try:
-                same = _same(want, call_model(graph, piece))
+                same = same_outputs(want, call_model(graph, piece))
             except Exception as exc:  # noqa: BLE001 - rows the module scores must score in the graph
                 return None, f"the traced graph fails on {batch_rows(piece)} rows ({type(exc).__name__})"
             if not same:
@@ -120,18 +133,6 @@ def _frozen(module: torch.nn.Module, sample: Any) -> Optional[torch.nn.Module]:
         if any(issubclass(w.category, torch.jit.TracerWarning) for w in caught):
             return None
         return torch.jit.optimize_for_inference(torch.jit.freeze(traced))
-
-
-def _same(expected: Any, got: Any) -> bool:
-    want, have = named_outputs(expected), named_outputs(got)
-    if list(want) != list(have):
-        return False
-    return all(
-        isinstance(have[name], torch.Tensor)
-        and have[name].shape == value.shape
-        and torch.allclose(have[name].float(), value.float(), rtol=1e-4, atol=1e-5, equal_nan=True)
-        for name, value in want.items()
-    )
 
 
 def _seconds(model: Callable[..., Any], inputs: Any) -> float:

@@ -45,6 +45,22 @@ def named_outputs(out: Any) -> Dict[str, Any]:
     return {"": out}
 
 
+def same_outputs(expected: Any, got: Any) -> bool:
+    """Whether two calls' results have the same heads, shapes and values (float tolerance: a
+    frozen graph or another call size may sum in another order)."""
+    import torch  # executors only: the driver builds output fields without torch
+
+    want, have = named_outputs(expected), named_outputs(got)
+    if list(want) != list(have):
+        return False
+    return all(
+        isinstance(have[name], torch.Tensor)
+        and have[name].shape == value.shape
+        and torch.allclose(have[name].float(), value.float(), rtol=1e-4, atol=1e-5, equal_nan=True)
+        for name, value in want.items()
+    )
+
+
 def fields(heads: Sequence[Head], options: InferenceOptions) -> List[pa.Field]:
     """The prediction columns' Arrow fields (nullable: a row that failed has none)."""
     return [pa.field(head.column, head.arrow_type(options.top_k)) for head in heads]

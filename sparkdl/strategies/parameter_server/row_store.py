@@ -64,7 +64,12 @@ class _Column:
         if self._map is None:
             self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
         else:
-            self._map.resize(size)
+            try:
+                self._map.resize(size)
+            except SystemError:  # no mremap (macOS): a new map, the rows copied once
+                old, self._map = self._map, mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+                np.frombuffer(self._map, dtype=np.uint8, count=len(old))[:] = np.frombuffer(old, dtype=np.uint8)
+                old.close()
         count = capacity * math.prod(self.shape)
         self.array = np.frombuffer(self._map, dtype=self.dtype, count=count).reshape(capacity, *self.shape)
 

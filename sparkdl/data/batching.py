@@ -53,7 +53,8 @@ from sparkdl.data.dataset import DatasetInfo
 from sparkdl.data.inputs import InputSpec
 from sparkdl.data.plan import InputPlan
 from sparkdl.data.readers.base import Chunk, DataReader, chunk_rows
-from sparkdl.data.selection import EpochPasses, GatherInto, shard_rows, shuffled_batches
+from sparkdl.data.selection import EpochPasses, shard_rows, shuffled_batches
+from sparkdl.data.shuffled_rows import GatherInto
 from sparkdl.data.spec import DataSpec, Inputs, TransformFn
 from sparkdl.errors import ConfigError, DataError
 

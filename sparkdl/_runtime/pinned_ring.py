@@ -49,6 +49,8 @@ PINNED_BYTES_LIMIT = 4 << 30
 #: Where each tensor starts in a buffer: a multiple of any element size, and of a cache line.
 _ALIGN = 64
 
+#: Where a gather's arrays go in a buffer: (byte offset, tensor dtype, shape, element strides) each.
+_Places = List[Tuple[int, torch.dtype, Tuple[int, ...], Tuple[int, ...]]]
 #: (inputs, labels) of numpy arrays; inputs a dict of named arrays or one array.
 HostBatch = Tuple[Any, Optional[np.ndarray]]
 
@@ -116,15 +118,13 @@ class BatchRing:
         # with their tensors, until fill hands them out (or drops them: the batch never came).
         self._gathering: Optional[Tuple[_Buffer, Dict[int, Tuple[np.ndarray, torch.Tensor]]]] = None
         self._gather_shapes: Tuple[Any, ...] = ()  # the shapes gather_arrays was last asked for
-        self._gather_layout: Optional[Tuple[List[Tuple[int, torch.dtype, Tuple[int, ...], Tuple[int, ...]]], int]] = (
-            None
-        )
+        self._gather_layout: Optional[Tuple[_Places, int]] = None  # and where its arrays go
         self.pageable = 0  # batches served pageable (no buffer could be had)
         self.waits = 0  # fills that waited for a copy to finish reading a buffer
 
     def gather_arrays(self, shapes: Mapping[str, Tuple[Tuple[int, ...], np.dtype]]) -> Optional[Dict[str, np.ndarray]]:
         """Empty arrays of these shapes and dtypes, side by side in one free buffer, for a
-        batch's rows to be gathered into (:data:`sparkdl.data.selection.GatherInto`); None when
+        batch's rows to be gathered into (:data:`sparkdl.data.shuffled_rows.GatherInto`); None when
         no buffer can be had or a dtype has no tensor (the rows are then gathered pageable).
 
         The next :meth:`fill` hands out a batch made of exactly these arrays without a copy;
@@ -306,9 +306,7 @@ class BatchRing:
             )
 
 
-def _gather_layout(
-    shapes: Mapping[str, Tuple[Tuple[int, ...], np.dtype]],
-) -> Optional[Tuple[List[Tuple[int, torch.dtype, Tuple[int, ...], Tuple[int, ...]]], int]]:
+def _gather_layout(shapes: Mapping[str, Tuple[Tuple[int, ...], np.dtype]]) -> Optional[Tuple[_Places, int]]:
     """Where contiguous arrays of these shapes and dtypes go in one buffer (byte offset, tensor
     dtype, shape, element strides, as :func:`_layout` places them) and the bytes in all; None
     when a dtype has no tensor (objects, strings)."""

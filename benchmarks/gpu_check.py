@@ -315,7 +315,8 @@ def describe_ring(ring: Optional[Dict[str, Any]]) -> str:
     total = ring["filled_batches"] + ring["pageable_batches"]
     return (
         f"{ring['filled_batches']}/{total} batches from the {ring['memory']} ring ({ring['buffers']} buffers, "
-        f"{ring['held_bytes'] / 1e6:,.1f} MB), {ring['pageable_batches']} pageable, {ring['waits']} waits for a copy"
+        f"{ring['held_bytes'] / 1e6:,.1f} MB; {ring.get('gathered_batches', 0)} gathered straight into it), "
+        f"{ring['pageable_batches']} pageable, {ring['waits']} waits for a copy"
     )
 
 

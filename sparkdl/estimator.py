@@ -19,6 +19,7 @@ from pyspark.ml.util import MLReadable, MLWritable
 
 from sparkdl._driver import launch
 from sparkdl._driver.dataframe_copy import remove_after_run
+from sparkdl._driver.memory_check import check_model_memory, session_conf
 from sparkdl._driver.preflight import build_checked_model, check_loss, check_optimizer
 from sparkdl._driver.prepare_data import DataSource, prepare_data
 from sparkdl._driver.progress import ProgressCallback, ProgressDisplay
@@ -246,6 +247,8 @@ class TorchEstimator(Estimator, _TorchParams, MLReadable["TorchEstimator"], MLWr
             check_model(module)
         # ShardedEmbedding tables: trained by ParameterServer only.
         check_sharded_embeddings(module, self.settings.strategy.name)
+        # A model whose weights and gradients alone exceed a task's Python memory cannot train.
+        check_model_memory(module, self.settings.strategy.name, num_workers, session_conf(spark), config.task_cpus)
         epochs = self.getOrDefault(self.epochs)
         checkpoint, strategy = self.settings.checkpoint, self.settings.strategy
         loop = FitLoop(

@@ -247,10 +247,13 @@ class _TaskRun:
     def report_error(self, exc: BaseException) -> None:
         """Sends the driver this rank's failure: its rank, host, phase and traceback."""
         from sparkdl._task.frameworks import explain
+        from sparkdl._task.out_of_memory import explain_out_of_memory
 
-        # explain: a framework's own "devices x num_nodes" error, told in sparkdl's terms.
+        # explain: a framework's own "devices x num_nodes" error, told in sparkdl's terms; an
+        # allocation failure, told with the memory limit it hit and what to change.
+        told = explain_out_of_memory(explain(exc, self.rank), self.rank)
         failure = RankFailure.from_exception(
-            self.rank, explain(exc, self.rank), phase=self.liveness.phase, host=_task_host(self.barrier, self.rank)
+            self.rank, told, phase=self.liveness.phase, host=_task_host(self.barrier, self.rank)
         )
         if isinstance(exc, ChildFailure):  # the child's error and traceback, not this task's
             failure = dataclasses.replace(failure, exc_type=exc.exc_type, traceback=exc.child_traceback)

@@ -14,7 +14,8 @@ done) and every rank reports what it measured:
   gradient (the batch's unique ids, int64, and their float32 rows) goes to each peer
   (allgather), plus the dense parameters' ring allreduce;
 * ``peak_rss_mib``: the process's RSS high-water mark (``VmHWM``) after training, before
-  scoring: the trainer's tables, optimizer state, buffers and Python worker together.
+  scoring: the trainer's tables, optimizer state, buffers and Python worker together, reset to
+  the current RSS (``start_rss_mib``) when the loop starts, because Spark reuses Python workers.
 """
 
 from __future__ import annotations
@@ -26,16 +27,24 @@ import numpy as np
 import torch
 
 
-def vm_hwm_mib() -> float:
+def status_mib(field: str) -> float:
     with open("/proc/self/status") as status:
         for line in status:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024.0
     return float("nan")
 
 
-def make_loop(vocabularies, tables: str, dim: int, warmup: int, test_path: str, test_rows: int):
-    """The ``train_fn`` of one side (shipped by value with everything it needs)."""
+def reset_peak_rss() -> None:
+    """Sets ``VmHWM`` back to the current RSS (Linux >= 4.0): Spark reuses Python workers, so a
+    side's peak would otherwise include the sides that ran in the same worker before it."""
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+
+
+def make_loop(vocabularies, tables: str, dim: int, warmup: int, test_path: str, test_rows: int, max_steps: int = 0):
+    """The ``train_fn`` of one side; ``max_steps`` > 0 ends the epoch after that many timed steps
+    (for sides whose steps take seconds: their samples/s, not their AUC)."""
 
     def loop(ctx) -> Dict[str, Any]:
         import torch.distributed as dist
@@ -44,6 +53,8 @@ def make_loop(vocabularies, tables: str, dim: int, warmup: int, test_path: str, 
         from examples.recsys.model import DLRM, make_optimizer
         from examples.recsys.train import score
 
+        reset_peak_rss()
+        rss_start = status_mib("VmRSS")
         torch.manual_seed(0)
         model = ctx.prepare_model(DLRM(vocabularies, dim=dim, tables=tables))
         optimizer = ctx.prepare_optimizer(make_optimizer(model.parameters()))
@@ -64,6 +75,8 @@ def make_loop(vocabularies, tables: str, dim: int, warmup: int, test_path: str, 
             optimizer.step()
             steps += 1
             samples += len(labels)
+            if max_steps and steps >= warmup + max_steps:
+                break  # every rank stops at the same step: its peers wait in no collective
         seconds = time.time() - started
         measured = {
             "rank": ctx.rank,
@@ -72,7 +85,8 @@ def make_loop(vocabularies, tables: str, dim: int, warmup: int, test_path: str, 
             "seconds": seconds,
             "comm_bytes": ctx.comm_bytes - comm_start,
             "sparse_allreduce_bytes": sparse_bytes,
-            "peak_rss_mib": vm_hwm_mib(),
+            "peak_rss_mib": status_mib("VmHWM"),
+            "start_rss_mib": rss_start,
         }
         result: Dict[str, Any] = {}
         if ctx.rank == 0:
@@ -97,6 +111,7 @@ def summarize(result: Dict[str, Any], tables: str) -> Dict[str, float]:
         "samples_per_sec": sum(r["samples"] for r in ranks) / max(r["seconds"] for r in ranks),
         "bytes_per_step": float(np.mean(per_step)),
         "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks),
+        "start_rss_mib": max(r["start_rss_mib"] for r in ranks),
         "auc": result["auc"],
         "test_rows": result["test_rows"],
         "samples": sum(r["samples"] for r in ranks),

@@ -18,13 +18,16 @@ with ``sparkdl.run`` on its own ``local-cluster[2,1,...]`` application (2 ranks)
   step would move them twice per rank);
 * ``dense AllReduce``: ``AllReduce()`` with ``nn.Embedding``: dense gradients of the whole
   tables allreduced every step (what DDP does without ``sparse=True``); same limit.
+  ``--dense-steps N`` runs the dense sides for N timed steps only (their samples/s on a slow
+  link, where an epoch would take hours; their AUC is then after fewer samples, and says so),
+  after one untimed step instead of ``--warmup``.
 
 A side whose per-rank copy of the tables and their Adagrad state exceeds ``--replica-limit-mb``
 is skipped and the table says so. Columns (``benchmarks/_recsys_loop.py`` measures them):
 samples/s of both ranks after ``--warmup`` steps; bytes per step each rank sends (the
 parameter server's own counter; for sparse AllReduce counted from each batch's unique ids as
 gloo's sparse allreduce sends them); the larger rank's peak RSS (``VmHWM``, the whole Python
-worker); run: the whole ``sparkdl.run`` (launch, DDP's broadcast of the initial tables, scoring);
+worker, from the RSS it had when the loop started: Spark reuses Python workers); run: the whole ``sparkdl.run`` (launch, DDP's broadcast of the initial tables, scoring);
 the AUC on the held-out rows after the epoch (equal samples on every side), next to
 the hidden model's AUC on the same rows, the best reachable. Timing is wall clock on whatever
 else the machine runs.
@@ -78,6 +81,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--sides", default=",".join(SIDES), help="comma-separated, of: " + ", ".join(SIDES))
     parser.add_argument("--replica-limit-mb", type=float, default=4096, help="skip sides whose tables+state exceed it")
     parser.add_argument("--dense-limit-mb", type=float, default=128, help="skip dense sides above these table MB")
+    parser.add_argument(
+        "--dense-steps", type=int, default=0, help="dense sides: stop after this many timed steps (0: the epoch)"
+    )
     parser.add_argument("--data", default=None, help="where the click log goes (default: a temporary directory)")
     parser.add_argument("--memory-mb", type=int, default=3072, help="each executor's JVM heap")
     add_network_arguments(parser)
@@ -138,8 +144,10 @@ def measure_side(spark, log, side: str, tables_mb: float, best: float, args) -> 
     if skipped:
         return f"{side} | {label} | {skipped} | | | | | {best:.4f} |"
     started = time.time()
+    capped = args.dense_steps if tables == "dense" else 0
+    warmup = min(args.warmup, 1) if capped else args.warmup  # a capped side's steps take seconds each
     result = sparkdl.run(
-        make_loop(log.vocabularies, tables, args.dim, args.warmup, log.test, args.test_rows),
+        make_loop(log.vocabularies, tables, args.dim, warmup, log.test, args.test_rows, capped),
         num_workers=2,
         strategy=strategy(),
         data=log.train,
@@ -151,9 +159,10 @@ def measure_side(spark, log, side: str, tables_mb: float, best: float, args) -> 
     )
     seconds = time.time() - started
     row = summarize(result, tables)
+    auc = f"{row['auc']:.4f}" + (f" after {row['samples']:,} samples" if capped else "")
     return (
         f"{side} | {label} | {row['samples_per_sec']:,.0f} | {_bytes(row['bytes_per_step'])} | "
-        f"{row['peak_rss_mib']:,.0f} MiB | {seconds:.0f} s | {row['auc']:.4f} | {best:.4f} |"
+        f"{row['peak_rss_mib']:,.0f} MiB (from {row['start_rss_mib']:,.0f}) | {seconds:.0f} s | {auc} | {best:.4f} |"
     )
 
 

@@ -1,7 +1,7 @@
 """Generates a click log with Spark, trains the DLRM with sharded embeddings, prints its AUC.
 
     python -m examples.recsys /tmp/clicks                     # 200k rows, 20 M ids in 10 tables
-    python -m examples.recsys /tmp/clicks --rows 5000000 --epochs 2 --num-workers 4
+    python -m examples.recsys /tmp/clicks --rows 5000000 --epochs 2
 
 The default (200,000 rows, one epoch, 2 workers) runs in a few minutes on 2 cores. The AUC
 printed next to the model's is the hidden model's on the same held-out rows: the best any

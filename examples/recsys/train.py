@@ -38,10 +38,12 @@ def local_session(app_name: str = "sparkdl-recsys", memory_mb: int = 3072, drive
     """``local-cluster[2,1,<memory_mb>]`` on loopback (``SPARKDL_MASTER`` names another master);
     its executors import this repository, so the model class ships by reference.
 
-    Why 3 GB of JVM heap per executor and for the driver: the fitted model's complete tables
-    (20 M rows x 8 floats = 640 MB) reach the driver as rank 0's task result, which passes
-    through the executor's and the driver's JVM heaps (with 1 GB the executor dies of
-    ``OutOfMemoryError: Java heap space`` once training is done)."""
+    Why 3 GB of JVM heap per executor and 6 GB for the driver: the fitted model's complete
+    tables (20 M rows x 4 floats = 305 MB) reach the driver as rank 0's task result, which passes
+    through the executor's and the driver's JVM heaps in several copies. With Spark's default
+    1 GB the executor dies of ``OutOfMemoryError: Java heap space`` once training is done; with
+    3 GB for the driver, so does the driver (and at width 8, 610 MB, 3 GB everywhere failed too).
+    """
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")

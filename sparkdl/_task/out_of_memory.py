@@ -35,6 +35,10 @@ def explain_out_of_memory(exc: BaseException, rank: int) -> BaseException:
         isinstance(exc, RuntimeError) and any(text in str(exc).lower() for text in _CPU_ALLOCATION_FAILED)
     ):
         what = f"rank {rank} ran out of memory{_limit()}: {_REMEDIES}"
+    elif _a_servers_memory(exc):
+        # Another rank's parameter server (a sparse table's shard) could not grow; its limit is
+        # this rank's too: every Python worker of the stage gets the same share.
+        what = f"rank {rank}'s request found a parameter server out of memory{_limit(own=False)}: {_REMEDIES}"
     else:
         return exc
     new = ConfigError(f"{what}. The allocation failed with {type(exc).__name__}: {str(exc).strip()[:300]}")
@@ -49,16 +53,24 @@ _REMEDIES = (
 )
 
 
-def _limit() -> str:
-    """Which limit applied to this process, in words; "" when none is known."""
+def _a_servers_memory(exc: BaseException) -> bool:
+    from sparkdl.strategies.parameter_server.transport import OUT_OF_MEMORY
+    from sparkdl.strategies.parameter_server.wire import ParameterServerError
+
+    return isinstance(exc, ParameterServerError) and OUT_OF_MEMORY in str(exc)
+
+
+def _limit(own: bool = True) -> str:
+    """Which limit applied to this process (the same for every rank of the stage), in words;
+    "" when none is known. ``own``: say what this process held at its peak."""
     limit = _address_space_limit()
     if limit is None:
         return ""
     setting = os.environ.get("PYSPARK_EXECUTOR_MEMORY_MB")
-    peak = _peak_resident_bytes()
+    peak = _peak_resident_bytes() if own else None
     told = f" (it held {peak / (1 << 20):,.0f} MiB resident at its peak)" if peak else ""
     source = (
-        f": its Python worker may use {int(setting):,} MiB of address space, its share of spark.executor.pyspark.memory"
+        f": each Python worker may use {int(setting):,} MiB of address space, its share of spark.executor.pyspark.memory"
         if setting and setting.lstrip("-").isdigit() and int(setting) > 0
         else f": its address space is limited to {limit / (1 << 20):,.0f} MiB (RLIMIT_AS)"
     )

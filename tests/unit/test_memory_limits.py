@@ -102,7 +102,7 @@ def test_an_allocation_failing_under_sparks_python_limit_names_the_limit_and_wha
     assert found["torch"][0] == "RuntimeError" and found["python"][0] == "MemoryError"
     for raised, told, text, chained in found.values():
         assert told == "ConfigError" and chained, text
-        assert text.startswith("rank 3 ran out of memory: its Python worker may use ")
+        assert text.startswith("rank 3 ran out of memory: each Python worker may use ")
         assert "its share of spark.executor.pyspark.memory" in text and "resident at its peak" in text
         assert "raise spark.executor.pyspark.memory" in text and "sparkdl.ShardedEmbedding" in text
         assert f"The allocation failed with {raised}" in text
@@ -113,6 +113,15 @@ def test_other_errors_pass_through_and_a_gpu_out_of_memory_gets_the_gpus_remedie
     assert explain_out_of_memory(other, 0) is other
     unrelated = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
     assert explain_out_of_memory(unrelated, 0) is unrelated
+    from sparkdl.strategies.parameter_server.wire import ParameterServerError
+
+    served = ParameterServerError("parameter server on rank 0: ran out of memory serving rank 1: cannot map 9 MiB", 0)
+    told = explain_out_of_memory(served, 1)
+    assert isinstance(told, ConfigError) and told.__cause__ is served
+    assert str(told).startswith("rank 1's request found a parameter server out of memory")
+    assert "raise spark.executor.pyspark.memory" in str(told) and "cannot map 9 MiB" in str(told)
+    lost = ParameterServerError("rank 2's worker left the parameter server on rank 0", 2)
+    assert explain_out_of_memory(lost, 1) is lost
     gpu = explain_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), 1)
     assert isinstance(gpu, ConfigError)
     assert str(gpu).startswith("rank 1 ran out of GPU memory: lower batch_size")

@@ -542,3 +542,23 @@ def test_the_client_rejects_a_reply_that_fails_its_integrity_check():
         client.close()
     assert info.value.peer_rank == 3
     assert "a reply from the parameter server on rank 3 failed its integrity check" in str(info.value)
+
+
+def test_a_server_out_of_memory_tells_the_worker_asking_and_keeps_serving(server, monkeypatch):
+    from sparkdl.strategies.parameter_server.transport import OUT_OF_MEMORY
+
+    def cannot_grow(*args, **kwargs):
+        # What a sparse shard raises when its rows may not grow under Spark's Python memory limit.
+        raise MemoryError("cannot map 512 MiB for 2,000,000 rows of a sparse table's shard")
+
+    client = ShardClient(server.address, SECRET, 1, 0, timeout_s=10)
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(server.shard, "push", cannot_grow)
+            with pytest.raises(ParameterServerError) as info:
+                _push(client)
+        assert str(info.value).startswith(f"parameter server on rank 0: {OUT_OF_MEMORY} 1: cannot map 512 MiB")
+        assert info.value.peer_rank == 0
+        assert torch.equal(_push(client), torch.arange(N, dtype=torch.float32) - 0.5)  # the connection lives on
+    finally:
+        client.close()

@@ -83,3 +83,65 @@ def test_index_costs_16_to_24_bytes_a_held_row():
     buckets = store.nbytes - store.capacity * (8 + 2 * 16 * 4)
     assert 8 * rows <= buckets <= 16 * rows
     assert rows <= store.capacity <= 1.25 * rows + 64
+
+
+def test_growth_stops_at_the_rows_a_rank_can_likely_own_and_goes_past_only_when_it_must():
+    from sparkdl.strategies.parameter_server.row_store import likely_most_rows
+    from sparkdl.strategies.parameter_server.rows import owners
+
+    num_rows, world = 200_000, 2
+    bound = likely_most_rows(num_rows, world)
+    owned = [int((owners(torch.arange(num_rows), world) == rank).sum()) for rank in range(world)]
+    assert max(owned) <= bound < num_rows // world + 3_000  # mean + 6 sd: about 2,700 past the half
+    assert likely_most_rows(10, 4) == 10  # never more than the table
+    store = RowStore(DIM, torch.float32, RowOptimizer("sgd"), most_rows=1_000)
+    store.slots_for(torch.arange(900), _initial)
+    store.slots_for(torch.arange(900, 990), _initial)  # a quarter more would be 1,125
+    assert store.capacity == 1_000
+    store.slots_for(torch.arange(990, 1_200), _initial)  # past the bound: grows as it must
+    assert store.capacity >= 1_200
+    assert torch.equal(store.export()["values"], _initial(torch.arange(1_200)))
+
+
+_GROW_UNDER_A_LIMIT = """
+import json, resource
+import torch
+from sparkdl.strategies.parameter_server.row_store import RowStore
+from sparkdl.strategies.parameter_server.rows import RowOptimizer, initial_rows
+
+def initial(ids):
+    return initial_rows(7, 0, ids, 64, 0.1, torch.float32)
+
+store = RowStore(64, torch.float32, RowOptimizer("adagrad"))
+store.slots_for(torch.arange(1000), initial)
+with open("/proc/self/status") as status:
+    size = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (size + (256 << 20), size + (256 << 20)))  # as Spark's Python memory limit
+try:
+    store.slots_for(torch.arange(1000, 2_000_000), initial)  # 2M rows x 512 bytes: past the limit
+    outcome = "grew"
+except MemoryError as exc:
+    outcome = str(exc)
+held = store.export()
+again = store.slots_for(torch.arange(0, 1000, 7), initial)  # rows held still found
+print(json.dumps({
+    "outcome": outcome,
+    "count": store.count,
+    "values_intact": bool(torch.equal(held["values"], initial(torch.arange(1000)))),
+    "found": again.tolist() == list(range(0, 1000, 7)),
+}))
+"""
+
+
+def test_a_shard_that_may_not_grow_raises_memory_error_and_keeps_its_rows():
+    import json
+    import subprocess
+    import sys
+
+    # A child process: the address-space limit must not bind the test runner.
+    done = subprocess.run([sys.executable, "-c", _GROW_UNDER_A_LIMIT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["outcome"].startswith("cannot map "), result
+    assert "rows of a sparse table's shard" in result["outcome"]
+    assert result["count"] == 1000 and result["values_intact"] and result["found"], result

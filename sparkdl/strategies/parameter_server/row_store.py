@@ -33,7 +33,7 @@ import torch
 
 from sparkdl.strategies.parameter_server.rows import RowOptimizer, mix64
 
-__all__ = ["RowStore"]
+__all__ = ["RowStore", "likely_most_rows"]
 
 _EMPTY = -1
 #: A salt for the bucket hash: ``owners`` hashes ``id + golden ratio`` and takes it modulo the
@@ -43,6 +43,16 @@ _SALT = np.uint64(0xD1B54A32D192ED03)
 _MIN_BUCKET_BITS = 6
 _MIN_CAPACITY = 64
 _MAX_SLOTS = 2**31 - 1  # slots are int32 in the buckets
+
+
+def likely_most_rows(num_rows: int, world_size: int) -> int:
+    """A bound on the rows of a ``num_rows`` table one of ``world_size`` ranks owns under the
+    id hash: each id is its with probability ``1/world_size``, so the count is binomial; its
+    mean plus six standard deviations is passed about once in a billion tables (and then the
+    store grows past it as usual)."""
+    share = 1.0 / world_size
+    bound = num_rows * share + 6.0 * math.sqrt(num_rows * share * (1.0 - share)) + _MIN_CAPACITY
+    return min(num_rows, int(math.ceil(bound)))
 
 
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
@@ -58,18 +68,35 @@ class _Column:
         self.array = np.empty((0, *self.shape), dtype=self.dtype)
 
     def grow(self, capacity: int) -> None:
-        """Room for ``capacity`` rows; the rows held keep their values."""
+        """Room for ``capacity`` rows; the rows held keep their values.
+
+        Raises:
+            MemoryError: the process may not map that much (under Spark's Python memory limit,
+                ``RLIMIT_AS``); the column keeps its rows and its old capacity.
+        """
         size = max(1, capacity * math.prod(self.shape) * self.dtype.itemsize)
+        held = len(self.array)
         self.array = np.empty((0, *self.shape), dtype=self.dtype)  # drops the view of the old map
+        try:
+            if self._map is None:
+                self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+            else:
+                try:
+                    self._map.resize(size)
+                except SystemError:  # no mremap (macOS): a new map, the rows copied once
+                    old, self._map = self._map, mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+                    np.frombuffer(self._map, dtype=np.uint8, count=len(old))[:] = np.frombuffer(old, dtype=np.uint8)
+                    old.close()
+        except OSError as exc:  # ENOMEM: the old map is intact
+            self._view(held)
+            raise MemoryError(
+                f"cannot map {size / 2**20:,.0f} MiB for {capacity:,} rows of a sparse table's shard ({exc})"
+            ) from exc
+        self._view(capacity)
+
+    def _view(self, capacity: int) -> None:
         if self._map is None:
-            self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
-        else:
-            try:
-                self._map.resize(size)
-            except SystemError:  # no mremap (macOS): a new map, the rows copied once
-                old, self._map = self._map, mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
-                np.frombuffer(self._map, dtype=np.uint8, count=len(old))[:] = np.frombuffer(old, dtype=np.uint8)
-                old.close()
+            return
         count = capacity * math.prod(self.shape)
         self.array = np.frombuffer(self._map, dtype=self.dtype, count=count).reshape(capacity, *self.shape)
 
@@ -78,8 +105,13 @@ class RowStore:
     """The rows of one table held by one rank: ``dim`` values of ``dtype`` and ``optimizer``'s
     state per row. Not thread-safe: the shard calls it under its lock."""
 
-    def __init__(self, dim: int, dtype: torch.dtype, optimizer: RowOptimizer) -> None:
+    def __init__(self, dim: int, dtype: torch.dtype, optimizer: RowOptimizer, most_rows: Optional[int] = None) -> None:
         self.dim, self.dtype, self.optimizer = dim, dtype, optimizer
+        #: The most rows this rank will likely ever hold (:func:`likely_most_rows`): growth stops
+        #: there rather than a quarter past it. Spare capacity is address space, which is what
+        #: Spark's Python memory limit (``RLIMIT_AS``) counts: a shard near the budget must not
+        #: reserve a quarter more than it can hold.
+        self.most_rows = most_rows
         self.count = 0
         self._columns: Dict[str, _Column] = {
             "ids": _Column(np.int64, ()),
@@ -110,8 +142,9 @@ class RowStore:
 
     @property
     def capacity(self) -> int:
-        """Rows the arrays have room for before they grow."""
-        return len(self._ids)
+        """Rows every array has room for before they grow (after a failed growth some columns
+        may have more)."""
+        return min(len(column.array) for column in self._columns.values())
 
     def ids(self) -> torch.Tensor:
         """The ids held, in slot order (a copy)."""
@@ -172,11 +205,13 @@ class RowStore:
         """Room for ``rows`` rows in the arrays (grown by a quarter at least) and the index."""
         if rows > _MAX_SLOTS:
             raise MemoryError(f"a sparse table shard of {rows} rows: at most {_MAX_SLOTS} rows per rank")
-        capacity = len(self._ids)
+        capacity = self.capacity
         if rows > capacity:
-            capacity = max(rows, capacity + capacity // 4, _MIN_CAPACITY)
+            grown = max(rows, capacity + capacity // 4, _MIN_CAPACITY)
+            capacity = min(grown, self.most_rows) if self.most_rows is not None and rows <= self.most_rows else grown
             for column in self._columns.values():
-                column.grow(capacity)
+                if len(column.array) < capacity:  # one that grew before a failed attempt keeps its room
+                    column.grow(capacity)
         if 2 * rows > len(self._buckets):
             self._rehash(rows)
 

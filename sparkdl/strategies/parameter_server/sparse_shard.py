@@ -16,7 +16,7 @@ from typing import Any, Dict, Tuple
 
 import torch
 
-from sparkdl.strategies.parameter_server.row_store import RowStore
+from sparkdl.strategies.parameter_server.row_store import RowStore, likely_most_rows
 from sparkdl.strategies.parameter_server.rows import RowOptimizer, initial_rows, owners
 from sparkdl.strategies.parameter_server.shard import ClockedShard
 from sparkdl.strategies.parameter_server.wire import (
@@ -62,7 +62,7 @@ class SparseShard(ClockedShard):
         super().__init__(rank, world_size, max_staleness, timeout_s)
         self.spec = spec
         self.world_size = world_size
-        self.store = RowStore(spec.dim, spec.dtype, spec.optimizer)
+        self.store = RowStore(spec.dim, spec.dtype, spec.optimizer, likely_most_rows(spec.num_rows, world_size))
         self._receive: Dict[int, torch.Tensor] = {}
         self._reply: Dict[int, torch.Tensor] = {}
 

@@ -177,18 +177,14 @@ class ShardServer(ThreadedServer):
                 receive_payload(conn, keys.opener, header, buffer, deadline)
                 try:
                     reply, payload = self._backend.handle(rank, header)
-                except ParameterServerError as exc:
-                    text = str(exc).encode("utf-8", "replace")[:MAX_ERROR_BYTES]
+                except (ParameterServerError, MemoryError) as exc:
+                    # Out of memory (a sparse shard that may not grow under Spark's Python limit):
+                    # the worker asking is told why, instead of finding its connection closed.
+                    peer = self.rank if isinstance(exc, MemoryError) else exc.peer_rank
+                    message = f"{OUT_OF_MEMORY} {rank}: {exc}" if isinstance(exc, MemoryError) else str(exc)
+                    text = message.encode("utf-8", "replace")[:MAX_ERROR_BYTES]
                     reply, payload = (
-                        Header(
-                            Kind.ERROR,
-                            0,
-                            header.table,
-                            self.rank,
-                            0,
-                            -1 if exc.peer_rank is None else exc.peer_rank,
-                            len(text),
-                        ),
+                        Header(Kind.ERROR, 0, header.table, self.rank, 0, -1 if peer is None else peer, len(text)),
                         memoryview(text),
                     )
                 conn.settimeout(self._timeout_s)
@@ -215,6 +211,11 @@ class ShardServer(ThreadedServer):
                 except Exception:  # noqa: BLE001 - a server thread must not die silently
                     logger.exception("parameter server on rank %d: disconnect handling failed", self.rank)
             self._release()
+
+
+#: What a server's out-of-memory reply says (the worker's error reads "parameter server on rank
+#: S: ran out of memory serving rank K: ..."; sparkdl._task.out_of_memory recognizes it).
+OUT_OF_MEMORY = "ran out of memory serving rank"
 
 
 def listen(host: str) -> socket.socket:

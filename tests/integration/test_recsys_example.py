@@ -31,8 +31,10 @@ def test_the_example_learns_the_hidden_model_close_to_its_auc(spark, tmp_path):
     assert train.num_rows + pq.read_table(log.test).num_rows == 20_000
     ids = train["c0"].to_numpy()
     assert ids.min() >= 0 and ids.max() < log.vocabularies[0]
-    _, counts = np.unique(ids, return_counts=True)
+    values, counts = np.unique(ids, return_counts=True)
     assert counts.max() > 10 * np.median(counts)  # Zipf: a few hot ids, a long tail
+    hottest = values[np.argsort(-counts)[:5]]
+    assert set(hottest.tolist()) != set(range(5)), hottest  # scattered: the hot ids are not 0..4
 
     started = time.time()
     outcome = evaluate(fit(log, epochs=3, batch_size=64, max_staleness=0), log, time.time() - started)

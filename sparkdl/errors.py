@@ -254,7 +254,12 @@ def format_failures(failures: Sequence[RankFailure], hint: str = "") -> str:
     groups = _group(failures)
     same, others = groups[0], groups[1:]
     first = same[0]
-    where = "the Spark job, before any rank started" if first.rank < 0 else _ranks(same)
+    if first.rank >= 0:
+        where = _ranks(same)
+    elif first.phase == "launching":
+        where = "the Spark job, before any rank started"
+    else:
+        where = "the Spark job"
     phase = f" while {first.phase}" if first.phase else ""
     lines = [f"training failed on {where}{phase}: {first.exc_type}: {_message(same)}"]
     if hint:

@@ -88,6 +88,8 @@ def run_attempt(
         return _failed_outcome(monitor, TrainingError(monitor.failures))
     # Our own tasks' results, through Spark's result path (as mapPartitions' pickles were).
     values = {rank: cloudpickle.loads(value) for rank, value in results}
+    if 0 not in values:  # every rank said "done", yet rank 0's result is not among Spark's
+        return _failed_outcome(monitor, TrainingError([_result_lost(sorted(values))]))
     return AttemptOutcome(value=values.get(0), profile_ids=_profile_ids(session, tag))
 
 
@@ -200,7 +202,7 @@ def _run_barrier(
             raise _Ended(None, monitor.slots_missing) from None
         if monitor.failures:
             raise _Ended(TrainingError(monitor.failures)) from None
-        raise _Ended(TrainingError([_failure_from_spark(exc)])) from exc
+        raise _Ended(TrainingError([_failure_from_spark(exc, finished=len(monitor.finished))])) from exc
 
 
 def _stop_interrupted(session: Session, monitor: JobMonitor) -> None:
@@ -255,9 +257,31 @@ def _raised_by_an_interrupt(exc: BaseException) -> bool:
     return False
 
 
-def _failure_from_spark(exc: BaseException) -> RankFailure:
+#: What to change when rank 0's result cannot reach the driver: it travels as a Spark task result.
+_RESULT_ADVICE = (
+    "rank 0's result (the trained model's state) travels to the driver as a Spark task result, through the "
+    "executor's and the driver's JVM heaps: raise spark.executor.memory, spark.driver.memory and "
+    "spark.driver.maxResultSize, or return less (a ShardedEmbedding table travels in it whole: docs/embeddings.md)"
+)
+
+
+def _result_lost(returned: list) -> RankFailure:
+    """The failure of a stage whose ranks all finished but whose rank 0 result Spark did not return."""
+    return RankFailure(
+        rank=0,
+        exc_type="ResultLost",
+        message=f"every rank finished, but rank 0's result never reached the driver (Spark returned ranks "
+        f"{returned}'s): {_RESULT_ADVICE}",
+        traceback="",
+        phase="returning its result",
+        category="ConfigError",
+    )
+
+
+def _failure_from_spark(exc: BaseException, finished: int = 0) -> RankFailure:
     """A failure record for a Spark job that died before any rank reported (e.g. the task could
-    not even unpickle its function because a module is missing on the executors)."""
+    not even unpickle its function because a module is missing on the executors), or after
+    ``finished`` ranks had reported their training done (then in returning rank 0's result)."""
     text = str(exc)
     match = re.search(
         r"(Traceback \(most recent call last\):.*?)(?:\n\s+at |\n\nDriver stacktrace|\nJVM stacktrace|\Z)", text, re.S
@@ -267,11 +291,23 @@ def _failure_from_spark(exc: BaseException) -> RankFailure:
     lines = [line for line in remote.strip().splitlines() if line.strip() and not line.strip().startswith("SQLSTATE:")]
     last = lines[-1:] if remote else []
     message = last[0].strip() if last else text.strip().splitlines()[0][:500] if text.strip() else type(exc).__name__
+    jvm = re.search(r"java\.lang\.\w+(?:Error|Exception): [^\n]+", text)
+    if not remote and jvm:  # no Python traceback: the JVM's own error says what went wrong
+        message = f"{message} {jvm.group(0).strip()}"
     hint = ""
     if "ModuleNotFoundError" in message or "No module named" in message:
         hint = (
             " — the executors' Python cannot import it: install sparkdl and your model code there, ship "
             "them with --py-files / --archives (a packed virtualenv), or point PYSPARK_PYTHON at an "
             "interpreter that has them"
+        )
+    if finished:
+        # The ranks had trained: what failed is moving the result (a JVM out of memory, usually).
+        return RankFailure(
+            rank=-1,
+            exc_type="SparkJobFailed",
+            message=f"{message} — after {finished} rank(s) had finished training; {_RESULT_ADVICE}",
+            traceback=remote,
+            phase="returning the result",
         )
     return RankFailure(rank=-1, exc_type="SparkJobFailed", message=message + hint, traceback=remote, phase="launching")

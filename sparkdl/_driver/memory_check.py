@@ -9,6 +9,14 @@ that lower bound alone exceeds a task's share, the fit cannot succeed, and is re
 what to change. Anything nearer the limit is left to the run, whose allocation failure the rank
 reports in the same terms (:mod:`sparkdl._task.out_of_memory`).
 
+The limit counts address space, not resident memory, and pyarrow's default allocator (mimalloc)
+reserves about 1 GiB of it in every Python worker at its first use (measured: a process that
+wrote one Parquet file grew by 1,077 MiB of address space, 88 MiB with pyarrow's system
+allocator). pyarrow reads its choice when it is imported, before any sparkdl code runs in the
+worker, so it is the session's to make: a launch warns when the limit is set
+without ``spark.executorEnv.ARROW_DEFAULT_MEMORY_POOL=system`` (every launch checks the
+session: :func:`warn_of_pyarrow_reservations`).
+
 ``ShardedDataParallel`` shards parameters and gradients over the ranks, so it is charged its
 share; a ``ShardedEmbedding``'s rows are not parameters of the module and are not counted (they
 live on the parameter servers, sharded: docs/embeddings.md).
@@ -16,11 +24,18 @@ live on the parameter servers, sharded: docs/embeddings.md).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
-
-import torch
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from sparkdl.errors import ConfigError
+
+if TYPE_CHECKING:  # the session checks import this module; torch only where a model is checked
+    import torch
+
+logger = logging.getLogger("sparkdl")
+
+#: The executor environment that makes pyarrow allocate with malloc: no reservation of its own.
+ARROW_POOL_SETTING = "spark.executorEnv.ARROW_DEFAULT_MEMORY_POOL"
 
 
 def dense_bytes(module: torch.nn.Module) -> int:
@@ -56,6 +71,25 @@ def check_model_memory(
         f"(strategy=sparkdl.ShardedDataParallel()), or, for large embedding tables, use sparkdl.ShardedEmbedding "
         f"under strategy=sparkdl.ParameterServer(), whose rows are sharded over the ranks (docs/embeddings.md)"
     )
+
+
+def warn_of_pyarrow_reservations(conf: Callable[[str], Optional[str]]) -> None:
+    """Warns (once per setting) when ``spark.executor.pyspark.memory`` limits the Python workers'
+    address space and pyarrow's allocator is left to reserve its gigabyte in each of them."""
+    limit = conf("spark.executor.pyspark.memory")
+    if not limit or conf(ARROW_POOL_SETTING) is not None or limit in _warned:
+        return
+    _warned.add(limit)
+    logger.warning(
+        "spark.executor.pyspark.memory=%s limits each Python worker's address space, and pyarrow's default "
+        "allocator reserves about 1 GiB of it in every worker: set %s=system in the session's configuration "
+        "so that the limit goes to training",
+        limit,
+        ARROW_POOL_SETTING,
+    )
+
+
+_warned: set = set()
 
 
 def session_conf(spark: Any) -> Callable[[str], Optional[str]]:

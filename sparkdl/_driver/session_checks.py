@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Optional
 
+from sparkdl._driver.memory_check import warn_of_pyarrow_reservations
 from sparkdl._net.policy import security_policy
 from sparkdl._spark import Session
 from sparkdl.errors import ConfigError
@@ -73,3 +74,4 @@ def check_session(spark: Any = None) -> None:
     session = spark if isinstance(spark, Session) else Session(spark)
     check_dynamic_allocation(session.conf, lambda: session.master)
     security_policy(session.conf)
+    warn_of_pyarrow_reservations(session.conf)

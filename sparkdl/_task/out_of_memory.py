@@ -31,14 +31,14 @@ def explain_out_of_memory(exc: BaseException, rank: int) -> BaseException:
             f"rank {rank} ran out of GPU memory: lower batch_size, train in precision='bf16', or shard the model "
             f"over the ranks (strategy=sparkdl.ShardedDataParallel())"
         )
-    elif isinstance(exc, MemoryError) or (
-        isinstance(exc, RuntimeError) and any(text in str(exc).lower() for text in _CPU_ALLOCATION_FAILED)
-    ):
-        what = f"rank {rank} ran out of memory{_limit()}: {_REMEDIES}"
     elif _a_servers_memory(exc):
         # Another rank's parameter server (a sparse table's shard) could not grow; its limit is
         # this rank's too: every Python worker of the stage gets the same share.
         what = f"rank {rank}'s request found a parameter server out of memory{_limit(own=False)}: {_REMEDIES}"
+    elif isinstance(exc, MemoryError) or (
+        isinstance(exc, RuntimeError) and any(text in str(exc).lower() for text in _CPU_ALLOCATION_FAILED)
+    ):
+        what = f"rank {rank} ran out of memory{_limit()}: {_REMEDIES}"
     else:
         return exc
     new = ConfigError(f"{what}. The allocation failed with {type(exc).__name__}: {str(exc).strip()[:300]}")

@@ -67,6 +67,21 @@ def test_spark_failure_without_a_rank_report_keeps_the_python_traceback():
     assert failure.traceback.startswith("Traceback (most recent call last):")
 
 
+def test_a_spark_failure_after_the_ranks_finished_is_about_returning_the_result_not_the_launch():
+    from sparkdl._driver.attempt import _result_lost
+    from sparkdl.errors import TrainingError
+
+    text = "An error occurred while calling collectToPython.\n: java.lang.OutOfMemoryError: Java heap space\n"
+    failure = _failure_from_spark(RuntimeError(text), finished=2)
+    told = str(TrainingError([failure]))
+    assert told.startswith("training failed on the Spark job while returning the result: SparkJobFailed: ")
+    assert "Java heap space" in told and "after 2 rank(s) had finished training" in told
+    assert "spark.driver.memory" in told and "before any rank started" not in told
+    lost = str(TrainingError([_result_lost([1])]))
+    assert lost.startswith("training failed on rank 0 while returning its result: ResultLost: every rank finished")
+    assert "Spark returned ranks [1]'s" in lost and "spark.driver.maxResultSize" in lost
+
+
 def test_a_failed_mapinarrow_stage_is_named_by_its_python_error_not_its_sqlstate():
     text = (
         "[PYTHON_EXCEPTION] An exception was thrown from the Python worker.\n"

@@ -60,6 +60,23 @@ def test_weights_and_gradients_over_a_tasks_python_memory_are_refused_naming_the
     check_model_memory(_Wide(), "allreduce", 2, _conf(spark_executor_pyspark_memory="128m"))  # fits
 
 
+def test_a_python_memory_limit_without_pyarrows_system_allocator_is_warned_about_once(caplog, monkeypatch):
+    from sparkdl._driver import memory_check
+
+    monkeypatch.setattr(memory_check, "_warned", set())
+    with caplog.at_level("WARNING", logger="sparkdl"):
+        memory_check.warn_of_pyarrow_reservations(_conf(spark_executor_pyspark_memory="1g"))
+        memory_check.warn_of_pyarrow_reservations(_conf(spark_executor_pyspark_memory="1g"))  # said already
+    assert caplog.text.count("spark.executorEnv.ARROW_DEFAULT_MEMORY_POOL=system") == 1
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sparkdl"):
+        memory_check.warn_of_pyarrow_reservations(
+            {"spark.executor.pyspark.memory": "2g", "spark.executorEnv.ARROW_DEFAULT_MEMORY_POOL": "system"}.get
+        )
+        memory_check.warn_of_pyarrow_reservations(_conf(spark_executor_memory="1g"))  # no Python limit
+    assert caplog.text == ""
+
+
 def test_no_python_memory_setting_means_no_limit_to_check_and_sharded_parameters_count_their_share():
     check_model_memory(_Wide(), "allreduce", 2, _conf(spark_executor_memory="16m"))  # the JVM's, not Python's
     check_model_memory(_Wide(), "sharded", 4, _conf(spark_executor_pyspark_memory="64m"))  # 18.5 MiB a rank
@@ -115,11 +132,13 @@ def test_other_errors_pass_through_and_a_gpu_out_of_memory_gets_the_gpus_remedie
     assert explain_out_of_memory(unrelated, 0) is unrelated
     from sparkdl.strategies.parameter_server.wire import ParameterServerError
 
-    served = ParameterServerError("parameter server on rank 0: ran out of memory serving rank 1: cannot map 9 MiB", 0)
+    served = ParameterServerError(
+        "parameter server on rank 0: ran out of memory serving rank 1: Unable to allocate 9 MiB for an array", 0
+    )
     told = explain_out_of_memory(served, 1)
     assert isinstance(told, ConfigError) and told.__cause__ is served
     assert str(told).startswith("rank 1's request found a parameter server out of memory")
-    assert "raise spark.executor.pyspark.memory" in str(told) and "cannot map 9 MiB" in str(told)
+    assert "raise spark.executor.pyspark.memory" in str(told) and "Unable to allocate 9 MiB" in str(told)
     lost = ParameterServerError("rank 2's worker left the parameter server on rank 0", 2)
     assert explain_out_of_memory(lost, 1) is lost
     gpu = explain_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), 1)

@@ -120,11 +120,21 @@ class SparseTables:
 
     def push_all(self) -> None:
         """Pushes every table's gradient rows since the last push to their owners (every rank
-        gets a push, empty where the batch touched none of its rows, so its clocks advance)."""
+        gets a push, empty where the batch touched none of its rows, so its clocks advance).
+
+        Every table's pushes go out before any acknowledgement is read: one round trip to each
+        peer per step, not one per table (a model of 10 tables waited for 10 in turn). A peer's
+        server answers its connection's frames in order, and acknowledgements are empty frames,
+        so none of them can fill a socket while pushes are still being sent.
+        """
+        sent = []
         for table, module in enumerate(self.modules):
             ids, grads = self._coalesce(table, module)
-            self._push(table, ids, grads)
+            sent.append((table, self._push(table, ids, grads)))
             self.clocks[table] += 1
+        for table, peers in sent:
+            for k in peers:
+                self._reply(k, memoryview(bytearray(0)), table)
 
     def _coalesce(self, table: int, module: ShardedEmbedding) -> Tuple[torch.Tensor, torch.Tensor]:
         """The pending lookups' gradients summed per row id (a row used twice gets one push)."""
@@ -141,7 +151,9 @@ class SparseTables:
         summed = torch.zeros(len(unique), spec.dim, dtype=spec.dtype).index_add_(0, inverse, all_grads)
         return unique, summed
 
-    def _push(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> None:
+    def _push(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> List[int]:
+        """Sends ``table``'s rows to their remote owners and applies this rank's own; the ranks
+        whose acknowledgement is then due (:meth:`push_all` reads them)."""
         spec = self.specs[table]
         clock, code = self.clocks[table], DTYPE_CODES[spec.dtype]
         owner = owners(ids, self.world_size)
@@ -164,8 +176,7 @@ class SparseTables:
             sent.append(k)
         if local is not None:
             self.shard(table).push(self.rank, clock, *local)
-        for k in sent:
-            self._reply(k, memoryview(bytearray(0)), table)
+        return sent
 
     def gather(self, table: int) -> Optional[torch.Tensor]:
         """The complete table on rank 0 (None elsewhere). Collective; call it once every push

@@ -350,6 +350,11 @@ def batch_rows(inputs: Inputs) -> int:
     return len(next(iter(inputs.values()))) if isinstance(inputs, dict) else len(inputs)
 
 
+def slice_rows(inputs: Any, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` of a batch's inputs (an array or a dict of arrays/tensors), as views."""
+    return {k: v[start:stop] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[start:stop]
+
+
 def call_model(model: Any, inputs: Any) -> Any:
     """``model(**inputs)`` for named inputs, ``model(inputs)`` for ``feature_cols``."""
     return model(**inputs) if isinstance(inputs, dict) else model(inputs)

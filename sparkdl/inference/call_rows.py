@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from sparkdl.data.batching import batch_rows, call_model
+from sparkdl.data.batching import batch_rows, call_model, slice_rows
 from sparkdl.inference.outputs import same_outputs
 
 #: Rows per call tried against one call on the whole sample.
@@ -44,7 +44,7 @@ def fastest_call_rows(model: Callable[..., Any], inputs: Any) -> Optional[int]:
     candidates = [size for size in _CANDIDATES if size <= rows // 2]
     if not candidates:
         return None
-    sample = _rows(inputs, 0, rows)
+    sample = slice_rows(inputs, 0, rows)
     with torch.inference_mode():
         expected = call_model(model, sample)  # untimed: a first call pays for one-off set-ups
         started = time.perf_counter()
@@ -72,7 +72,7 @@ def chunked_call(model: Callable[..., Any], inputs: Any, call_rows: Optional[int
 
 
 def _chunked(model: Callable[..., Any], inputs: Any, size: int) -> Any:
-    parts = [call_model(model, _rows(inputs, start, start + size)) for start in range(0, batch_rows(inputs), size)]
+    parts = [call_model(model, slice_rows(inputs, start, start + size)) for start in range(0, batch_rows(inputs), size)]
     first = parts[0]
     if isinstance(first, torch.Tensor):
         return torch.cat(parts)
@@ -94,9 +94,3 @@ def _best_seconds(calls: Dict[int, Callable[[], Any]]) -> Dict[int, float]:
             call()
             best[key] = min(best[key], time.perf_counter() - started)
     return best
-
-
-def _rows(inputs: Any, start: int, stop: int) -> Any:
-    if isinstance(inputs, dict):
-        return {k: v[start:stop] for k, v in inputs.items()}
-    return inputs[start:stop]

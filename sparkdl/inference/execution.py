@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from sparkdl._runtime.device import CUDA_VISIBLE_DEVICES, DeviceAssignment, select_device, selected
-from sparkdl.data.batching import batch_rows
+from sparkdl.data.batching import batch_rows, slice_rows
 from sparkdl.errors import ConfigError
 from sparkdl.inference.call_rows import chunked_call
 from sparkdl.inference.frozen import call_rows_for, model_for
@@ -98,7 +98,7 @@ class ModelRunner:
         rows = batch_rows(inputs)
         size = self.batch_size  # a split below may lower it: these slices keep theirs
         if rows > size:
-            return _joined([self(_rows(inputs, start, start + size)) for start in range(0, rows, size)])
+            return _joined([self(slice_rows(inputs, start, start + size)) for start in range(0, rows, size)])
         try:
             return self._forward(inputs)
         except torch.OutOfMemoryError as exc:
@@ -150,10 +150,6 @@ def _to_device(inputs: Any, device: torch.device) -> Any:
         return tensor.pin_memory().to(device, non_blocking=True)
 
     return {k: one(v) for k, v in inputs.items()} if isinstance(inputs, dict) else one(inputs)
-
-
-def _rows(inputs: Any, start: int, stop: int) -> Any:
-    return {k: v[start:stop] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[start:stop]
 
 
 def _joined(parts: list) -> Dict[str, np.ndarray]:

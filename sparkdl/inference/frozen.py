@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from sparkdl.data.batching import batch_rows, call_model
+from sparkdl.data.batching import batch_rows, call_model, slice_rows
 from sparkdl.inference.call_rows import fastest_call_rows
 from sparkdl.inference.outputs import same_outputs
 
@@ -93,8 +93,8 @@ def _checked_graph(module: torch.nn.Module, inputs: Any) -> Tuple[Optional[torch
     rows = batch_rows(inputs)
     if rows < 2:
         return None, None
-    sample = _rows(inputs, min(rows, _CHECK_ROWS))
-    other = _rows(inputs, batch_rows(sample) // 2 + 1)
+    sample = slice_rows(inputs, 0, min(rows, _CHECK_ROWS))
+    other = slice_rows(inputs, 0, batch_rows(sample) // 2 + 1)
     with torch.inference_mode():
         try:
             expected = [call_model(module, piece) for piece in (sample, other)]
@@ -146,7 +146,3 @@ def _seconds(model: Callable[..., Any], inputs: Any) -> float:
         call_model(model, inputs)
         best = min(best, time.perf_counter() - started)
     return best
-
-
-def _rows(inputs: Any, stop: int) -> Any:
-    return {k: v[:stop] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[:stop]

@@ -230,20 +230,10 @@ def _memory_budget(stated: Optional[int], spark: Any) -> tuple:
     (None, None): the JVM's ``spark.executor.memory`` does not bound the training process."""
     if stated is not None:
         return stated, "stated"
-    from pyspark.sql import SparkSession
-
+    from sparkdl._driver.memory_check import session_conf
     from sparkdl.data.shard_cache import task_memory_bytes
 
-    session = spark or SparkSession.getActiveSession()
-    if session is None:
-        return None, None
-
-    def conf(key: str) -> Optional[str]:
-        try:
-            return session.conf.get(key, None)
-        except Exception:  # noqa: BLE001 -- a key Spark Connect refuses to read: not set, as far as we know
-            return None
-
+    conf = session_conf(spark)  # the given session, else the active one; no key set without one
     if not conf("spark.executor.pyspark.memory"):
         return None, None
     return task_memory_bytes(conf)

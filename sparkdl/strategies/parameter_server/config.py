@@ -8,6 +8,7 @@ import math
 import numbers
 from typing import TYPE_CHECKING, Optional
 
+from sparkdl import filesystem
 from sparkdl.errors import ConfigError
 from sparkdl.strategies.base import Strategy, StrategyRuntime
 from sparkdl.strategies.parameter_server.layout import LAYOUTS
@@ -40,6 +41,13 @@ class ParameterServer(Strategy):
             ranges, one per rank; ``"tensors"`` keeps tensors whole and bin-packs them
             (largest first onto the least-loaded rank), for optimizers that need each tensor's
             shape (Adafactor, Muon).
+        tables_dir: where the fitted ``ShardedEmbedding`` tables go (a local path or a URL that
+            every executor and the driver can read: a shared mount or an object store). Each
+            rank writes the rows it holds into a new run directory here at the end of the fit,
+            and the fitted model reads them memory-mapped: no table passes through rank 0 or
+            the driver. ``None`` (default): the tables come back whole inside the fitted model,
+            which is refused before launch when they exceed what the driver takes
+            (docs/embeddings.md).
 
     Example::
 
@@ -60,6 +68,7 @@ class ParameterServer(Strategy):
     max_staleness: Optional[int] = None
     timeout_s: float = 300.0
     layout: str = "balanced"
+    tables_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         s = self.max_staleness
@@ -73,6 +82,19 @@ class ParameterServer(Strategy):
             raise ConfigError(f"ParameterServer.timeout_s={t!r} must be a number of seconds > 0")
         if self.layout not in LAYOUTS:
             raise ConfigError(f"ParameterServer.layout={self.layout!r} must be one of {', '.join(map(repr, LAYOUTS))}")
+        if self.tables_dir is not None and (not isinstance(self.tables_dir, str) or not self.tables_dir):
+            raise ConfigError(
+                f"ParameterServer.tables_dir={self.tables_dir!r} must be None or a path or URL (a non-empty string)"
+            )
+        if self.tables_dir is not None:
+            # Absolute now: the ranks write it from their own working directories.
+            url = filesystem.normalize_url(self.tables_dir, "ParameterServer(tables_dir=...)")
+            if filesystem.is_process_local(url):
+                raise ConfigError(
+                    f"ParameterServer(tables_dir={self.tables_dir!r}) is in this process's memory, which the "
+                    f"executors never see: give a path or URL that every executor and the driver can read"
+                )
+            object.__setattr__(self, "tables_dir", url)
 
     def create_runtime(self, env: "DistEnv") -> StrategyRuntime:
         if env.all_gather is None or len(env.peer_addresses) != env.world_size:

@@ -29,6 +29,12 @@ import torch
 
 from sparkdl.errors import ConfigError, DataError
 from sparkdl.strategies.parameter_server.rows import RowOptimizer
+from sparkdl.strategies.parameter_server.table_files import (
+    REFERENCE_KEY,
+    TableFiles,
+    decode_reference,
+    encode_reference,
+)
 
 __all__ = [
     "MODES",
@@ -83,6 +89,11 @@ class ShardedEmbedding(torch.nn.Module):
             def forward(self, item_ids):
                 return self.head(self.items(item_ids))
     """
+
+    #: A fitted table written by ``ParameterServer(tables_dir=...)``: its files, which lookups
+    #: read (:mod:`~sparkdl.strategies.parameter_server.table_files`); None otherwise. A class
+    #: default, so that modules pickled before it existed unpickle.
+    _files: Optional[TableFiles] = None
 
     def __init__(
         self,
@@ -164,18 +175,54 @@ class ShardedEmbedding(torch.nn.Module):
         if tuple(weight.shape) != (self.num_rows, self.dim):
             raise ValueError(f"a table of {tuple(weight.shape)} for a ShardedEmbedding of {(self.num_rows, self.dim)}")
         self.register_buffer("weight", weight.to(self.dtype))
-        self._source, self.pending = None, []
+        self._source, self.pending, self._files = None, [], None
+
+    def attach_files(self, files: TableFiles) -> None:
+        """Makes this module a fitted table read from ``files`` (what the runtime's
+        ``final_module`` does under ``ParameterServer(tables_dir=...)``): lookups map its parts,
+        ``state_dict`` carries a reference to them, not rows, and the module is unbound."""
+        self._buffers.pop("weight", None)
+        self._source, self.pending, self._files = None, [], files
+        self.table_name = self.table_name or files.info.name
+
+    @property
+    def table_files(self) -> Optional[TableFiles]:
+        """The files of a fitted table written by ``ParameterServer(tables_dir=...)``, else None."""
+        return self._files
+
+    def load_full_table(self) -> torch.Tensor:
+        """Reads a files-backed table whole into memory (``num_rows x dim``) as its ``weight``
+        buffer, which ``state_dict`` then holds instead of the reference; returns it. Only when
+        asked: a table of many GB is meant to stay in its files."""
+        if self._files is None:
+            weight = self._buffers.get("weight")
+            if weight is None:
+                raise ConfigError(f"ShardedEmbedding {self.table_name!r} holds no fitted table to load")
+            return weight
+        self.materialize(self._files.full_table())
+        return self._buffers["weight"]
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._files is not None:  # a reference to the table's files, never a partial table
+            destination[prefix + REFERENCE_KEY] = encode_reference(self._files.url, self._files.info)
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ):
-        # A fitted model's state_dict holds the complete table: an unbound module (the driver's,
-        # a loaded TorchModel's) takes it as its weight buffer. Bound ones never get one.
-        if prefix + "weight" in state_dict and "weight" not in self._buffers and self._source is None:
+        # A fitted model's state_dict holds the complete table, or a reference to its files: an
+        # unbound module (the driver's, a loaded TorchModel's) takes either. Bound ones never do.
+        if self._source is None and prefix + REFERENCE_KEY in state_dict:
+            url, info = decode_reference(state_dict[prefix + REFERENCE_KEY])
+            self.attach_files(TableFiles(url, info))
+        elif prefix + "weight" in state_dict and "weight" not in self._buffers and self._source is None:
             self.register_buffer("weight", torch.empty(self.num_rows, self.dim, dtype=self.dtype))
+            self._files = None
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+        if prefix + REFERENCE_KEY in unexpected_keys:
+            unexpected_keys.remove(prefix + REFERENCE_KEY)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The current rows ``ids`` (any shape of integer ids) as ``ids.shape + (dim,)``, without
@@ -199,13 +246,15 @@ class ShardedEmbedding(torch.nn.Module):
 
     def _lookup(self, ids: torch.Tensor, record: bool) -> torch.Tensor:
         weight = self._buffers.get("weight")
-        if self._source is None and weight is not None:
+        if self._source is None and (weight is not None or self._files is not None):
             if record and self.training:
                 raise ConfigError(
                     f"ShardedEmbedding {self.table_name!r} holds a fitted table (a buffer, not trained here): "
                     f"train it under strategy=sparkdl.ParameterServer(...), or call model.eval() to use it"
                 )
             self.check_ids(ids)
+            if weight is None:  # a files-backed table (ParameterServer(tables_dir=...))
+                return self._files.rows(ids).to(ids.device)
             return torch.nn.functional.embedding(ids.long(), weight)
         if self._source is None:
             raise ConfigError(

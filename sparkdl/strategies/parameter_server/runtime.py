@@ -64,6 +64,9 @@ class Settings(Protocol):
     @property
     def layout(self) -> str: ...
 
+    @property
+    def tables_dir(self) -> Optional[str]: ...
+
 
 class ParameterServerRuntime(StrategyRuntime):
     def __init__(
@@ -255,8 +258,13 @@ class ParameterServerRuntime(StrategyRuntime):
                     dist.broadcast(flat, src=0)
                     self._sent.add(broadcast_bytes_sent(nbytes(flat), self.env.world_size, self.env.rank == 0))
                 unflatten_into(flat, group)
-        # After the buffers: rank 0's complete tables become buffers that only it has.
-        self.sparse.assemble(model)
+        # After the buffers: the sparse tables, written by every rank as files that each rank's
+        # module then reads, or (without tables_dir) rank 0's complete tables as its buffers.
+        tables_dir = getattr(self.config, "tables_dir", None)
+        if tables_dir:
+            self.sparse.write_files(model, tables_dir)
+        else:
+            self.sparse.assemble(model)
         # No server may shut down while another rank is still pulling from it.
         dist.barrier()
         return model

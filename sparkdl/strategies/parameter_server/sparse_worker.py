@@ -10,17 +10,21 @@ travel as ROW_PULL / ROW_PUSH frames (:mod:`~sparkdl.strategies.parameter_server
 
 from __future__ import annotations
 
+import time
+import uuid
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from sparkdl import filesystem
 from sparkdl._net.frames import TAG_BYTES
 from sparkdl.strategies.parameter_server.embedding import ShardedEmbedding, sharded_embeddings
 from sparkdl.strategies.parameter_server.rows import initial_rows, owners
 from sparkdl.strategies.parameter_server.shard import ServerState
 from sparkdl.strategies.parameter_server.sparse_checkpoint import check_table_state, reshard_tables
 from sparkdl.strategies.parameter_server.sparse_shard import SparseShard, SparseSpec
+from sparkdl.strategies.parameter_server.table_files import TableFiles, TableInfo, write_manifest, write_part
 from sparkdl.strategies.parameter_server.transport import ByteCounter, ShardClient
 from sparkdl.strategies.parameter_server.wire import (
     DTYPE_CODES,
@@ -220,6 +224,32 @@ class SparseTables:
             if full is not None:
                 module.materialize(full)
 
+    def write_files(self, model: torch.nn.Module, tables_dir: str) -> None:
+        """Each rank writes the rows it holds of every table of ``model`` into a new run
+        directory under ``tables_dir`` (:mod:`~sparkdl.strategies.parameter_server.table_files`),
+        rank 0 the manifests once every part is in, and every rank's ShardedEmbeddings become
+        fitted tables read from those files. Nothing travels between ranks but the run's
+        directory name and each part's row count. Collective."""
+        run = [f"run-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}"]
+        dist.broadcast_object_list(run, src=0)  # one directory for the run: rank 0's name
+        run_url = filesystem.url_join(tables_dir, run[0])
+        for name, module in sharded_embeddings(model):
+            table = module.table
+            if table is None or table >= len(self.modules) or self.modules[table] is not module:
+                continue
+            info = TableInfo.of(module, table, name)
+            table_url = filesystem.url_join(run_url, f"table-{table}")
+            store = self.shard(table).store
+            with self.shard(table).cond:  # every push is in (the caller's barrier); the lock keeps it so
+                ids = store.ids().numpy()
+                part = write_part(table_url, self.rank, ids, _rows_of(store), info)
+            parts: List[Any] = [None] * self.world_size
+            dist.all_gather_object(parts, part)  # also: every part is written
+            if self.rank == 0:
+                write_manifest(table_url, info, self.world_size, parts)
+            dist.barrier()  # the manifest is there before any rank's module reads it
+            module.attach_files(TableFiles(table_url, info))
+
     def state_dict(self) -> List[Dict[str, Any]]:
         """Every table's rows held by this rank, with their optimizer state and clocks (one
         checkpoint part's share; call it between the runtime's checkpoint barriers)."""
@@ -246,3 +276,8 @@ class SparseTables:
         """This rank's :meth:`load_state_dict` argument from the old ranks' :meth:`state_dict`
         results, in rank order, on another number of ranks (:func:`reshard_tables`)."""
         return reshard_tables(self.specs, old_parts, self.rank, self.world_size)
+
+
+def _rows_of(store: Any) -> Any:
+    """What :func:`write_part` reads a shard's rows with: positions (numpy) -> values (numpy)."""
+    return lambda slots: store.rows(torch.from_numpy(slots)).numpy()

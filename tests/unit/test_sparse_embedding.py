@@ -207,6 +207,7 @@ def _exact_worker(rank: int, port: int, out_dir: str) -> None:
             results[name] = {
                 "head0": head,
                 "held": held,
+                "prefetched": runtime.sparse._prefetches[0].served_forwards,
                 "table": net.embedding.rows(torch.arange(ROWS)),
                 "head": {k: v.detach().clone() for k, v in net.head.state_dict().items()},
             }
@@ -266,6 +267,9 @@ def exact_run(tmp_path_factory) -> Dict[str, Any]:
 def test_one_worker_at_staleness_0_matches_a_plain_run_with_the_same_row_optimizer(exact_run, name):
     got = exact_run[name]
     expected = _reference(name, got["head0"])
+    # Every forward after the first took its rows from the prefetch (prefetch.py): exactness
+    # covers that path, not only the per-lookup pull.
+    assert got["prefetched"] == STEPS - 1
     touched = torch.unique(torch.cat([ids.reshape(-1) for ids, _ in _batches()]))
     assert got["held"] == len(touched)  # untouched rows were never materialized on the server
     initial = initial_rows(9, 0, torch.arange(ROWS), DIM, 0.5, torch.float32)

@@ -133,6 +133,10 @@ class ShardedEmbedding(torch.nn.Module):
         #: (unique ids, their pulled rows) of the forwards since the last push; the runtime's
         #: push takes and clears them.
         self.pending: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        #: Rows pulled for this forward's lookups before it started, and the id tensors of its
+        #: lookups that had none (:mod:`~sparkdl.strategies.parameter_server.prefetch`).
+        self.prefetched: List[Any] = []
+        self.seen: Optional[List[torch.Tensor]] = None
 
     def extra_repr(self) -> str:
         return f"{self.num_rows}, {self.dim}, mode={self.mode!r}, optimizer={self.row_optimizer.name!r}"
@@ -140,12 +144,17 @@ class ShardedEmbedding(torch.nn.Module):
     def __getstate__(self) -> Dict[str, Any]:
         # A copy is unbound: the runtime (sockets, threads) does not travel.
         state = dict(self.__dict__)
-        state.update(_table=None, _source=None, pending=[])
+        state.update(_table=None, _source=None, pending=[], prefetched=[], seen=None)
         return state
 
     def bind(self, table: int, name: str, source: RowSource) -> None:
         """Called by the runtime's ``prepare_model``: this module is sparse table ``table``."""
         self._table, self.table_name, self._source = table, name, source
+
+    @property
+    def source(self) -> Optional[RowSource]:
+        """Where the rows come from while the table is bound to a run's servers, else None."""
+        return self._source
 
     @property
     def table(self) -> Optional[int]:
@@ -262,10 +271,16 @@ class ShardedEmbedding(torch.nn.Module):
                 "strategy=sparkdl.ParameterServer(...) and pass it through ctx.prepare_model (under another "
                 "strategy, or outside a run, its rows would never be trained)"
             )
-        self.check_ids(ids)
         device = ids.device
-        unique, inverse = torch.unique(ids.detach().to("cpu", torch.int64), sorted=True, return_inverse=True)
-        rows = self._source.pull_rows(self._table, unique)
+        if self.prefetched and self.prefetched[0].serves(ids):
+            entry = self.prefetched.pop(0)
+            unique, inverse, rows = entry.unique, entry.inverse, entry.rows
+        else:
+            if self.seen is not None:
+                self.seen.append(ids)
+            self.check_ids(ids)
+            unique, inverse = torch.unique(ids.detach().to("cpu", torch.int64), sorted=True, return_inverse=True)
+            rows = self._source.pull_rows(self._table, unique)
         if record:
             rows.requires_grad_(True)
             self.pending.append((unique, rows))

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from sparkdl.errors import ConfigError
 from sparkdl.strategies._tensors import broadcast_from_rank0, by_device_and_dtype, flatten, nbytes, unflatten_into
 from sparkdl.strategies.base import StrategyRuntime, allreduce_bytes_sent, broadcast_bytes_sent
-from sparkdl.strategies.parameter_server.embedding import sharded_embeddings
 from sparkdl.strategies.parameter_server.layout import TableSpec, make_layout
 from sparkdl.strategies.parameter_server.shard import ServerState, Shard
 from sparkdl.strategies.parameter_server.sparse_worker import SparseTables
@@ -161,7 +160,7 @@ class ParameterServerRuntime(StrategyRuntime):
         self._sent.add(broadcast_bytes_sent(broadcast_from_rank0(module), self.env.world_size, is_root=True))
         self.modules.append(module)
         # Each ShardedEmbedding becomes a sparse table whose rows the ranks own by hash.
-        specs = [self.sparse.bind(name, sub) for name, sub in sharded_embeddings(module) if sub.table is None]
+        specs = self.sparse.bind_model(module)
         self._check_same_on_every_rank([spec.fingerprint() for spec in specs], "different ShardedEmbedding tables")
         return module
 
@@ -450,6 +449,7 @@ class ParameterServerRuntime(StrategyRuntime):
         if self._closed:
             return
         self._closed = True
+        self.sparse.close()
         for client in self._clients.values():
             client.close()  # BYE: the other servers stop waiting for this worker
         # Wake this server's threads that wait for a staleness bound before joining them.

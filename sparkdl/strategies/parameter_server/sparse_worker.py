@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ import torch.distributed as dist
 from sparkdl import filesystem
 from sparkdl._net.frames import TAG_BYTES
 from sparkdl.strategies.parameter_server.embedding import ShardedEmbedding, sharded_embeddings
+from sparkdl.strategies.parameter_server.prefetch import LookupPrefetch
 from sparkdl.strategies.parameter_server.rows import initial_rows, owners
 from sparkdl.strategies.parameter_server.shard import ServerState
 from sparkdl.strategies.parameter_server.sparse_checkpoint import check_table_state, reshard_tables
@@ -36,10 +37,14 @@ from sparkdl.strategies.parameter_server.wire import (
     byte_view,
 )
 
-__all__ = ["GATHER_CHUNK_ROWS", "SparseTables"]
+__all__ = ["GATHER_CHUNK_ROWS", "PIPELINED_REPLY_BYTES", "SparseTables"]
 
 #: Rows per message when a table is assembled on rank 0 (:meth:`SparseTables.gather`).
 GATHER_CHUNK_ROWS = 1 << 18
+#: Reply bytes a peer may owe one worker's pipelined pulls (:meth:`SparseTables.pull_many`): under
+#: the 208 KiB that Linux gives a TCP socket's buffers by default (``net.core.rmem_default``),
+#: so the replies fit in the kernel's buffers while the requests are still being sent.
+PIPELINED_REPLY_BYTES = 192 * 1024
 
 
 class SparseTables:
@@ -64,6 +69,7 @@ class SparseTables:
         self.wire_bytes = ByteCounter()
         #: The largest staleness of this worker's sparse reads since the runtime last reset it.
         self.staleness = 0
+        self._prefetches: List[LookupPrefetch] = []
 
     def bind(self, name: str, module: ShardedEmbedding) -> SparseSpec:
         """Makes ``module`` the next sparse table and registers this rank's shard of it."""
@@ -81,13 +87,29 @@ class SparseTables:
         module.bind(table, name, self)
         return spec
 
+    def bind_model(self, model: torch.nn.Module) -> List[SparseSpec]:
+        """Makes the model's unbound ShardedEmbeddings this rank's next sparse tables and, when
+        it has some, pulls each forward's lookups together (:class:`LookupPrefetch`)."""
+        specs = [self.bind(name, sub) for name, sub in sharded_embeddings(model) if sub.table is None]
+        if specs:
+            self._prefetches.append(LookupPrefetch(model, [self.modules[spec.table] for spec in specs], self))
+        return specs
+
+    def close(self) -> None:
+        """Detaches the prefetch hooks from the models (the run is over)."""
+        for prefetch in self._prefetches:
+            prefetch.remove()
+        self._prefetches = []
+
     def shard(self, table: int) -> SparseShard:
         return self._state.sparse(table)
 
     def _by_owner(self, ids: torch.Tensor) -> List[Tuple[int, torch.Tensor]]:
         """(rank, positions in ``ids``) of every rank that owns some of ``ids``, by rank."""
         owner = owners(ids, self.world_size)
-        return [(k, (owner == k).nonzero().flatten()) for k in range(self.world_size) if bool((owner == k).any())]
+        order = torch.argsort(owner, stable=True)  # positions grouped by rank, ascending within each
+        counts = torch.bincount(owner, minlength=self.world_size).tolist()
+        return [(k, where) for k, where in enumerate(torch.split(order, counts)) if len(where)]
 
     def _remote(self, k: int, header: Header, *payload: memoryview) -> None:
         self.wire_bytes.add(self._clients[k].send(header, *payload))
@@ -100,27 +122,62 @@ class SparseTables:
     def pull_rows(self, table: int, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (unique, in range) of ``table``, each from its owner, with the SSP wait
         of this worker's clock for the table."""
-        spec = self.specs[table]
-        if len(ids) > MAX_ROWS_PER_FRAME:
-            raise ValueError(f"ShardedEmbedding {spec.name!r}: more than {MAX_ROWS_PER_FRAME} unique ids in one lookup")
-        out = torch.empty(len(ids), spec.dim, dtype=spec.dtype)
-        clock, code = self.clocks[table], DTYPE_CODES[spec.dtype]
-        parts = self._by_owner(ids)
-        remote = [(k, where, ids[where].contiguous()) for k, where in parts if k != self.rank]
-        for k, _, part in remote:
-            self._remote(
-                k, Header(Kind.ROW_PULL, code, table, self.rank, clock, len(part), 8 * len(part)), byte_view(part)
-            )
-        for k, where in parts:
-            if k == self.rank:
-                rows, staleness, _ = self.shard(table).pull(ids[where], self.rank, clock)
-                out[where] = rows
+        return self.pull_many([(table, ids)])[0]
+
+    def pull_many(self, lookups: Sequence[Tuple[int, torch.Tensor]]) -> List[torch.Tensor]:
+        """The rows of several ``(table, ids)`` lookups (ids unique and sorted, in range): every
+        table's requests to a peer go out before its replies are read, so a step that looks up
+        ten tables waits for one round trip per peer, not ten
+        (:mod:`~sparkdl.strategies.parameter_server.prefetch` gathers a forward's lookups).
+
+        A peer's server answers its connection's requests in order, one after another, and
+        writes each reply before it reads the next request; so the replies a peer still owes are
+        kept under :data:`PIPELINED_REPLY_BYTES` (what both sockets' kernel buffers hold), else
+        a long run of requests could leave both sides blocked in ``send``.
+        """
+        outs: List[torch.Tensor] = []
+        owed: Dict[int, List[Tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        owed_bytes: Dict[int, int] = {}
+        for table, ids in lookups:
+            spec = self.specs[table]
+            if len(ids) > MAX_ROWS_PER_FRAME:
+                raise ValueError(
+                    f"ShardedEmbedding {spec.name!r}: more than {MAX_ROWS_PER_FRAME} unique ids in one lookup"
+                )
+            out = torch.empty(len(ids), spec.dim, dtype=spec.dtype)
+            outs.append(out)
+            clock, code = self.clocks[table], DTYPE_CODES[spec.dtype]
+            local = None
+            for k, where in self._by_owner(ids):
+                part = ids[where]
+                if k == self.rank:
+                    local = (where, part)  # read after the requests to the peers are out
+                    continue
+                reply_bytes = len(part) * spec.row_bytes
+                if owed.get(k) and owed_bytes[k] + reply_bytes > PIPELINED_REPLY_BYTES:
+                    self._collect(k, owed, owed_bytes)
+                header = Header(Kind.ROW_PULL, code, table, self.rank, clock, len(part), 8 * len(part))
+                self._remote(k, header, byte_view(part.contiguous()))
+                owed.setdefault(k, []).append((table, where, out))
+                owed_bytes[k] = owed_bytes.get(k, 0) + reply_bytes
+            if local is not None:
+                rows, staleness, _ = self.shard(table).pull(local[1], self.rank, clock, checked=True)
+                out[local[0]] = rows
                 self.staleness = max(self.staleness, staleness)
-        for k, where, part in remote:
-            received = torch.empty(len(part), spec.dim, dtype=spec.dtype)
+        for k in list(owed):
+            self._collect(k, owed, owed_bytes)
+        return outs
+
+    def _collect(
+        self, k: int, owed: Dict[int, List[Tuple[int, torch.Tensor, torch.Tensor]]], owed_bytes: Dict[int, int]
+    ) -> None:
+        """Reads every reply peer ``k`` owes, in the order of the requests, into their lookups."""
+        for table, where, out in owed.pop(k, []):
+            spec = self.specs[table]
+            received = torch.empty(len(where), spec.dim, dtype=spec.dtype)
             self.staleness = max(self.staleness, self._reply(k, byte_view(received), table).aux)
             out[where] = received
-        return out
+        owed_bytes[k] = 0
 
     def push_all(self) -> None:
         """Pushes every table's gradient rows since the last push to their owners (every rank
@@ -160,11 +217,12 @@ class SparseTables:
         whose acknowledgement is then due (:meth:`push_all` reads them)."""
         spec = self.specs[table]
         clock, code = self.clocks[table], DTYPE_CODES[spec.dtype]
-        owner = owners(ids, self.world_size)
+        positions = dict(self._by_owner(ids))
+        nothing = torch.empty(0, dtype=torch.int64)
         local: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         sent = []
         for k in range(self.world_size):
-            mine = owner == k
+            mine = positions.get(k, nothing)
             part_ids, part_grads = ids[mine].contiguous(), grads[mine].contiguous()
             if k == self.rank:
                 local = (part_ids, part_grads)
@@ -179,7 +237,7 @@ class SparseTables:
             self._remote(k, header, byte_view(part_ids), byte_view(part_grads))
             sent.append(k)
         if local is not None:
-            self.shard(table).push(self.rank, clock, *local)
+            self.shard(table).push(self.rank, clock, *local, checked=True)
         return sent
 
     def gather(self, table: int) -> Optional[torch.Tensor]:

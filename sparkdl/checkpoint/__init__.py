@@ -20,9 +20,14 @@ learn that every part is stored, is :mod:`sparkdl._runtime.checkpoint_writer`.
 **Layout** (:class:`FileCheckpointStore`; torch DCP's): ``ckpt-<step>/`` holds one
 ``rank-<r>.pt`` per rank (each written by its rank, atomically, with a magic string and the
 SHA-256 of its payload) and ``manifest.json`` (step, world size, each part's name, size and
-checksum), written last. A directory without a manifest is incomplete and ignored; a damaged
-manifest or part falls back to the previous checkpoint. The last ``keep`` are kept. Single-file
-checkpoints of earlier versions (``ckpt-<step>.pt``) still load. ``finished.pkl`` holds a
+checksum), written last. A part keeps its strategy state in a section of its own: loading reads
+every part's head and checks every strategy section's checksum a chunk at a time, and hands out
+:class:`StoredRankState`\\ s, which read their strategy state when it is taken — an elastic
+resume holds one old part's at a time, a same-size resume reads its own only. Parts that hold
+their strategy state inline (format 2) load whole, as before. A directory without a manifest
+is incomplete and ignored; a damaged manifest or part falls back to the previous checkpoint. The
+last ``keep`` are kept. Single-file checkpoints of earlier versions (``ckpt-<step>.pt``) still
+load. ``finished.pkl`` holds a
 finished run's result: the same job run again returns it instead of training again.
 """
 
@@ -39,6 +44,7 @@ from sparkdl.checkpoint.format import (
     Checkpoint,
     PartInfo,
     RankState,
+    StoredRankState,
     decode,
     decode_part,
     encode,
@@ -56,6 +62,7 @@ __all__ = [
     "FileCheckpointStore",
     "PartInfo",
     "RankState",
+    "StoredRankState",
     "decode",
     "decode_part",
     "encode",

@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import re
-from typing import Any, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import cloudpickle
 import pyarrow.fs as pafs
@@ -16,12 +17,18 @@ from sparkdl import filesystem
 from sparkdl.checkpoint.base import CheckpointStore
 from sparkdl.checkpoint.format import (
     PART_FORMAT,
+    PART_FORMATS,
+    PART_HEADER_SIZE,
     Checkpoint,
     PartInfo,
     RankState,
+    StoredRankState,
     decode,
+    decode_head,
     decode_part,
+    decode_strategy,
     encode_part,
+    head_size,
     part_digest,
 )
 
@@ -104,20 +111,52 @@ class FileCheckpointStore(CheckpointStore):
     def _read_directory(self, step: int) -> Checkpoint:
         directory = self._path(step)
         manifest = json.loads(filesystem.read_bytes(self._fs, filesystem.join(directory, MANIFEST)))
-        if manifest.get("format") != PART_FORMAT or manifest.get("step") != step:
+        if manifest.get("format") not in PART_FORMATS or manifest.get("step") != step:
             raise ValueError(f"manifest is of format {manifest.get('format')!r}, step {manifest.get('step')!r}")
         world_size, infos = int(manifest["world_size"]), [PartInfo(**part) for part in manifest["parts"]]
         if [info.rank for info in infos] != list(range(world_size)) or not all(
             _PART.match(info.name) for info in infos
         ):
             raise ValueError("manifest does not list one part per rank")
-        parts = []
-        for info in infos:
-            data = filesystem.read_bytes(self._fs, filesystem.join(directory, info.name))
-            if len(data) != info.size or part_digest(data) != info.sha256:
-                raise ValueError(f"{info.name} is not the part the manifest names (size or checksum differs)")
-            parts.append(decode_part(data, step, world_size, info.rank))
+        parts = [self._read_part(directory, info, step, world_size) for info in infos]
         return Checkpoint.from_parts(step, world_size, parts)
+
+    def _read_part(self, directory: str, info: PartInfo, step: int, world_size: int) -> RankState:
+        """A part of format 3 without its strategy state (a :class:`StoredRankState`, which
+        reads it when it is taken); one of format 2 whole."""
+        path = filesystem.join(directory, info.name)
+        with self._fs.open_input_file(path) as file:
+            length = head_size(file.read_at(PART_HEADER_SIZE, 0)) if file.size() == info.size else None
+            if length is None:  # format 2, or damaged: read whole, checked here
+                data = filesystem.read_bytes(self._fs, path)
+                if len(data) != info.size or part_digest(data) != info.sha256:
+                    raise ValueError(f"{info.name} is not the part the manifest names (size or checksum differs)")
+                return decode_part(data, step, world_size, info.rank)
+            header = file.read_at(PART_HEADER_SIZE, 0)
+            if part_digest(header) != info.sha256 or PART_HEADER_SIZE + length > info.size:
+                raise ValueError(f"{info.name} is not the part the manifest names (checksum differs)")
+            fields, section = decode_head(header, file.read_at(length, PART_HEADER_SIZE), step, world_size, info.rank)
+            offset = PART_HEADER_SIZE + length
+            # Checked now, a chunk at a time, so that every rank falls back alike from a damaged
+            # part (they must resume the same checkpoint); held only when it is taken.
+            if offset + section["size"] != info.size or _sha256(file, offset, section["size"]) != section["sha256"]:
+                raise ValueError(
+                    f"{info.name}'s strategy state is not the one its head names (size or checksum differs)"
+                )
+        return StoredRankState(fields, lambda: self._read_strategy(path, offset, section))
+
+    def _read_strategy(self, path: str, offset: int, section: Dict[str, Any]) -> Dict[str, Any]:
+        """A part's strategy state, read from its section now (an elastic resume reads each old
+        part's when the re-sharding reaches it)."""
+        with self._fs.open_input_file(path) as file:
+            data = file.read_at(section["size"], offset)
+        try:
+            return decode_strategy(data, section)
+        except ValueError as exc:
+            raise ValueError(
+                f"checkpoint part {path} is damaged ({exc}); delete its checkpoint directory to resume from the "
+                f"previous checkpoint"
+            ) from exc
 
     def _listing(self) -> Tuple[Set[int], Set[int]]:
         """Steps of the single-file checkpoints, and of the checkpoint directories."""
@@ -155,3 +194,11 @@ class FileCheckpointStore(CheckpointStore):
                     self._delete(step, files, directories)
                 except OSError as exc:  # another attempt may have pruned it already
                     logger.debug("could not delete old checkpoint %d: %s", step, exc)
+
+
+def _sha256(file: Any, offset: int, size: int, chunk: int = 1 << 23) -> str:
+    """The SHA-256 (hex) of ``size`` bytes of ``file`` from ``offset``, read 8 MiB at a time."""
+    digest = hashlib.sha256()
+    for start in range(offset, offset + size, chunk):
+        digest.update(file.read_at(min(chunk, offset + size - start), start))
+    return digest.hexdigest()

@@ -2,13 +2,19 @@
 and loaded on M (see :mod:`sparkdl.data.reshard` for the data, :meth:`StrategyRuntime.reshard_state
 <sparkdl.strategies.base.StrategyRuntime.reshard_state>` for the state), or indexing other data.
 
+The old parts' strategy states (a parameter server's shards and sparse-table rows: together, the
+whole of every table) are not loaded with the checkpoint: :func:`old_rank_states` hands the
+strategy each old rank's pair with its strategy state read from storage when it is taken
+(:class:`~sparkdl.checkpoint.StoredRankState`), so a strategy that takes them one at a time holds
+one old part's at a time. The parts' heads (user state, RNG, stream position) are all read.
+
 :class:`~sparkdl.context.TrainContext` calls these on its :class:`~sparkdl._runtime.rank.Rank`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -91,6 +97,31 @@ def _resume_at_next_epoch(rank: Rank, state: StreamState, why: str) -> None:
         )
 
 
+class OldRankPair(Sequence[Dict[str, Any]]):
+    """Old rank ``i``'s (user state, strategy state) for :meth:`StrategyRuntime.reshard_state
+    <sparkdl.strategies.base.StrategyRuntime.reshard_state>`: ``pair[0]`` is at hand, ``pair[1]``
+    (and unpacking the pair) reads the strategy state from the checkpoint at each access, and the
+    pair keeps no reference to it."""
+
+    def __init__(self, user: Dict[str, Any], part: RankState) -> None:
+        self._user, self._part = user, part
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: Any) -> Any:
+        if index in (0, -2):
+            return self._user
+        if index in (1, -1):
+            return self._part.strategy
+        raise IndexError(index)
+
+
+def old_rank_states(checkpoint: Checkpoint, users: Sequence[Dict[str, Any]]) -> List[OldRankPair]:
+    """Every old rank's pair, its strategy state left in storage until taken (see the module's docstring)."""
+    return [OldRankPair(user, part) for user, part in zip(users, checkpoint.ranks)]
+
+
 def resume_resharded(rank: Rank, checkpoint: Checkpoint) -> Dict[str, Any]:
     """Loads a checkpoint of another number of ranks: plans this rank's part of the interrupted
     epoch, maps the old ranks' state through the strategy, and returns this rank's user state."""
@@ -109,9 +140,9 @@ def resume_resharded(rank: Rank, checkpoint: Checkpoint) -> Dict[str, Any]:
         )
         rank.position.start_epoch_at(remainder.next_start, remainder if remainder.steps else None)
     users = [checkpoint.user_state(old_rank) for old_rank in range(old_world)]
-    pairs = [(user, part.strategy) for user, part in zip(users, checkpoint.ranks)]
-    user, strategy = rank.strategy.reshard_state(pairs, old_world)
+    user, strategy = rank.strategy.reshard_state(old_rank_states(checkpoint, users), old_world)
     rank.strategy.load_state_dict(strategy)
+    del strategy  # loaded: this rank's rows are not held twice for the rest of the resume
     mine = checkpoint.ranks[rank.rank % old_world]
     mine.restore_rng(rank.device)
     if rank.rank >= old_world:

@@ -5,18 +5,23 @@ parameter's values and its server-optimizer state (Adam's moments, momentum buff
 shaped like the parameter's piece; step counters: scalars) are gathered from the old shards that
 held its pieces and cut again by the M-rank layout (:mod:`~sparkdl.strategies.parameter_server.layout`),
 so each lands on its new owner. The clocks restart level: every worker at the checkpoint's clock.
+
+The dense shards are small: :func:`relayout_state` takes every old part's at once and builds each
+parameter whole. The sparse tables' rows are not: :func:`each_old_part` hands them to
+:func:`~sparkdl.strategies.parameter_server.sparse_checkpoint.reshard_tables` one old part at a
+time, keeping only the dense shards of each.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from sparkdl.strategies.parameter_server.layout import Segment, TableSpec, make_layout, shard_segments
 
-__all__ = ["relayout_state"]
+__all__ = ["each_old_part", "relayout_state"]
 
 
 def _optimizer_order(spec: TableSpec, segments: List[Segment]) -> List[int]:
@@ -64,6 +69,22 @@ def _gather(
                 hyper[user_group] = {k: v for k, v in group.items() if k != "params"}
         groups.append(hyper)
     return values, states, groups
+
+
+def each_old_part(
+    old: Sequence[Sequence[Dict[str, Any]]], dense: List[Dict[str, Any]]
+) -> Iterator[List[Dict[str, Any]]]:
+    """The old ranks' sparse-table states (their ``"sparse"`` entries), in rank order. Each old
+    part's strategy state is taken once (``old[i][1]``, which an elastic resume reads from the
+    checkpoint then: :func:`sparkdl._runtime.resume.old_rank_states`) and released before the
+    next is taken; its dense shards (every other entry) are appended to ``dense`` on the way."""
+    for pair in old:
+        state = pair[1]
+        dense.append({key: value for key, value in state.items() if key != "sparse"})
+        rows = state.get("sparse", [])
+        del state, pair
+        yield rows
+        del rows  # released before the next part is read
 
 
 def relayout_state(

@@ -422,22 +422,33 @@ class ParameterServerRuntime(StrategyRuntime):
         dist.barrier()
 
     def reshard_state(
-        self, old: Sequence[Tuple[Dict[str, Any], Dict[str, Any]]], old_world_size: int
+        self, old: Sequence[Sequence[Dict[str, Any]]], old_world_size: int
     ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         """Elastic resume: the old shards re-laid out for this run's ranks
         (:mod:`~sparkdl.strategies.parameter_server.reshard`), and the sparse tables' rows taken
         by their owners under the new hashing
         (:mod:`~sparkdl.strategies.parameter_server.sparse_checkpoint`); the user state is old rank
-        ``rank % N``'s (the replica is pulled from the servers by :meth:`load_state_dict`)."""
-        from sparkdl.strategies.parameter_server.reshard import relayout_state
+        ``rank % N``'s (the replica is pulled from the servers by :meth:`load_state_dict`).
 
-        tables = [(t.spec, self.state.shard(t.spec.table).optimizer) for t in self.tables]
-        strategy = relayout_state(
-            self.config.layout, [pair[1] for pair in old], tables, self.env.rank, self.env.world_size
-        )
+        Each old part's strategy state is taken once (``old[i][1]``: read from storage then, on a
+        resume from a checkpoint store) and dropped before the next: what this rank holds is its
+        own rows, one old part, and every old part's dense shards (small; the re-layout of the
+        dense tables needs them all at once).
+        """
+        from sparkdl.strategies.parameter_server.reshard import each_old_part, relayout_state
+
+        dense: List[Dict[str, Any]] = []
+        parts = each_old_part(old, dense)
         if self.sparse.specs:
             # Part by part, keeping only the rows this rank owns under the new hashing.
-            strategy["sparse"] = self.sparse.resharded(pair[1].get("sparse", []) for pair in old)
+            sparse = self.sparse.resharded(parts)
+        else:
+            for _ in parts:  # the dense shards only
+                pass
+        tables = [(t.spec, self.state.shard(t.spec.table).optimizer) for t in self.tables]
+        strategy = relayout_state(self.config.layout, dense, tables, self.env.rank, self.env.world_size)
+        if self.sparse.specs:
+            strategy["sparse"] = sparse
         return old[self.env.rank % old_world_size][0], strategy
 
     @property

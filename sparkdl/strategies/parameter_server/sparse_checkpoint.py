@@ -73,16 +73,19 @@ def reshard_tables(
     """
     kept: List[List[Dict[str, Any]]] = [[] for _ in specs]
     clocks: List[int] = [0] * len(specs)
-    for old_rank, part in enumerate(old_parts):
+    # Not enumerate(old_parts): its reused result tuple would hold a part while the next is read.
+    first = True
+    for part in old_parts:
         if len(part) != len(specs):
             raise ValueError(
                 f"ParameterServer checkpoint holds {len(part)} sparse tables, this run has {len(specs)} ShardedEmbeddings"
             )
         for spec, saved in zip(specs, part):
             check_table_state(spec, saved)
-            if old_rank == 0:
+            if first:
                 clocks[spec.table] = int(saved["worker_clock"])
             kept[spec.table].append(_select(saved, owners(saved["ids"], world_size) == rank))
+        first, part, saved = False, None, None  # released before the next part is read
     out = []
     for spec, pieces in zip(specs, kept):
         ids = torch.cat([piece["ids"] for piece in pieces]) if pieces else torch.empty(0, dtype=torch.int64)

@@ -25,6 +25,7 @@ from sparkdl._driver.prepare_data import DataSource, prepare_data
 from sparkdl._driver.progress import ProgressCallback, ProgressDisplay
 from sparkdl._driver.session_checks import check_session
 from sparkdl._driver.settings import DataSettings, RunSettings
+from sparkdl._driver.table_return import check_table_return
 from sparkdl._driver.warmup import warm_up
 from sparkdl._persistence.arguments import read_arguments, write_arguments
 from sparkdl._persistence.input_columns import recorded
@@ -249,6 +250,7 @@ class TorchEstimator(Estimator, _TorchParams, MLReadable["TorchEstimator"], MLWr
         check_sharded_embeddings(module, self.settings.strategy.name)
         # A model whose weights and gradients alone exceed a task's Python memory cannot train.
         check_model_memory(module, self.settings.strategy.name, num_workers, session_conf(spark), config.task_cpus)
+        check_table_return(module, self.settings.strategy, session_conf(spark))  # or ParameterServer(tables_dir=)
         epochs = self.getOrDefault(self.epochs)
         checkpoint, strategy = self.settings.checkpoint, self.settings.strategy
         loop = FitLoop(

@@ -39,6 +39,7 @@ from sparkdl.inference.api import InferenceOptions, inference_options
 from sparkdl.inference.model_source import weights_bytes, weights_key
 from sparkdl.inference.transform import transform_dataframe
 from sparkdl.resources import Resources
+from sparkdl.strategies.parameter_server.table_files import resolve_tables, save_tables
 
 
 class _TorchParams(Params):
@@ -228,7 +229,9 @@ class TorchModel(Model, _TorchParams, MLReadable["TorchModel"], MLWritable):
         """Writes the weights (``state_dict.pt``), the model factory (``model_fn.pkl``), metadata
         (``metadata.json``) and the line Spark ML reads a stage's class and params from
         (``metadata/part-00000``) into directory ``path`` (a local path or a URL), replacing
-        a model saved there before. No Spark is needed.
+        a model saved there before. No Spark is needed. The files of ``ShardedEmbedding`` tables
+        fitted with ``ParameterServer(tables_dir=...)`` are copied into ``tables/`` (file by
+        file, never loaded), and the weights refer to them there (docs/embeddings.md).
 
         ``model.write().save(path)`` writes the same files as Spark ML's writers do: it refuses
         a path that exists unless ``write().overwrite()``, and resolves a path without a scheme
@@ -239,7 +242,12 @@ class TorchModel(Model, _TorchParams, MLReadable["TorchModel"], MLWritable):
     def _write_files(self, path: str) -> None:
         url, fs, root = filesystem.open_url(path, "model path")
         fs.create_dir(root, recursive=True)
-        state = weights_bytes(self.module)
+        module_state = self.module.state_dict()
+        # Files-backed ShardedEmbedding tables are copied into tables/, and referred to there.
+        saved_state = save_tables(module_state, url)
+        buffer = io.BytesIO()
+        torch.save(saved_state, buffer)
+        state = buffer.getvalue()
         metadata = {
             "format": 1,
             "sparkdl_version": __version__,
@@ -261,7 +269,7 @@ class TorchModel(Model, _TorchParams, MLReadable["TorchModel"], MLWritable):
         for name, data in files.items():
             filesystem.write_atomically(fs, filesystem.join(root, name), data)
         write_stage_metadata(fs, root, self)  # last: Spark ML finds a stage only once it is whole
-        self._saved = (url, weights_key(state))
+        self._saved = (url, weights_key(state if saved_state is module_state else weights_bytes(self.module)))
 
     def write(self) -> StageWriter:
         """Spark ML's writer of this model (``overwrite()``, ``save(path)``): the files of :meth:`save`."""
@@ -298,7 +306,7 @@ class TorchModel(Model, _TorchParams, MLReadable["TorchModel"], MLWritable):
                 ) from exc
         model_fn = model
         module = model_fn()
-        module.load_state_dict(torch.load(io.BytesIO(read("state_dict.pt")), weights_only=True))
+        module.load_state_dict(resolve_tables(torch.load(io.BytesIO(read("state_dict.pt")), weights_only=True), url))
         loaded = cls(
             module=module,
             history=metadata["history"],

@@ -19,10 +19,12 @@ loader: moving it breaks models already logged. Loading one unpickles its model 
 
 from __future__ import annotations
 
+import atexit
 import importlib.metadata
 import inspect
 import os
 import platform
+import shutil
 import sys
 import tempfile
 from typing import Any, Dict, List, Mapping, Optional
@@ -33,6 +35,7 @@ from sparkdl._persistence.input_columns import column_infos, describe_columns, m
 from sparkdl._version import __version__
 from sparkdl.errors import ConfigError
 from sparkdl.model import TorchModel, predict_frame
+from sparkdl.strategies.parameter_server.table_files import SAVED_TABLES
 
 FLAVOR_NAME = "sparkdl"
 #: The TorchModel directory inside a logged model.
@@ -147,9 +150,16 @@ def load_model(model_uri: str) -> TorchModel:
     """The ``TorchModel`` of a logged model (``models:/name/1``, ``runs:/id/model``, a path)."""
     import mlflow.artifacts
 
-    with tempfile.TemporaryDirectory(prefix="sparkdl-mlflow-") as tmp:
-        local = mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=tmp)
-        return TorchModel.load(os.path.join(local, DATA_DIR))
+    tmp = tempfile.mkdtemp(prefix="sparkdl-mlflow-")
+    local = mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=tmp)
+    model = TorchModel.load(os.path.join(local, DATA_DIR))
+    # A model with ShardedEmbedding table files looks its ids up in them, here: they stay (until
+    # the process exits); anything else is read whole by now.
+    if os.path.isdir(os.path.join(local, DATA_DIR, SAVED_TABLES)):
+        atexit.register(shutil.rmtree, tmp, True)
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return model
 
 
 class PyfuncModel:

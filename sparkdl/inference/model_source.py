@@ -85,8 +85,12 @@ class ModelRef:
 
     def build(self) -> torch.nn.Module:
         """The module in eval mode, built by its factory with its weights loaded."""
+        from sparkdl.strategies.parameter_server.table_files import resolve_tables
+
         module = cloudpickle.loads(self.factory)()
-        module.load_state_dict(torch.load(io.BytesIO(self.weights()), weights_only=True))
+        state = torch.load(io.BytesIO(self.weights()), weights_only=True)
+        # A saved model's sparse tables are referred to relative to its directory.
+        module.load_state_dict(resolve_tables(state, self.url) if self.url is not None else state)
         return module.eval()
 
 

@@ -215,3 +215,65 @@ def test_a_table_on_another_filesystem_is_copied_here_once_per_process(tmp_path)
     local = table_files.local_copy("memory://tables/t0")
     assert local == table_files.local_copy("memory://tables/t0") and os.path.isdir(local)
     assert sorted(os.listdir(local)) == sorted(os.listdir(tmp_path))
+
+
+# ---- the driver's check before a fit launches ------------------------------------------------------
+
+
+def test_tables_too_large_to_return_whole_are_refused_with_the_setting_that_writes_them_sharded(tmp_path):
+    from sparkdl._driver.table_return import check_table_return
+
+    model = torch.nn.Sequential(ShardedEmbedding(20_000_000, 16), torch.nn.Linear(16, 1))  # 1.2 GiB of rows
+    heaps = {"spark.driver.memory": "6g", "spark.executor.memory": "3g"}
+    with pytest.raises(ConfigError, match=r"take 1\.2 GiB.*1/8 of spark\.executor\.memory=3g allows \(384\.0 MiB\)"):
+        check_table_return(model, ParameterServer(), heaps.get)
+    with pytest.raises(ConfigError, match=r"spark\.driver\.maxResultSize=100m allows.*ParameterServer\(tables_dir="):
+        check_table_return(model, ParameterServer(), {**heaps, "spark.driver.maxResultSize": "100m"}.get)
+    # The recommendation example's 305 MB of tables with its 3 GB / 6 GB heaps, as it runs.
+    check_table_return(torch.nn.Sequential(ShardedEmbedding(20_000_000, 4)), ParameterServer(), heaps.get)
+    check_table_return(torch.nn.Linear(2, 1), ParameterServer(), {}.get)  # no tables: nothing to return
+    check_table_return(model, ParameterServer(tables_dir=str(tmp_path)), {}.get)  # sharded: any size
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"ParameterServer\(tables_dir=\.\.\.\)=.*cannot be written"):
+        check_table_return(model, ParameterServer(tables_dir=str(tmp_path / "file")), {}.get)
+
+
+# ---- MLflow: the logged model carries its tables ------------------------------------------------------
+
+
+class _SmallNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = ShardedEmbedding(100, 2, init_std=0.5, seed=1)
+
+    def forward(self, item: torch.Tensor) -> torch.Tensor:
+        return self.emb(item).sum(-1)
+
+
+def test_an_mlflow_model_carries_its_table_files_and_predicts_from_them(tmp_path, monkeypatch):
+    import mlflow
+    import pandas as pd
+
+    from sparkdl.model import TorchModel
+    from sparkdl.tracking import load_model, log_model
+
+    info = _small_table(str(tmp_path / "run"))
+    net = _SmallNet()
+    net.emb.attach_files(TableFiles(str(tmp_path / "run"), info))
+    rows = pd.DataFrame({"item": np.array([3, 0, 99, 12], dtype=np.int64)})
+    model = TorchModel.from_state(net.state_dict(), model=_SmallNet, inputs={"item": "item"}, example=rows)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    mlflow.set_tracking_uri((tmp_path / "mlruns").as_uri())
+    try:
+        mlflow.set_experiment("sparkdl-tables")
+        logged = log_model(model)
+        for name in os.listdir(tmp_path / "run"):
+            os.remove(tmp_path / "run" / name)  # the logged model holds its own copy
+        expected = _expected(info, torch.tensor([3, 0, 99, 12])).sum(-1).double().numpy()
+        np.testing.assert_array_equal(mlflow.pyfunc.load_model(logged.model_uri).predict(rows), expected)
+        back = load_model(logged.model_uri)  # downloaded; its table files stay while it is used
+        assert torch.equal(
+            back.module.emb.rows(torch.tensor([3, 0, 99, 12])).sum(-1).double(), torch.from_numpy(expected)
+        )
+    finally:
+        mlflow.set_tracking_uri(None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 from typing import Any, Dict, List
 
 import numpy as np
@@ -200,6 +201,11 @@ def test_saving_copies_the_files_and_refers_to_them_relatively(tmp_path):
     ids = torch.arange(100)
     assert torch.equal(TableFiles(url, info).rows(ids), _expected(info, ids))
     assert table_files.save_tables({"w": torch.ones(1)}, str(tmp_path / "x"))["w"].item() == 1.0  # no tables
+    again = table_files.save_tables(resolved, str(tmp_path / "moved"))  # where it was loaded from: as it is
+    assert table_files.decode_reference(again["emb.table_files"])[0] == "tables/table-0"
+    shutil.rmtree(tmp_path / "moved" / "tables")  # what write().overwrite() onto that directory does first
+    with pytest.raises(DataError, match="cannot read its table files' manifest"):
+        table_files.save_tables(resolved, str(tmp_path / "moved"))
 
 
 def test_a_table_on_another_filesystem_is_copied_here_once_per_process(tmp_path):

@@ -345,8 +345,10 @@ def save_tables(state: Dict[str, Any], model_url: str) -> Dict[str, Any]:
         url, info = decode_reference(state[key])
         relative = f"{SAVED_TABLES}/table-{info.table}"
         target = filesystem.url_join(model_url, relative)
-        if filesystem.normalize_url(url) != filesystem.normalize_url(target):  # saved again where it was loaded from
+        if filesystem.normalize_url(url) != filesystem.normalize_url(target):
             TableFiles(url, info).copy_to(target)
+        else:  # saved again where it was loaded from: the files must still be there
+            TableFiles(url, info).manifest()
         state[key] = encode_reference(relative, info)
     return state
 

@@ -87,6 +87,8 @@ def make_loop(vocabularies, tables: str, dim: int, warmup: int, test_path: str, 
             "sparse_allreduce_bytes": sparse_bytes,
             "peak_rss_mib": status_mib("VmHWM"),
             "start_rss_mib": rss_start,
+            "prefetched_lookups": _prefetched_lookups(inner),
+            "lookups": steps * len(inner.names),  # warmup steps included, as in the prefetch's count
         }
         result: Dict[str, Any] = {}
         if ctx.rank == 0:
@@ -99,6 +101,16 @@ def make_loop(vocabularies, tables: str, dim: int, warmup: int, test_path: str, 
         return result
 
     return loop
+
+
+def _prefetched_lookups(model) -> int:
+    """Lookups that took rows pulled before their forward (``prefetch.py``), for the sharded
+    tables; 0 for the others."""
+    from sparkdl.strategies.parameter_server.embedding import sharded_embeddings
+
+    tables = sharded_embeddings(model)
+    prefetches = getattr(tables[0][1].source, "_prefetches", []) if tables else []
+    return sum(prefetch.served_lookups for prefetch in prefetches)
 
 
 def summarize(result: Dict[str, Any], tables: str) -> Dict[str, float]:
@@ -115,4 +127,5 @@ def summarize(result: Dict[str, Any], tables: str) -> Dict[str, float]:
         "auc": result["auc"],
         "test_rows": result["test_rows"],
         "samples": sum(r["samples"] for r in ranks),
+        "prefetched_share": sum(r["prefetched_lookups"] for r in ranks) / max(1, sum(r["lookups"] for r in ranks)),
     }

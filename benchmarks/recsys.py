@@ -160,6 +160,8 @@ def measure_side(spark, log, side: str, tables_mb: float, best: float, args) -> 
     seconds = time.time() - started
     row = summarize(result, tables)
     auc = f"{row['auc']:.4f}" + (f" after {row['samples']:,} samples" if capped else "")
+    if tables == "sharded":  # the share of lookups whose rows came before their forward (prefetch.py)
+        label += f" ({row['prefetched_share']:.0%} of lookups prefetched)"
     return (
         f"{side} | {label} | {row['samples_per_sec']:,.0f} | {_bytes(row['bytes_per_step'])} | "
         f"{row['peak_rss_mib']:,.0f} MiB (from {row['start_rss_mib']:,.0f}) | {seconds:.0f} s | {auc} | {best:.4f} |"

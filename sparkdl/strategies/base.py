@@ -189,6 +189,10 @@ class StrategyRuntime(abc.ABC):
         resumes on ``env.world_size`` (elastic resume). ``old[i]`` is old rank ``i``'s pair (the
         user state merged with the replicated state). Called on every rank, after
         ``prepare_optimizer``, before :meth:`load_state_dict` gets the strategy state returned.
+        On a resume from a checkpoint store ``old[i][1]`` is read from storage each time it is
+        taken and kept by nobody (:func:`sparkdl._runtime.resume.old_rank_states`): take each
+        old part's strategy state once and drop it before the next, so that a rank never holds
+        every old part at once.
 
         Default: old rank ``rank % old_world_size``'s pair — exact for state that is identical on
         every rank (AllReduce's), a plausible replica for per-rank state. The averaging strategies

@@ -15,6 +15,7 @@ unset), is refused here, with the setting that writes them sharded instead. With
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -22,7 +23,6 @@ import torch
 from sparkdl import filesystem
 from sparkdl._driver.memory_check import _size, dense_bytes
 from sparkdl.errors import ConfigError
-from sparkdl.planning.units import memory_bytes
 from sparkdl.strategies.parameter_server.embedding import sharded_embeddings
 
 #: The share of a JVM heap a returned model may take (the measured failures above: 610 MB of
@@ -58,17 +58,20 @@ def check_table_return(module: torch.nn.Module, strategy: Any, conf: Callable[[s
 def _limits(conf: Callable[[str], Optional[str]]) -> List[Tuple[int, str]]:
     limits = []
     result = conf("spark.driver.maxResultSize") or "1g"
-    if _bytes(result):  # 0: unlimited
-        limits.append((_bytes(result), f"spark.driver.maxResultSize={result}"))
+    if _bytes(result, "b"):  # 0: unlimited
+        limits.append((_bytes(result, "b"), f"spark.driver.maxResultSize={result}"))
     for key in ("spark.driver.memory", "spark.executor.memory"):
         value = conf(key) or "1g"
-        if _bytes(value):
-            limits.append((_bytes(value) // HEAP_FRACTION, f"1/{HEAP_FRACTION} of {key}={value}"))
+        if _bytes(value, "m"):
+            limits.append((_bytes(value, "m") // HEAP_FRACTION, f"1/{HEAP_FRACTION} of {key}={value}"))
     return limits or [(2**63, "no limit")]
 
 
-def _bytes(value: str) -> int:
-    try:
-        return memory_bytes(value, "size") or 0
-    except ConfigError:  # 0 (unlimited) or a value this does not parse: no limit from it
+def _bytes(value: str, default_unit: str) -> int:
+    """Bytes in a Spark size (``1g``, ``512m``, ``2048k``; ``default_unit`` without one, as Spark
+    reads that setting); 0 for a value this does not parse (no limit from it)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*", str(value).lower())
+    if match is None:
         return 0
+    unit = match.group(2) or default_unit
+    return int(float(match.group(1)) * {"b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[unit])

@@ -46,6 +46,7 @@ def test_defaults_registration_and_description():
         "max_staleness": None,
         "timeout_s": 300.0,
         "layout": "balanced",
+        "tables_dir": None,
     }
     assert ParameterServer.identical_final_weights
 

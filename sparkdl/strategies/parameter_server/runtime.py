@@ -63,9 +63,6 @@ class Settings(Protocol):
     @property
     def layout(self) -> str: ...
 
-    @property
-    def tables_dir(self) -> Optional[str]: ...
-
 
 class ParameterServerRuntime(StrategyRuntime):
     def __init__(
@@ -257,13 +254,8 @@ class ParameterServerRuntime(StrategyRuntime):
                     dist.broadcast(flat, src=0)
                     self._sent.add(broadcast_bytes_sent(nbytes(flat), self.env.world_size, self.env.rank == 0))
                 unflatten_into(flat, group)
-        # After the buffers: the sparse tables, written by every rank as files that each rank's
-        # module then reads, or (without tables_dir) rank 0's complete tables as its buffers.
-        tables_dir = getattr(self.config, "tables_dir", None)
-        if tables_dir:
-            self.sparse.write_files(model, tables_dir)
-        else:
-            self.sparse.assemble(model)
+        # After the buffers: the sparse tables, written sharded or assembled on rank 0.
+        self.sparse.finish(model, getattr(self.config, "tables_dir", None))
         # No server may shut down while another rank is still pulling from it.
         dist.barrier()
         return model

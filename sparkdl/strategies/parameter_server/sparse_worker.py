@@ -282,6 +282,15 @@ class SparseTables:
             if full is not None:
                 module.materialize(full)
 
+    def finish(self, model: torch.nn.Module, tables_dir: Optional[str]) -> None:
+        """The fitted tables, at the runtime's ``final_module`` (collective): written by every
+        rank under ``tables_dir`` when it is set (:meth:`write_files`), else assembled whole on
+        rank 0 (:meth:`assemble`)."""
+        if tables_dir:
+            self.write_files(model, tables_dir)
+        else:
+            self.assemble(model)
+
     def write_files(self, model: torch.nn.Module, tables_dir: str) -> None:
         """Each rank writes the rows it holds of every table of ``model`` into a new run
         directory under ``tables_dir`` (:mod:`~sparkdl.strategies.parameter_server.table_files`),

@@ -42,11 +42,9 @@ __all__ = ["PEER_LOSS_GRACE_S", "ParameterServerRuntime", "Settings"]
 
 logger = logging.getLogger("sparkdl.parameter_server")
 
-#: Seconds a worker waits before raising that it lost a peer. The peer's own death (or error)
-#: is the root cause; the launcher names a vanished process "WorkerLost" when it sees its channel
-#: drop, but only if no other rank's report got there first, and this rank notices the loss just
-#: as fast. The driver cancels the job at its first failure, so the wait usually ends with this
-#: task being killed; if not, the error below still names the peer.
+#: Seconds a worker waits before raising that it lost a peer: the peer's own death (or error) is
+#: the root cause, which the launcher reports ("WorkerLost") only if no other rank's report came
+#: first; the driver then cancels the job, so the wait usually ends with this task killed.
 PEER_LOSS_GRACE_S = 5.0
 
 
@@ -416,27 +414,19 @@ class ParameterServerRuntime(StrategyRuntime):
     def reshard_state(
         self, old: Sequence[Sequence[Dict[str, Any]]], old_world_size: int
     ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-        """Elastic resume: the old shards re-laid out for this run's ranks
-        (:mod:`~sparkdl.strategies.parameter_server.reshard`), and the sparse tables' rows taken
-        by their owners under the new hashing
-        (:mod:`~sparkdl.strategies.parameter_server.sparse_checkpoint`); the user state is old rank
-        ``rank % N``'s (the replica is pulled from the servers by :meth:`load_state_dict`).
+        """Elastic resume: the old shards re-laid out for this run's ranks (:mod:`.reshard`), the
+        sparse tables' rows taken by their owners under the new hashing (:mod:`.sparse_checkpoint`);
+        the user state is old rank ``rank % N``'s (the replica is pulled by :meth:`load_state_dict`).
 
-        Each old part's strategy state is taken once (``old[i][1]``: read from storage then, on a
-        resume from a checkpoint store) and dropped before the next: what this rank holds is its
-        own rows, one old part, and every old part's dense shards (small; the re-layout of the
-        dense tables needs them all at once).
-        """
+        Each old part's strategy state is taken once (``old[i][1]`` reads it from storage) and
+        dropped before the next: a rank holds its own rows, one old part, and every old part's
+        dense shards (small; their re-layout needs them all at once)."""
         from sparkdl.strategies.parameter_server.reshard import each_old_part, relayout_state
 
+        # Part by part, keeping only the rows this rank owns (without tables: each part's dense
+        # shards read, and a checkpoint that has tables refused).
         dense: List[Dict[str, Any]] = []
-        parts = each_old_part(old, dense)
-        if self.sparse.specs:
-            # Part by part, keeping only the rows this rank owns under the new hashing.
-            sparse = self.sparse.resharded(parts)
-        else:
-            for _ in parts:  # the dense shards only
-                pass
+        sparse = self.sparse.resharded(each_old_part(old, dense))
         tables = [(t.spec, self.state.shard(t.spec.table).optimizer) for t in self.tables]
         strategy = relayout_state(self.config.layout, dense, tables, self.env.rank, self.env.world_size)
         if self.sparse.specs:
@@ -455,7 +445,6 @@ class ParameterServerRuntime(StrategyRuntime):
         self.sparse.close()
         for client in self._clients.values():
             client.close()  # BYE: the other servers stop waiting for this worker
-        # Wake this server's threads that wait for a staleness bound before joining them.
-        self.state.close()
+        self.state.close()  # wakes this server's threads waiting for a staleness bound, then joined
         if self._server is not None:
             self._server.close()

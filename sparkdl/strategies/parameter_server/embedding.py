@@ -94,6 +94,9 @@ class ShardedEmbedding(torch.nn.Module):
     #: read (:mod:`~sparkdl.strategies.parameter_server.table_files`); None otherwise. A class
     #: default, so that modules pickled before it existed unpickle.
     _files: Optional[TableFiles] = None
+    #: The prefetch's per-forward state (set in ``__init__``); class defaults for the same reason.
+    prefetched: Any = ()
+    seen: Optional[List[torch.Tensor]] = None
 
     def __init__(
         self,

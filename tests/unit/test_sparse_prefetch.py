@@ -5,6 +5,7 @@ over real gloo groups and real parameter-server connections:
   computes): the same rows, losses and bytes as the same run with the prefetch detached
   (row-wise SGD and barriers around each step's pulls, so that two runs are comparable), and
   every forward after the first served for the two input tables only;
+* a table looked up with two inputs: both lookups prefetched, in order;
 * ids changed in place after the prefetch, or a routing that changes: a plain pull, the
   binding dropped and learned again;
 * ``pull_many`` over more reply bytes than a peer may owe at once: the replies are read in
@@ -145,6 +146,37 @@ def _changed_ids(rank: int, port: int) -> Dict[str, Any]:
         runtime.close()
 
 
+def _shared_table(rank: int, port: int) -> Dict[str, Any]:
+    """One rank: one table looked up twice per forward, with two inputs (a table shared by two
+    id columns): both lookups are prefetched, in order, each with its own rows."""
+    runtime = _runtime(rank, port, 1)
+    try:
+        table = ShardedEmbedding(ROWS, DIM, init_std=1.0, seed=6)
+
+        class Net(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.table = table
+
+            def forward(self, user: torch.Tensor, friend: torch.Tensor) -> torch.Tensor:
+                return torch.cat([self.table(user), self.table(friend)], dim=1)
+
+        net = runtime.prepare_model(Net())
+        prefetch = runtime.sparse._prefetches[0]
+        user, friend = torch.tensor([[1, 2]]), torch.tensor([[7, 2]])
+        with torch.no_grad():
+            first = net(user, friend)  # learns both places
+            second = net(user, friend)
+        return {
+            "bound": dict(prefetch.bindings),
+            "served": prefetch.served_lookups,
+            "equal": torch.equal(first, second),
+            "expected": torch.equal(second, torch.cat([table.rows(user), table.rows(friend)], dim=1)),
+        }
+    finally:
+        runtime.close()
+
+
 def _pull_many(rank: int, port: int) -> Dict[str, Any]:
     runtime = _runtime(rank, port, 2)
     try:
@@ -174,7 +206,7 @@ def _pair_worker(rank: int, port: int, out_dir: str) -> None:
 
 def _single_worker(rank: int, port: int, out_dir: str) -> None:
     join_group(rank, port, 1)
-    save_results(_changed_ids(rank, port), out_dir, rank)
+    save_results({"changed": _changed_ids(rank, port), "shared": _shared_table(rank, port)}, out_dir, rank)
 
 
 @pytest.fixture(scope="module")
@@ -203,8 +235,20 @@ def test_pull_many_beyond_what_a_peer_may_owe_reads_its_replies_in_rounds(pair_r
         assert result["many"]["equal"]
 
 
-def test_ids_changed_in_place_or_rerouted_are_pulled_plainly_and_the_binding_is_learned_again(tmp_path):
-    got = spawn_ranks(_single_worker, 1, str(tmp_path))[0]
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory) -> Dict[str, Any]:
+    return spawn_ranks(_single_worker, 1, str(tmp_path_factory.mktemp("prefetch_single")))[0]
+
+
+def test_a_table_looked_up_with_two_inputs_gets_both_lookups_prefetched_in_order(single_run):
+    shared = single_run["shared"]
+    assert shared["bound"] == {0: [("args", 0), ("args", 1)]}
+    assert shared["served"] == 2  # both lookups of the second forward
+    assert shared["equal"] and shared["expected"]
+
+
+def test_ids_changed_in_place_or_rerouted_are_pulled_plainly_and_the_binding_is_learned_again(single_run):
+    got = single_run["changed"]
     assert got["bound"] == {0: [("args", 0)]}
     assert got["served_after_learning"] == 1
     assert torch.equal(got["bumped"], got["bumped_expected"])  # the rows of the ids as changed

@@ -189,6 +189,16 @@ def test_a_missing_part_or_another_tables_files_is_a_data_error_naming_them(tmp_
         TableFiles(str(tmp_path / "nowhere"), info).rows(torch.tensor([1]))
 
 
+def test_the_fits_completeness_check_finds_a_part_this_host_cannot_see_without_reading_rows(tmp_path):
+    info = _small_table(str(tmp_path))
+    files = TableFiles(str(tmp_path), info)
+    files.check_complete()  # every part there
+    assert files._parts is None  # nothing mapped or copied: only the manifest read and the files stat'ed
+    os.remove(tmp_path / "part-00001.ids.npy")  # what another host's rank wrote to its own local disk
+    with pytest.raises(DataError, match=r"part files not found at .*part-00001\.ids\.npy"):
+        files.check_complete()
+
+
 def test_saving_copies_the_files_and_refers_to_them_relatively(tmp_path):
     info = _small_table(str(tmp_path / "run"))
     state = {"emb.table_files": table_files.encode_reference(str(tmp_path / "run"), info), "head": torch.ones(1)}

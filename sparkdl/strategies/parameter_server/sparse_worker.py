@@ -10,6 +10,7 @@ travel as ROW_PULL / ROW_PUSH frames (:mod:`~sparkdl.strategies.parameter_server
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from sparkdl import filesystem
 from sparkdl._net.frames import TAG_BYTES
+from sparkdl.errors import ConfigError, DataError
 from sparkdl.strategies.parameter_server.embedding import ShardedEmbedding, sharded_embeddings
 from sparkdl.strategies.parameter_server.prefetch import LookupPrefetch
 from sparkdl.strategies.parameter_server.rows import initial_rows, owners
@@ -315,7 +317,16 @@ class SparseTables:
             if self.rank == 0:
                 write_manifest(table_url, info, self.world_size, parts)
             dist.barrier()  # the manifest is there before any rank's module reads it
-            module.attach_files(TableFiles(table_url, info))
+            files = TableFiles(table_url, info)
+            try:  # a local path on a cluster of several hosts holds each host's parts only
+                files.check_complete()
+            except DataError as exc:
+                raise ConfigError(
+                    f"ParameterServer(tables_dir={tables_dir!r}): rank {self.rank} on host {socket.gethostname()} "
+                    f"does not see every rank's table files ({exc}); give a directory that every executor and the "
+                    f"driver share (a shared mount, HDFS, an object store)"
+                ) from exc
+            module.attach_files(files)
 
     def state_dict(self) -> List[Dict[str, Any]]:
         """Every table's rows held by this rank, with their optimizer state and clocks (one

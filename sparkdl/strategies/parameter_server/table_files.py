@@ -188,6 +188,17 @@ class TableFiles:
             )
         return manifest
 
+    def check_complete(self) -> None:
+        """Raises DataError unless the manifest and every part file it lists can be seen from
+        this process: what a fit checks on every rank once the files are written, without
+        reading (or, from an object store, copying) any rows."""
+        manifest = self.manifest()
+        _, fs, root = filesystem.open_url(self.url, "ParameterServer(tables_dir=...)")
+        paths = [filesystem.join(root, part[key]) for part in manifest["parts"] for key in ("ids", "values")]
+        missing = [info.path for info in fs.get_file_info(paths) if info.type != pafs.FileType.File]
+        if missing:
+            raise DataError(f"{self._where()}: part files not found at {self.url!r}: {', '.join(missing[:4])}")
+
     def _open(self) -> List[_Part]:
         with self._lock:
             if self._parts is None:

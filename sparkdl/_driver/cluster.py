@@ -16,6 +16,10 @@ from sparkdl.errors import InsufficientSlotsError
 
 logger = logging.getLogger("sparkdl")
 
+#: Seconds the slot count must stay short once every expected executor is listed before the
+#: check fails: the scheduler counts an executor's cores a moment after it is listed.
+SETTLE_S = 2.0
+
 
 def check_slots(sc: Any, num_workers: int, wait_s: float, stage: Optional[StageProfile] = None) -> None:
     """Fails fast when the cluster cannot run ``num_workers`` tasks at once.
@@ -31,12 +35,20 @@ def check_slots(sc: Any, num_workers: int, wait_s: float, stage: Optional[StageP
     deadline = time.monotonic() + wait_s
     jsc = sc._jsc.sc()
     expected = _expected_executors(sc)
+    all_listed_at: Optional[float] = None
     while True:
         slots = _slots(sc, stage)
         if slots >= num_workers:
             return
         executors = int(jsc.getExecutorIds().size())
-        if (expected is not None and executors >= expected) or time.monotonic() >= deadline:
+        now = time.monotonic()
+        if expected is not None and executors >= expected:
+            # An executor can be listed before the scheduler counts its cores (a CI run saw 2
+            # executors and 1 slot): decide once every executor has been listed for SETTLE_S.
+            all_listed_at = now if all_listed_at is None else all_listed_at
+            if now - all_listed_at >= SETTLE_S:
+                break
+        if now >= deadline:
             break
         time.sleep(0.25)  # polling the scheduler: executor registration has no Python-side event
     task_cpus = sc.getConf().get("spark.task.cpus", "1")

@@ -340,39 +340,43 @@ def decode_reference(tensor: torch.Tensor) -> Tuple[str, TableInfo]:
     return document["url"], TableInfo(**{field.name: document[field.name] for field in dataclasses.fields(TableInfo)})
 
 
-def _reference_keys(state: Dict[str, Any]) -> List[str]:
-    return [key for key in state if key == REFERENCE_KEY or key.endswith("." + REFERENCE_KEY)]
+def _rewrite_references(state: Dict[str, Any], rewrite: Callable[[str, TableInfo], str]) -> Dict[str, Any]:
+    """``state`` with each table reference's URL replaced by ``rewrite(url, info)``; a state
+    without references comes back as is (not copied)."""
+    keys = [key for key in state if key == REFERENCE_KEY or key.endswith("." + REFERENCE_KEY)]
+    if not keys:
+        return state
+    state = dict(state)
+    for key in keys:
+        url, info = decode_reference(state[key])
+        state[key] = encode_reference(rewrite(url, info), info)
+    return state
 
 
 def save_tables(state: Dict[str, Any], model_url: str) -> Dict[str, Any]:
     """``state`` with its tables' files copied into ``model_url/tables/table-<k>`` (streamed) and
     their references made relative to ``model_url``, so the saved directory is whole and may be
     moved or downloaded elsewhere (MLflow does). A state without references comes back as is."""
-    keys = _reference_keys(state)
-    if not keys:
-        return state
-    state = dict(state)
-    for key in keys:
-        url, info = decode_reference(state[key])
+
+    def copy(url: str, info: TableInfo) -> str:
         relative = f"{SAVED_TABLES}/table-{info.table}"
         target = filesystem.url_join(model_url, relative)
         if filesystem.normalize_url(url) != filesystem.normalize_url(target):
             TableFiles(url, info).copy_to(target)
         else:  # saved again where it was loaded from: the files must still be there
             TableFiles(url, info).manifest()
-        state[key] = encode_reference(relative, info)
-    return state
+        return relative
+
+    return _rewrite_references(state, copy)
 
 
 def resolve_tables(state: Dict[str, Any], model_url: str) -> Dict[str, Any]:
     """``state`` as read from a saved model at ``model_url``: relative table references made
     absolute (the references of :func:`save_tables`)."""
-    keys = _reference_keys(state)
-    if not keys:
-        return state
-    state = dict(state)
-    for key in keys:
-        url, info = decode_reference(state[key])
-        if not filesystem.is_url(url) and not url.startswith("/"):
-            state[key] = encode_reference(filesystem.url_join(filesystem.normalize_url(model_url), url), info)
-    return state
+
+    def absolute(url: str, info: TableInfo) -> str:
+        if filesystem.is_url(url) or url.startswith("/"):
+            return url
+        return filesystem.url_join(filesystem.normalize_url(model_url), url)
+
+    return _rewrite_references(state, absolute)
